@@ -1,0 +1,102 @@
+"""Shared benchmark plumbing: CUDA-event timing (median after warm-up) and result files.
+
+Every benchmark prints a table last and writes ``bench/results/<name>.json`` + ``.md`` (+ ``.png``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def env_meta() -> dict:
+    """Versions and device, recorded beside every result."""
+    meta = {"python": platform.python_version(), "machine": platform.machine(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    try:
+        import torch
+
+        meta["torch"] = torch.__version__
+        meta["cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            meta["gpu"] = torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        import flashinfer
+
+        meta["flashinfer"] = flashinfer.__version__
+    except Exception:
+        meta["flashinfer"] = None
+    return meta
+
+
+def cuda_time_us(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50,
+                 setup: Optional[Callable[[], object]] = None) -> float:
+    """Median time of ``fn()`` in microseconds, each call bracketed by its own CUDA events.
+
+    ``setup`` (not timed) runs before each call, e.g. to refresh inputs or flush the L2 cache.
+    """
+    import torch
+
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if setup is not None:
+            setup()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def l2_flusher(mb: int = 256):
+    """A setup callable that overwrites a buffer bigger than the L2 cache (50 MB on an H200)."""
+    import torch
+
+    buf = torch.empty(mb * 1024 * 1024 // 4, dtype=torch.float32, device="cuda")
+    return lambda: buf.zero_()
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.1f}"
+        return "" if v is None else str(v)
+
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    out += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def write_results(name: str, rows: Sequence[dict], columns: Sequence[str], *, meta: Optional[dict] = None,
+                  title: str = "", out_dir: Optional[os.PathLike] = None) -> str:
+    """Write ``<name>.json`` and ``<name>.md``; return the Markdown table (callers print it last)."""
+    out = Path(out_dir) if out_dir else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    meta = meta if meta is not None else env_meta()
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": list(rows)}, indent=2) + "\n")
+    table = markdown_table(rows, columns)
+    head = f"# {title or name}\n\n" + ", ".join(f"{k}: {v}" for k, v in meta.items()) + "\n\n"
+    (out / f"{name}.md").write_text(head + table + "\n")
+    return table

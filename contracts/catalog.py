@@ -1,0 +1,655 @@
+"""The built-in contract catalog: every rule code guardlint knows, with its diagnosis and examples.
+
+Codes are stable. GL1xx: varlen attention; GL2xx: segmented LoRA GEMMs; GL0xx: the linter itself and
+user-declared contracts; GL3xx: the machine. A new kernel costs one entry here.
+"""
+from __future__ import annotations
+
+from .model import Contract, Derivation, Diagnosis, Example, Target
+
+VISION_FI = "sglang.srt.layers.attention.vision.VisionFlashInferAttention"
+OUR_CUDNN = "guardlint.kernels.cudnn_vision_attention"
+ENGINE_LORA_INFO = "sglang.srt.lora.utils.LoRABatchInfo"
+OUR_LORA_INFO = "guardlint.kernels.lora.LoRABatchInfo"
+
+# Engine signature of VisionFlashInferAttention.forward (and of our drop-in); the prepared values
+# travel through **kwargs, so they are keyword-only.
+VISION_PARAMS = ("q", "k", "v", "cu_seqlens", "bsz", "seq_len", "softmax_scale", "forward_metadata")
+# Engine field order of LoRABatchInfo (it changed between releases: positional construction is a trap).
+LORA_FIELDS = (
+    "use_cuda_graph", "bs", "num_segments", "seg_indptr", "weight_indices", "lora_ranks", "scalings",
+    "max_len", "seg_lens", "permutation",
+)
+
+PREPARE_IMPORT = (("guardlint.guard", "prepare_varlen_metadata"),)
+
+# One derivation serves GL101 and GL102: prepared metadata carries both values. prepare_varlen_metadata
+# tells token offsets (B+1,) from the engine's packed element indptrs (3(B+1),), so the fix is right
+# whichever form the call passes as cu_seqlens; a naive cu[1:] - cu[:-1] is not.
+PREPARE_CUDNN = Derivation(
+    target="forward_metadata",
+    sources=("cu_seqlens", "q"),
+    name="prepare_varlen_cudnn",
+    template='prepare_varlen_metadata({cu_seqlens}, {q}, layout="cudnn")',
+    imports=PREPARE_IMPORT,
+    host_read=True,
+    note="One host read when cu_seqlens is on the GPU, none when it is on the host; cached per tensor "
+    "version, so 32 layers sharing one cu_seqlens cost one read. Better: call it once per forward.",
+)
+SEQUENCE_LENGTHS = Derivation(
+    target="sequence_lengths",
+    sources=("cu_seqlens",),
+    name="diff",
+    template="{cu_seqlens}[1:] - {cu_seqlens}[:-1]",
+    host_read=False,
+    note="Token offsets only: on packed element indptrs this is wrong, hence forward_metadata for fixes.",
+)
+MAX_SEQLEN = Derivation(
+    target="max_seqlen",
+    sources=("cu_seqlens",),
+    name="max_of_diff",
+    template="int(({cu_seqlens}[1:] - {cu_seqlens}[:-1]).max())",
+    host_read=True,
+)
+SEG_LENS = Derivation(
+    target="seg_lens",
+    sources=("seg_indptr",),
+    name="diff",
+    template="{seg_indptr}[1:] - {seg_indptr}[:-1]",
+    host_read=False,
+    note="Under CUDA graphs the buffer is longer than the live batch: entries past num_segments are "
+    "stale and must be ignored (the kernels do).",
+)
+MAX_LEN = Derivation(
+    target="max_len",
+    sources=("seg_indptr", "num_segments"),
+    name="max_of_live_diff",
+    template="int(({seg_indptr}[1:] - {seg_indptr}[:-1]).max())",
+    host_read=True,
+    note="Over the live num_segments only.",
+)
+
+_VISION_ENGINE_BAD = '''\
+import torch.nn as nn
+from sglang.srt.layers.attention.vision import VisionFlashInferAttention
+
+
+class VisionBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = VisionFlashInferAttention()
+
+    def forward(self, q, k, v, cu_seqlens, bsz, seq_len):
+        return self.attn(q, k, v, cu_seqlens, bsz, seq_len)  # expect: GL101, GL102
+'''
+
+_VISION_OURS_BAD = '''\
+import torch
+from guardlint.kernels import cudnn_vision_attention
+
+q = torch.randn(12, 2, 64)
+k, v = torch.randn_like(q), torch.randn_like(q)
+cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
+out = cudnn_vision_attention(q, k, v, cu_seqlens, 2, 12)  # expect: GL101, GL102
+'''
+
+_VISION_OURS_FIXED = '''\
+import torch
+from guardlint.kernels import cudnn_vision_attention
+from guardlint.guard import prepare_varlen_metadata
+
+q = torch.randn(12, 2, 64)
+k, v = torch.randn_like(q), torch.randn_like(q)
+cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
+out = cudnn_vision_attention(q, k, v, cu_seqlens, 2, 12, forward_metadata=prepare_varlen_metadata(cu_seqlens, q, layout="cudnn"))
+'''
+
+_VISION_GOOD_KWARGS = '''\
+import torch
+from guardlint.kernels import cudnn_vision_attention
+
+q = torch.randn(12, 2, 64)
+k, v = torch.randn_like(q), torch.randn_like(q)
+cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
+lens = cu_seqlens[1:] - cu_seqlens[:-1]
+out = cudnn_vision_attention(q, k, v, cu_seqlens, 2, 12, sequence_lengths=lens, max_seqlen=7)
+'''
+
+_VISION_GOOD_PREPARED = '''\
+from guardlint.guard import prepare_varlen_metadata
+from sglang.srt.layers.attention.vision import VisionFlashInferAttention as Attn
+
+
+def run(q, k, v, cu_seqlens, bsz, seq_len):
+    attn = Attn()
+    meta = prepare_varlen_metadata(cu_seqlens, q, layout="cudnn")
+    return attn.forward(q, k, v, cu_seqlens, bsz, seq_len, None, meta)
+'''
+
+_VISION_GOOD_LOCAL = '''\
+class VisionFlashInferAttention:
+    """A local class of the same short name is not the engine's."""
+
+    def __call__(self, *args):
+        return args
+
+
+attn = VisionFlashInferAttention()
+attn(1, 2, 3, 4, 5, 6)
+'''
+
+_VISION_DIAG_COMMON = dict(
+    when_it_happens=(
+        "A ViT block calls the vision attention with cu_seqlens only: the model was written for the "
+        "FA3/SDPA backends and then switched to flashinfer_cudnn, or a wrapper forwards every keyword and "
+        "passes sequence_lengths=None / max_seqlen=None (None counts as missing)."
+    ),
+    solutions=(
+        "Prepare the metadata once per model forward, before the block loop: "
+        "meta = prepare_varlen_metadata(cu_seqlens, q, layout=\"cudnn\"), and pass forward_metadata=meta "
+        "to every block (one host read per forward instead of one per layer).",
+        "Or pass sequence_lengths=cu_seqlens[1:] - cu_seqlens[:-1] and max_seqlen=<python int> yourself "
+        "(token offsets only; the engine's packed element indptrs need prepare_varlen_metadata).",
+        "Or decorate the caller with @guard(\"GL101\") / use guardlint.kernels.cudnn_vision_attention, "
+        "which derive the values at runtime and cache them per cu_seqlens version.",
+    ),
+    fix_safety=(
+        "Unsafe: the fix adds forward_metadata=prepare_varlen_metadata(cu_seqlens, q, layout=\"cudnn\") "
+        "and its import. It is correct for token offsets and for packed element indptrs alike, but it "
+        "adds a runtime dependency on guardlint and one host read per distinct cu_seqlens; hoist it out "
+        "of the layer loop afterwards. Applied with --unsafe-fixes."
+    ),
+)
+
+GL101 = Contract(
+    code="GL101",
+    name="missing-sequence-lengths",
+    summary="Varlen ViT attention called without sequence_lengths or prepared forward_metadata",
+    kind="call",
+    targets=(Target(VISION_FI, "instance"), Target(OUR_CUDNN, "function")),
+    params=VISION_PARAMS,
+    require=(("forward_metadata",), ("sequence_lengths",)),
+    derivations=(PREPARE_CUDNN, SEQUENCE_LENGTHS),
+    fix_safety="unsafe",
+    diagnosis=Diagnosis(
+        message="sequence_lengths should be prepared for vision flashinfer_cudnn attention backend",
+        what_it_means=(
+            "The cuDNN varlen attention needs per-sequence lengths (shape (B, 1, 1, 1), batch padded to a "
+            "bucket with zero lengths) beside the element-offset packed indptrs. The call passed neither "
+            "forward_metadata nor sequence_lengths, so the backend has nothing to size the sequences with."
+        ),
+        patterns=(
+            r"sequence_lengths should be prepared for vision flashinfer_cudnn attention backend",
+            r"sequence_lengths should be prepared",
+        ),
+        **_VISION_DIAG_COMMON,
+    ),
+    examples=(
+        Example("bad", _VISION_OURS_BAD, runnable=True),
+        Example("fixed", _VISION_OURS_FIXED, runnable=True),
+        Example("bad", _VISION_ENGINE_BAD),
+        Example("good", _VISION_GOOD_KWARGS, runnable=True),
+        Example("good", _VISION_GOOD_PREPARED),
+        Example("good", _VISION_GOOD_LOCAL),
+    ),
+)
+
+GL102 = Contract(
+    code="GL102",
+    name="missing-max-seqlen",
+    summary="Varlen ViT attention called without max_seqlen or prepared forward_metadata",
+    kind="call",
+    targets=GL101.targets,
+    params=VISION_PARAMS,
+    require=(("forward_metadata",), ("max_seqlen",)),
+    derivations=(PREPARE_CUDNN, MAX_SEQLEN),
+    fix_safety="unsafe",
+    diagnosis=Diagnosis(
+        message="max_seqlen should be prepared for vision flashinfer_cudnn attention backend",
+        what_it_means=(
+            "The cuDNN varlen attention sizes its launch (and its CUDA graph) with max_seqlen, a Python "
+            "int rounded up to a bucket (4k, 8k, ... 128k). Computing it from a GPU tensor is a "
+            "device-to-host sync (about 30 us on an H200; ~1 ms per forward when done in each of 32 ViT "
+            "layers) and illegal during CUDA graph capture, so the backend refuses to guess."
+        ),
+        patterns=(
+            r"max_seqlen should be prepared for vision flashinfer_cudnn attention backend",
+            r"max_seqlen should be prepared",
+        ),
+        **_VISION_DIAG_COMMON,
+    ),
+    examples=GL101.examples,
+)
+
+GL103 = Contract(
+    code="GL103",
+    name="invalid-varlen-metadata",
+    summary="cu_seqlens / sequence_lengths / max_seqlen are present but wrong",
+    kind="runtime",
+    diagnosis=Diagnosis(
+        message="varlen metadata does not describe the packed tensors",
+        what_it_means=(
+            "cu_seqlens must be 1-D integer prefix sums on q's device: starting at 0, non-decreasing, "
+            "ending at q's token count (or, for the cuDNN layout, the engine's packed element indptrs "
+            "[qk | v | o] of shape (3(B+1),)). Given sequence_lengths must equal its differences and a "
+            "given max_seqlen must be at least the true maximum. Anything else reads out of bounds on the "
+            "GPU (an illegal memory access) or silently drops tokens."
+        ),
+        when_it_happens=(
+            "cu_seqlens built from the wrong image grid, int64 where int32 is expected, a stale max_seqlen "
+            "reused across batches, or token offsets mixed up with element offsets."
+        ),
+        solutions=(
+            "Build cu_seqlens as torch.cat([zeros(1), lengths.cumsum(0)]).to(torch.int32) on q's device.",
+            "Use prepare_varlen_metadata(cu_seqlens, q) and pass the result instead of separate values.",
+            "Run with GUARDLINT_MODE=strict while debugging to validate every call.",
+        ),
+    ),
+)
+
+GL104_GOOD = '''\
+import torch.nn as nn
+
+
+class VisionTransformer(nn.Module):
+    def forward(self, x, cu_seqlens):
+        # once per model forward: fine
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        for blk in self.blocks:
+            x = blk(x, cu_seqlens, max_seqlen)
+        return x
+'''
+
+GL104 = Contract(
+    code="GL104",
+    name="per-layer-host-sync",
+    summary="A max sequence length is read back to the host in every layer",
+    kind="pattern",
+    severity="warning",
+    diagnosis=Diagnosis(
+        message="host sync in a per-layer forward: compute max_seqlen once per model forward",
+        what_it_means=(
+            ".item(), int(t.max()) or .tolist() on cu_seqlens-like tensors copies a value from the GPU and "
+            "waits for every queued kernel: about 30 us per call on an H200, ~1 ms per forward across 32 "
+            "ViT layers, and an error inside CUDA graph capture."
+        ),
+        when_it_happens=(
+            "A block or attention module (class named *Block, *Layer, *Attention) derives max_seqlen from "
+            "cu_seqlens/seq_lens/seg_lens in its own forward, or a loop over layers does it per iteration."
+        ),
+        solutions=(
+            "Compute it once in the model's forward (or prepare_varlen_metadata) and pass it down.",
+            "Keep the lengths on the host when they come from the host (image grids are host data).",
+        ),
+        fix_safety="No automatic fix: moving the computation out of the layer changes the call graph "
+        "(new parameters on every block), which needs a person.",
+    ),
+    examples=(
+        Example("bad", '''\
+import torch.nn as nn
+
+
+class VisionAttention(nn.Module):
+    def forward(self, x, cu_seqlens):
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # expect: GL104
+        return self.kernel(x, cu_seqlens, max_seqlen)
+'''),
+        Example("bad", '''\
+def encode(blocks, x, cu_seqlens):
+    for blk in blocks:
+        max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max().item()  # expect: GL104
+        x = blk(x, cu_seqlens, max_seqlen)
+    return x
+'''),
+        Example("good", GL104_GOOD),
+    ),
+)
+
+GL105 = Contract(
+    code="GL105",
+    name="host-sync-in-graph-capture",
+    summary="Metadata would need a host read while a CUDA graph is being captured",
+    kind="runtime",
+    diagnosis=Diagnosis(
+        message="a host read is needed to derive metadata, but the stream is capturing a CUDA graph",
+        what_it_means=(
+            "Deriving max_seqlen / max_len from a GPU tensor copies it to the host. During CUDA graph "
+            "capture that is illegal: the driver fails with 'operation not permitted when stream is "
+            "capturing' (error 900) and the capture is lost."
+        ),
+        when_it_happens=(
+            "The first call inside torch.cuda.graph(...) / CUDA-graph warm-up of a serving engine gets "
+            "cu_seqlens or seg_indptr without the prepared maxima, and nothing was cached for them."
+        ),
+        solutions=(
+            "Prepare the metadata before capture (prepare_varlen_metadata(...), or LoRABatchInfo with "
+            "max_len and seg_lens set) and pass it into the captured region.",
+            "Keep max_seqlen a bucketed Python int (bucket=True) so the graph stays valid across batches.",
+        ),
+        patterns=(
+            r"operation not permitted when stream is capturing",
+            r"cudaErrorStreamCaptureUnsupported",
+            r"CUDA error: operation not permitted when stream is capturing",
+        ),
+    ),
+)
+
+GL106 = Contract(
+    code="GL106",
+    name="bad-attention-input",
+    summary="q/k/v shapes, dtypes, head dims or devices that the attention kernels cannot take",
+    kind="runtime",
+    diagnosis=Diagnosis(
+        message="attention inputs do not fit the kernel",
+        what_it_means=(
+            "q is (total_tokens, num_heads, head_dim), k and v (total_tokens, num_kv_heads, head_dim) with "
+            "num_kv_heads dividing num_heads, all of one dtype (float16, bfloat16 or float32) and device; "
+            "head_dim is 64, 80, 96, 128 or a multiple of 16 up to 256."
+        ),
+        when_it_happens="q/k/v left as (B, S, H, D), transposed heads, mixed dtypes, or a head dim the "
+        "chosen backend cannot run (FlashInfer FA2 fails at 80; FA3 takes 64/128/256; cuDNN 128/192).",
+        solutions=(
+            "Reshape to the packed (T, H, D) layout and cast to one dtype.",
+            "Use backend=\"auto\" (or \"triton\"), which runs odd head dims natively.",
+        ),
+    ),
+)
+
+GL107 = Contract(
+    code="GL107",
+    name="cudnn-token-offsets",
+    summary="Token offsets given where the cuDNN backend needs packed element indptrs",
+    kind="runtime",
+    diagnosis=Diagnosis(
+        message="flashinfer_cudnn needs packed element indptrs [qk | v | o], not token offsets",
+        what_it_means=(
+            "The cuDNN backend addresses q/k/v/o by *element* offsets: packed_indptrs is "
+            "cat([cu_seqlens * H * D] * 3), int32, on q's device, of shape (3(B+1),). Token offsets (B+1,) "
+            "or a Python list are a different thing; the backend checks the size and type and refuses."
+        ),
+        when_it_happens="cu_seqlens from the FA3/SDPA path handed to the cuDNN path unchanged.",
+        solutions=(
+            "prepare_varlen_metadata(cu_seqlens, q, layout=\"cudnn\") builds the packed indptrs from "
+            "either form and tells them apart by shape and by the last value.",
+        ),
+        patterns=(
+            r"packed indptr numel mismatch",
+            r"flashinfer_cudnn expects packed indptrs as a torch\.Tensor",
+        ),
+    ),
+)
+
+_LORA_BAD = '''\
+import torch
+from guardlint.kernels.lora import LoRABatchInfo
+
+seg_indptr = torch.tensor([0, 3, 7], dtype=torch.int32)
+info = LoRABatchInfo(  # expect: GL201
+    use_cuda_graph=False,
+    bs=2,
+    num_segments=2,
+    seg_indptr=seg_indptr,
+    weight_indices=torch.tensor([0, 1], dtype=torch.int32),
+    lora_ranks=torch.tensor([4, 4], dtype=torch.int32),
+    scalings=torch.tensor([1.0, 0.5]),
+    permutation=None,
+)
+'''
+
+_LORA_FIXED = '''\
+import torch
+from guardlint.kernels.lora import LoRABatchInfo
+
+seg_indptr = torch.tensor([0, 3, 7], dtype=torch.int32)
+info = LoRABatchInfo(
+    use_cuda_graph=False,
+    bs=2,
+    num_segments=2,
+    seg_indptr=seg_indptr,
+    weight_indices=torch.tensor([0, 1], dtype=torch.int32),
+    lora_ranks=torch.tensor([4, 4], dtype=torch.int32),
+    scalings=torch.tensor([1.0, 0.5]),
+    permutation=None, seg_lens=seg_indptr[1:] - seg_indptr[:-1],
+)
+'''
+
+GL201 = Contract(
+    code="GL201",
+    name="missing-max-len-and-seg-lens",
+    summary="LoRABatchInfo built with neither max_len nor seg_lens",
+    kind="call",
+    targets=(Target(ENGINE_LORA_INFO, "class"), Target(OUR_LORA_INFO, "class")),
+    params=LORA_FIELDS,
+    require=(("max_len",), ("seg_lens",)),
+    derivations=(SEG_LENS, MAX_LEN),
+    fix_safety="unsafe",
+    satisfied_by_later_assignment=True,
+    notes=(
+        "dataclasses.replace(info, max_len=None, seg_lens=None) is reported too.",
+        "Not reported when the same function later sets info.max_len or info.seg_lens to a non-None value.",
+    ),
+    diagnosis=Diagnosis(
+        message="LoRA batch_info must provide max_len or seg_lens.",
+        what_it_means=(
+            "The segmented LoRA GEMMs (shrink, expand, and the MLA absorbed kv_b_proj steps A/B for q and "
+            "v) size their grid by the longest segment. With both max_len and seg_lens None the launcher "
+            "cannot size the grid without a host read, so it refuses."
+        ),
+        when_it_happens=(
+            "A LoRA backend or test builds LoRABatchInfo by hand (or with dataclasses.replace) and leaves "
+            "both fields at None; a CUDA-graph path that fills them only in one branch."
+        ),
+        solutions=(
+            "Pass seg_lens=seg_indptr[1:] - seg_indptr[:-1] (no host read) and, when known on the host, "
+            "max_len=int(max(lengths)).",
+            "Under CUDA graphs, compute both over the live num_segments only; entries past it are stale.",
+            "Or let the guard derive them: guardlint.kernels.lora kernels do, cached per seg_indptr version.",
+        ),
+        fix_safety=(
+            "Unsafe: the fix adds seg_lens=seg_indptr[1:] - seg_indptr[:-1] from the call's own "
+            "seg_indptr. On graph-padded buffers the tail past num_segments is stale (the kernels ignore "
+            "it). Applied with --unsafe-fixes, only when seg_indptr is a name or attribute chain."
+        ),
+        patterns=(r"LoRA batch_info must provide max_len or seg_lens",),
+    ),
+    examples=(
+        Example("bad", _LORA_BAD, runnable=True),
+        Example("fixed", _LORA_FIXED, runnable=True),
+        Example("bad", '''\
+import dataclasses
+
+
+def reset(info):
+    return dataclasses.replace(info, max_len=None, seg_lens=None)  # expect: GL201
+'''),
+        Example("good", '''\
+from sglang.srt.lora.utils import LoRABatchInfo as Info
+
+
+def build(bs, seg_indptr, weight_indices, ranks, scalings, lens):
+    info = Info(use_cuda_graph=False, bs=bs, num_segments=bs, seg_indptr=seg_indptr,
+                weight_indices=weight_indices, lora_ranks=ranks, scalings=scalings,
+                max_len=None, seg_lens=None, permutation=None)
+    info.seg_lens = lens
+    return info
+'''),
+        Example("good", '''\
+from sglang.srt.lora.utils import LoRABatchInfo
+
+
+def build(seg_indptr, weight_indices, ranks, scalings, max_len):
+    return LoRABatchInfo(use_cuda_graph=True, bs=8, num_segments=8, seg_indptr=seg_indptr,
+                         weight_indices=weight_indices, lora_ranks=ranks, scalings=scalings,
+                         max_len=max_len, seg_lens=None, permutation=None)
+'''),
+    ),
+)
+
+GL202 = Contract(
+    code="GL202",
+    name="positional-lora-batch-info",
+    summary="LoRABatchInfo built with positional arguments",
+    kind="positional",
+    targets=GL201.targets,
+    params=LORA_FIELDS,
+    fix_safety="unsafe",
+    diagnosis=Diagnosis(
+        message="LoRABatchInfo takes keywords: its field order changed between releases",
+        what_it_means=(
+            "LoRABatchInfo's field order is not stable across engine releases (max_len and seg_lens moved, "
+            "permutation was added). A positional call silently puts a tensor in the wrong field after an "
+            "upgrade."
+        ),
+        when_it_happens="Code written against one release and run against another, or copied from an "
+        "older test.",
+        solutions=("Name every field: LoRABatchInfo(use_cuda_graph=..., bs=..., ...).",),
+        fix_safety=(
+            "Unsafe: the fix names each positional argument by the current field order (use_cuda_graph, "
+            "bs, num_segments, seg_indptr, weight_indices, lora_ranks, scalings, max_len, seg_lens, "
+            "permutation). If the code was written for an older order, check the result by eye."
+        ),
+    ),
+    examples=(
+        Example("bad", '''\
+from sglang.srt.lora.utils import LoRABatchInfo
+
+
+def build(seg_indptr, weight_indices, ranks, scalings, seg_lens):
+    return LoRABatchInfo(False, 2, 2, seg_indptr, weight_indices, ranks, scalings, None, seg_lens, None)  # expect: GL202
+'''),
+        Example("fixed", '''\
+from sglang.srt.lora.utils import LoRABatchInfo
+
+
+def build(seg_indptr, weight_indices, ranks, scalings, seg_lens):
+    return LoRABatchInfo(use_cuda_graph=False, bs=2, num_segments=2, seg_indptr=seg_indptr, weight_indices=weight_indices, lora_ranks=ranks, scalings=scalings, max_len=None, seg_lens=seg_lens, permutation=None)
+'''),
+    ),
+)
+
+GL203 = Contract(
+    code="GL203",
+    name="zero-max-len",
+    summary="LoRABatchInfo with max_len=0: the kernels launch an empty grid and do nothing",
+    kind="value",
+    targets=GL201.targets,
+    params=LORA_FIELDS,
+    forbidden_values=(("max_len", "0"),),
+    diagnosis=Diagnosis(
+        message="max_len=0 launches an empty grid: the LoRA kernels silently do nothing",
+        what_it_means=(
+            "max_len sizes the grid. 0 passes the 'is not None' check, so no error is raised, but no "
+            "program runs: the LoRA delta is never added and outputs stay as they were."
+        ),
+        when_it_happens="A placeholder 0 left in a CUDA-graph warm-up batch, or max(lengths, default=0) "
+        "over an empty host list while tokens exist.",
+        solutions=(
+            "Pass the real maximum segment length, or None with seg_lens set so it is derived.",
+            "GUARDLINT_MODE=strict rejects max_len == 0 with tokens present; derive mode re-derives it.",
+        ),
+        fix_safety="No automatic fix: the right value is a runtime quantity.",
+    ),
+    examples=(
+        Example("bad", '''\
+from sglang.srt.lora.utils import LoRABatchInfo
+
+
+def build(seg_indptr, weight_indices, ranks, scalings, seg_lens):
+    return LoRABatchInfo(use_cuda_graph=False, bs=2, num_segments=2, seg_indptr=seg_indptr,
+                         weight_indices=weight_indices, lora_ranks=ranks, scalings=scalings,
+                         max_len=0, seg_lens=seg_lens, permutation=None)  # expect: GL203
+'''),
+    ),
+)
+
+GL204 = Contract(
+    code="GL204",
+    name="invalid-lora-batch-info",
+    summary="LoRABatchInfo fields are present but inconsistent",
+    kind="runtime",
+    diagnosis=Diagnosis(
+        message="LoRA batch info does not describe the batch",
+        what_it_means=(
+            "seg_indptr must be 1-D integer prefix sums from 0, non-decreasing, ending at the token count "
+            "over the live num_segments; weight_indices must index the weight stack; lora_ranks must not "
+            "exceed the stored rank; given seg_lens must match seg_indptr. Otherwise the kernels read "
+            "out of bounds (illegal memory access) or skip tokens."
+        ),
+        when_it_happens="Reused CUDA-graph buffers with a stale num_segments, adapters unloaded while a "
+        "batch still points at their slot, ranks larger than the memory pool's max rank.",
+        solutions=(
+            "Rebuild the batch info from the scheduler's batch, or validate with GUARDLINT_MODE=strict.",
+        ),
+    ),
+)
+
+GL205 = Contract(
+    code="GL205",
+    name="bad-lora-input",
+    summary="LoRA GEMM inputs whose shapes, dtypes or devices do not fit together",
+    kind="runtime",
+    diagnosis=Diagnosis(
+        message="LoRA GEMM inputs do not fit the kernel",
+        what_it_means=(
+            "x is (S, K) (or (S, H, K) for the MLA steps), weights are (num_slots, N, K) stacks, output "
+            "is (S, N); all on one device, x and weights of one floating dtype."
+        ),
+        when_it_happens="A transposed weight stack, an output of the wrong width, or inputs on the CPU.",
+        solutions=("Check the shapes in the kernel's docstring; use the torch reference to compare.",),
+    ),
+)
+
+GL001 = Contract(
+    code="GL001",
+    name="unmet-contract",
+    summary="A call that does not meet a contract declared in [tool.guardlint]",
+    kind="call",
+    diagnosis=Diagnosis(
+        message="call does not pass what its declared contract requires",
+        what_it_means="A contract from your [tool.guardlint] configuration says this callable needs one "
+        "of the listed argument groups, each argument passed and not None.",
+        when_it_happens="A call site passes only part of the metadata of your own kernel.",
+        solutions=(
+            "Pass one of the required groups.",
+            "Give the contract a derivation template (derive = {arg = \"...\"}) to get an automatic fix.",
+        ),
+        fix_safety="Unsafe, and only where the contract gives a derivation template.",
+    ),
+)
+
+GL000 = Contract(
+    code="GL000",
+    name="parse-error",
+    summary="A file that could not be read or parsed",
+    kind="file",
+    diagnosis=Diagnosis(
+        message="file could not be parsed",
+        what_it_means="guardlint could not read or parse this file, so it was not checked. The run goes on.",
+        when_it_happens="Syntax errors, undecodable bytes, unreadable files, files too large or nested "
+        "too deeply.",
+        solutions=("Fix the syntax, or exclude the file ([tool.guardlint] exclude).",),
+    ),
+)
+
+GL301 = Contract(
+    code="GL301",
+    name="no-gpu-driver",
+    summary="A Triton or CUDA kernel was launched on a machine without a GPU driver",
+    kind="runtime",
+    diagnosis=Diagnosis(
+        message="no GPU driver: GPU kernels cannot launch here",
+        what_it_means="Triton found no active driver (no CUDA device visible), so compiled kernels cannot "
+        "run on this machine.",
+        when_it_happens="Running GPU code on a CPU-only machine or container, or with CUDA_VISIBLE_DEVICES "
+        "empty.",
+        solutions=(
+            "Use backend=\"sdpa\" (the torch reference) on the CPU, or run on a GPU machine.",
+            "For testing kernels on the CPU, set TRITON_INTERPRET=1 before the kernels are imported.",
+        ),
+        patterns=(r"0 active drivers", r"Found no NVIDIA driver on your system"),
+    ),
+)
+
+BUILTIN: tuple[Contract, ...] = (
+    GL000, GL001, GL101, GL102, GL103, GL104, GL105, GL106, GL107, GL201, GL202, GL203, GL204, GL205, GL301,
+)
