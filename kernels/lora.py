@@ -1,0 +1,800 @@
+"""Segmented LoRA GEMMs: shrink (``sgemm_lora_a``), expand (``sgemm_lora_b``, ``qkv_lora_b``) and the four
+MLA absorbed ``kv_b_proj`` steps (``step_a_q``, ``step_b_q``, ``step_a_v``, ``step_b_v``).
+
+Each public function checks its inputs (GL205), runs one ``torch.library`` custom op (``guardlint::<name>``,
+one Triton launch, see ``_lora_kernels``) and has an exact torch reference (``<name>_reference``) that is
+its definition. Math, shapes and the grid are in the docstrings below and in ``_lora_kernels``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from guardlint.guard import GuardError, describe, guard_lora
+
+from . import _lora_kernels as _k
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_INTS = (torch.int32, torch.int64)
+
+
+@dataclass(kw_only=True)
+class LoRABatchInfo:
+    """Per-batch segment metadata of the LoRA GEMMs, in the engine's field order (keywords only: the
+    order changed between releases).
+
+    ``seg_indptr`` (int32, ``(num_segments + 1,)`` or a longer CUDA-graph buffer whose tail is stale):
+    prefix sums of segment lengths over sorted token positions. ``weight_indices`` (int32,
+    ``(num_segments,)`` or longer): slot per segment. ``lora_ranks`` (int32, ``(num_slots,)``): rank per
+    slot, 0 = no adapter. ``scalings`` (float32, ``(num_slots,)``). ``max_len``: longest live segment, a
+    host int; ``seg_lens``: ``diff(seg_indptr)``; the guard derives both when missing. ``permutation``
+    (int32/int64, ``(S,)``): sorted position ``p`` reads ``x[permutation[p]]`` and writes
+    ``out[permutation[p]]``; ``None`` = identity. All tensors on the device of x.
+    """
+
+    use_cuda_graph: bool
+    bs: int
+    num_segments: int
+    seg_indptr: Tensor
+    weight_indices: Tensor
+    lora_ranks: Tensor
+    scalings: Tensor
+    max_len: Optional[int] = None
+    seg_lens: Optional[Tensor] = None
+    permutation: Optional[Tensor] = None
+
+
+class _Batch(NamedTuple):
+    """Batch info checked against x and the weight stack, unpacked for the custom ops."""
+
+    seg_indptr: Tensor
+    weight_indices: Tensor
+    lora_ranks: Tensor
+    scalings: Tensor
+    permutation: Optional[Tensor]
+    num_segments: int
+    max_len: int
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Input checks: every user-caused misfit is a GuardError before anything launches.
+
+
+def _bad(function: str, argument: str, expected: str, got) -> GuardError:
+    return GuardError("GL205", argument=argument, expected=expected,
+                      got=got if isinstance(got, str) else describe(got), function=function)
+
+
+def _check_data(function: str, name: str, t, ndim: int, device: Optional[torch.device] = None,
+                dtype: Optional[torch.dtype] = None) -> None:
+    if not isinstance(t, Tensor):
+        raise _bad(function, name, f"a {ndim}-D torch.Tensor", t)
+    if t.dim() != ndim:
+        raise _bad(function, name, f"a {ndim}-D tensor", t)
+    if dtype is None and t.dtype not in _FLOATS:
+        raise _bad(function, name, "dtype float16, bfloat16 or float32", t)
+    if dtype is not None and t.dtype != dtype:
+        raise _bad(function, name, f"dtype {dtype} (that of x)", t)
+    if device is not None and t.device != device:
+        raise _bad(function, name, f"a tensor on {device} (the device of x)", t)
+
+
+def _check_output(function: str, out, shape: tuple, x: Tensor) -> None:
+    _check_data(function, "base_output", out, len(shape), x.device, x.dtype)
+    if tuple(out.shape) != shape:
+        raise _bad(function, "base_output", f"shape {shape}", out)
+    if any(st == 0 and n > 1 for st, n in zip(out.stride(), out.shape)):
+        # Written in place: rows that share memory would race.
+        raise _bad(function, "base_output", "a tensor whose elements do not share memory (no expand())", out)
+
+
+def _check_meta(function: str, name: str, t, device: torch.device, min_len: int, floating: bool = False) -> Tensor:
+    kind = "floating" if floating else "int32/int64"
+    if not isinstance(t, Tensor) or t.dim() != 1:
+        raise _bad(function, f"batch_info.{name}", f"a 1-D {kind} tensor", t)
+    if (t.dtype not in _FLOATS + (torch.float64,)) if floating else (t.dtype not in _INTS):
+        raise _bad(function, f"batch_info.{name}", f"a 1-D {kind} tensor", t)
+    if t.device != device:
+        raise _bad(function, f"batch_info.{name}", f"a tensor on {device} (the device of x)", t)
+    if t.shape[0] < min_len:
+        raise _bad(function, f"batch_info.{name}", f"at least {min_len} entries", t)
+    # The kernels index these buffers with unit stride.
+    return t.contiguous()
+
+
+def _check_batch(function: str, x: Tensor, batch_info, num_slots: int) -> _Batch:
+    """Check batch_info against x (S tokens) and the weight stack (num_slots) and unpack it."""
+    missing = [f for f in ("num_segments", "seg_indptr", "weight_indices", "lora_ranks", "scalings")
+               if not hasattr(batch_info, f)]
+    if missing:
+        raise _bad(function, "batch_info", "a LoRABatchInfo", f"{type(batch_info).__name__} without "
+                   f"{', '.join(missing)}")
+    num_segments = batch_info.num_segments
+    if not isinstance(num_segments, int) or isinstance(num_segments, bool) or num_segments < 0:
+        raise _bad(function, "batch_info.num_segments", "a Python int >= 0", num_segments)
+    max_len = getattr(batch_info, "max_len", None)
+    if max_len is None:
+        raise GuardError(
+            "GL201", argument="batch_info", expected="max_len (a Python int) or seg_lens",
+            got=f"max_len=None, seg_lens={describe(getattr(batch_info, 'seg_lens', None))}", function=function,
+            detail="LoRA batch_info must provide max_len or seg_lens.")
+    if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 0:
+        raise _bad(function, "batch_info.max_len", "a Python int >= 0 (a tensor would cost a device sync)",
+                   max_len)
+    device = x.device
+    seg_indptr = _check_meta(function, "seg_indptr", batch_info.seg_indptr, device, num_segments + 1)
+    weight_indices = _check_meta(function, "weight_indices", batch_info.weight_indices, device, num_segments)
+    lora_ranks = _check_meta(function, "lora_ranks", batch_info.lora_ranks, device, num_slots)
+    scalings = _check_meta(function, "scalings", batch_info.scalings, device, num_slots, floating=True)
+    permutation = getattr(batch_info, "permutation", None)
+    if permutation is not None:
+        permutation = _check_meta(function, "permutation", permutation, device, x.shape[0])
+        if permutation.shape[0] != x.shape[0]:
+            raise _bad(function, "batch_info.permutation", f"{x.shape[0]} entries (one per token of x)",
+                       permutation)
+    return _Batch(seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len)
+
+
+def _check_weights(function: str, name: str, w, x: Tensor) -> None:
+    _check_data(function, name, w, 3, x.device, x.dtype)
+    if w.shape[0] < 1:
+        raise _bad(function, name, "at least one slot (num_slots, ...)", w)
+
+
+def _rank_of(function: str, name: str, stored: int, w: Tensor, what: str) -> int:
+    if stored < 1:
+        raise _bad(function, name, f"a stored rank >= 1 ({what})", w)
+    return stored
+
+
+def _mla_dims(function: str, name: str, lora_b: Tensor, heads: int, qk_nope_head_dim: int,
+              v_head_dim: int) -> None:
+    for arg, v in (("qk_nope_head_dim", qk_nope_head_dim), ("v_head_dim", v_head_dim)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise _bad(function, arg, "a Python int >= 1", v)
+    rows = heads * (qk_nope_head_dim + v_head_dim)
+    if lora_b.shape[1] != rows:
+        raise _bad(function, name, f"(num_slots, H * (qk_nope_head_dim + v_head_dim) = {rows}, R)", lora_b)
+
+
+def _resolve_backend(function: str, backend: Optional[str], x: Tensor) -> str:
+    if backend is None:
+        return "triton" if (x.is_cuda or _k.INTERPRET) else "torch"
+    if backend not in ("triton", "torch"):
+        raise _bad(function, "backend", "'triton', 'torch' or None", backend)
+    if backend == "triton" and not (x.is_cuda or _k.INTERPRET):
+        raise GuardError("GL301", argument="x", expected="a CUDA tensor (or TRITON_INTERPRET=1 set before "
+                         "import)", got=describe(x), function=function)
+    return backend
+
+
+def _new_output(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Fresh kernel output. Every element is written by the kernel (tests swap in a NaN-filled one)."""
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# References: the definitions. Host loops over live segments; exact in float64, float32 accumulation
+# for 16-bit inputs (as the kernels), rounded once to the output dtype.
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _live_segments(batch_info, num_slots: int, max_rank: int):
+    """(rows, slot, rank, scaling) per non-empty live segment; slot None for an out-of-range slot/rank."""
+    n = batch_info.num_segments
+    indptr = batch_info.seg_indptr[: n + 1].tolist()
+    slots = batch_info.weight_indices[:n].tolist()
+    ranks = batch_info.lora_ranks.tolist()
+    scalings = batch_info.scalings.tolist()
+    permutation = getattr(batch_info, "permutation", None)
+    for g in range(n):
+        start, stop = indptr[g], indptr[g + 1]
+        if stop <= start:
+            continue
+        if permutation is not None:
+            rows = permutation[start:stop].long()
+        else:
+            rows = torch.arange(start, stop, device=batch_info.seg_indptr.device)
+        slot = slots[g]
+        if not 0 <= slot < num_slots or not 0 <= ranks[slot] <= max_rank:
+            yield rows, None, 0, math.nan
+        else:
+            yield rows, slot, ranks[slot], scalings[slot]
+
+
+def sgemm_lora_a_reference(x: Tensor, weights: Tensor, batch_info, stack_num: int = 1) -> Tensor:
+    """Definition of :func:`sgemm_lora_a`: per segment, stack ``i`` columns ``[iR, iR + r)`` =
+    ``x[rows] @ A[slot, iR : iR + r].T``; all other columns, and rows of no live segment, are 0."""
+    S = x.shape[0]
+    R = weights.shape[1] // stack_num
+    out = torch.zeros((S, stack_num * R), dtype=x.dtype, device=x.device)
+    ct = _compute_dtype(x.dtype)
+    for rows, slot, r, _ in _live_segments(batch_info, weights.shape[0], R):
+        if slot is None:
+            out[rows] = math.nan
+            continue
+        xs = x[rows].to(ct)
+        for i in range(stack_num):
+            out[rows, i * R: i * R + r] = (xs @ weights[slot, i * R: i * R + r].to(ct).T).to(x.dtype)
+    return out
+
+
+def _expand_rows(out: Tensor, rows: Tensor, cols: slice, delta: Tensor, scaling: float) -> None:
+    ct = delta.dtype
+    out[rows, cols] = (out[rows, cols].to(ct) + scaling * delta).to(out.dtype)
+
+
+def sgemm_lora_b_reference(x: Tensor, weights: Tensor, batch_info, base_output: Optional[Tensor] = None) -> Tensor:
+    """Definition of :func:`sgemm_lora_b`: ``out = base_output or zeros``; per segment
+    ``out[rows] += scaling * x[rows, :r] @ B[slot][:, :r].T`` (in place, computed in float32 and rounded
+    once); returns out."""
+    out = base_output if base_output is not None else x.new_zeros((x.shape[0], weights.shape[1]))
+    ct = _compute_dtype(x.dtype)
+    for rows, slot, r, scaling in _live_segments(batch_info, weights.shape[0], weights.shape[2]):
+        if slot is None:
+            out[rows] = math.nan
+        elif r > 0:
+            _expand_rows(out, rows, slice(None), x[rows, :r].to(ct) @ weights[slot, :, :r].to(ct).T, scaling)
+    return out
+
+
+def qkv_lora_b_reference(x: Tensor, weights: Tensor, batch_info, output_offset,
+                         base_output: Optional[Tensor] = None) -> Tensor:
+    """Definition of :func:`qkv_lora_b`: slice ``i`` of the output, columns ``[off[i], off[i+1])``, gets
+    ``scaling * x[rows, iR : iR + r] @ B[slot][off[i]:off[i+1], :r].T``."""
+    off = [int(v) for v in (output_offset.tolist() if isinstance(output_offset, Tensor) else output_offset)]
+    R = weights.shape[2]
+    out = base_output if base_output is not None else x.new_zeros((x.shape[0], weights.shape[1]))
+    ct = _compute_dtype(x.dtype)
+    for rows, slot, r, scaling in _live_segments(batch_info, weights.shape[0], R):
+        if slot is None:
+            out[rows] = math.nan
+            continue
+        for i in range(3):
+            if r > 0:
+                delta = x[rows, i * R: i * R + r].to(ct) @ weights[slot, off[i]: off[i + 1], :r].to(ct).T
+                _expand_rows(out, rows, slice(off[i], off[i + 1]), delta, scaling)
+    return out
+
+
+def _per_head_b(lora_b: Tensor, slot: int, heads: int, qk_nope_head_dim: int, v_head_dim: int):
+    """B[slot] as (H, qk_nope + v_head, R): per head its k_nope rows, then its v rows."""
+    return lora_b[slot].reshape(heads, qk_nope_head_dim + v_head_dim, lora_b.shape[2])
+
+
+def step_a_q_reference(q_nope: Tensor, lora_b: Tensor, batch_info, *, qk_nope_head_dim: int,
+                       v_head_dim: int) -> Tensor:
+    """Definition of :func:`step_a_q`: ``y[rows, h, :r] = q_nope[rows, h] @ B[slot, h*(qk_nope+v) :
+    h*(qk_nope+v) + qk_nope, :r]``; other columns 0."""
+    S, H, _ = q_nope.shape
+    R = lora_b.shape[2]
+    out = q_nope.new_zeros((S, H, R))
+    ct = _compute_dtype(q_nope.dtype)
+    for rows, slot, r, _ in _live_segments(batch_info, lora_b.shape[0], R):
+        if slot is None:
+            out[rows] = math.nan
+            continue
+        b_k = _per_head_b(lora_b, slot, H, qk_nope_head_dim, v_head_dim)[:, :qk_nope_head_dim, :r]
+        out[rows, :, :r] = torch.einsum("thk,hkr->thr", q_nope[rows].to(ct), b_k.to(ct)).to(out.dtype)
+    return out
+
+
+def step_b_q_reference(lora_q: Tensor, lora_a: Tensor, batch_info, base_output: Optional[Tensor] = None) -> Tensor:
+    """Definition of :func:`step_b_q`: ``out[rows, h] += scaling * lora_q[rows, h, :r] @ A[slot, :r, :]``."""
+    S, H, R = lora_q.shape
+    out = base_output if base_output is not None else lora_q.new_zeros((S, H, lora_a.shape[2]))
+    ct = _compute_dtype(lora_q.dtype)
+    for rows, slot, r, scaling in _live_segments(batch_info, lora_a.shape[0], R):
+        if slot is None:
+            out[rows] = math.nan
+        elif r > 0:
+            delta = torch.einsum("thr,rc->thc", lora_q[rows, :, :r].to(ct), lora_a[slot, :r].to(ct))
+            out[rows] = (out[rows].to(ct) + scaling * delta).to(out.dtype)
+    return out
+
+
+def step_a_v_reference(attn_latent: Tensor, lora_a: Tensor, batch_info) -> Tensor:
+    """Definition of :func:`step_a_v`: ``y[rows, h, :r] = attn_latent[rows, h] @ A[slot, :r, :].T``;
+    other columns 0."""
+    S, H, _ = attn_latent.shape
+    R = lora_a.shape[1]
+    out = attn_latent.new_zeros((S, H, R))
+    ct = _compute_dtype(attn_latent.dtype)
+    for rows, slot, r, _ in _live_segments(batch_info, lora_a.shape[0], R):
+        if slot is None:
+            out[rows] = math.nan
+            continue
+        out[rows, :, :r] = torch.einsum("thc,rc->thr", attn_latent[rows].to(ct),
+                                        lora_a[slot, :r].to(ct)).to(out.dtype)
+    return out
+
+
+def step_b_v_reference(lora_v: Tensor, lora_b: Tensor, batch_info, base_output: Optional[Tensor] = None, *,
+                       qk_nope_head_dim: int, v_head_dim: int) -> Tensor:
+    """Definition of :func:`step_b_v`: ``out[rows, h] += scaling * lora_v[rows, h, :r] @
+    B[slot, h*(qk_nope+v) + qk_nope : (h+1)*(qk_nope+v), :r].T``."""
+    S, H, R = lora_v.shape
+    out = base_output if base_output is not None else lora_v.new_zeros((S, H, v_head_dim))
+    ct = _compute_dtype(lora_v.dtype)
+    for rows, slot, r, scaling in _live_segments(batch_info, lora_b.shape[0], R):
+        if slot is None:
+            out[rows] = math.nan
+        elif r > 0:
+            b_v = _per_head_b(lora_b, slot, H, qk_nope_head_dim, v_head_dim)[:, qk_nope_head_dim:, :r]
+            delta = torch.einsum("thr,hvr->thv", lora_v[rows, :, :r].to(ct), b_v.to(ct))
+            out[rows] = (out[rows].to(ct) + scaling * delta).to(out.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Custom ops: one per public function, so torch.compile sees one opaque node each. The public functions
+# check their inputs first; the ops launch.
+
+
+def _strides3(t: Tensor) -> tuple:
+    """(t, h, last) strides of a 2-D (h absent: 0) or 3-D tensor."""
+    return (t.stride(0), 0, t.stride(1)) if t.dim() == 2 else tuple(t.stride())
+
+
+def _meta(seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len, num_tokens):
+    return dict(seg_indptr=seg_indptr, weight_indices=weight_indices, lora_ranks=lora_ranks,
+                permutation=permutation, num_segments=num_segments, max_len=max_len, num_tokens=num_tokens)
+
+
+@torch.library.custom_op("guardlint::sgemm_lora_a", mutates_args=())
+def _sgemm_lora_a_op(x: Tensor, weights: Tensor, seg_indptr: Tensor, weight_indices: Tensor, lora_ranks: Tensor,
+                     scalings: Tensor, permutation: Optional[Tensor], num_segments: int, max_len: int,
+                     stack_num: int, split_k: int) -> Tensor:
+    S, K = x.shape
+    N = weights.shape[1]
+    out = _new_output((S, N), x.dtype, x.device)
+    if split_k < 1:
+        split_k = _k.choose_split_k(S, num_segments, K, 1, x.device)
+    _k.launch_shrink(x, _strides3(x), weights, (weights.stride(0), 0, weights.stride(1), weights.stride(2)),
+                     out, _strides3(out), **_meta(seg_indptr, weight_indices, lora_ranks, scalings, permutation,
+                                                  num_segments, max_len, S),
+                     heads=1, K=K, N=N, max_rank=N // stack_num, split_k=split_k)
+    return out
+
+
+@_sgemm_lora_a_op.register_fake
+def _(x, weights, seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len,
+      stack_num, split_k):
+    return x.new_empty((x.shape[0], weights.shape[1]))
+
+
+@torch.library.custom_op("guardlint::sgemm_lora_b", mutates_args=("out",))
+def _sgemm_lora_b_op(x: Tensor, weights: Tensor, out: Tensor, seg_indptr: Tensor, weight_indices: Tensor,
+                     lora_ranks: Tensor, scalings: Tensor, permutation: Optional[Tensor], num_segments: int,
+                     max_len: int, accumulate: bool) -> None:
+    _k.launch_expand(x, _strides3(x), weights, (weights.stride(0), 0, weights.stride(1), weights.stride(2)),
+                     out, _strides3(out), scalings=scalings,
+                     **_meta(seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len,
+                             x.shape[0]),
+                     heads=1, N=weights.shape[1], max_rank=weights.shape[2], accumulate=accumulate)
+
+
+@_sgemm_lora_b_op.register_fake
+def _(x, weights, out, seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len,
+      accumulate):
+    return None
+
+
+@torch.library.custom_op("guardlint::qkv_lora_b", mutates_args=("out",))
+def _qkv_lora_b_op(x: Tensor, weights: Tensor, out: Tensor, seg_indptr: Tensor, weight_indices: Tensor,
+                   lora_ranks: Tensor, scalings: Tensor, permutation: Optional[Tensor], num_segments: int,
+                   max_len: int, accumulate: bool, slice_starts: Optional[list[int]],
+                   output_offset: Optional[Tensor]) -> None:
+    R = weights.shape[2]
+    n_total = weights.shape[1]
+    if slice_starts is not None:
+        widest = max(slice_starts[i + 1] - slice_starts[i] for i in range(3))
+    else:
+        widest = n_total  # slice widths live on the device: size the grid for the widest possible
+    _k.launch_expand(x, (x.stride(0), R * x.stride(1), x.stride(1)), weights,
+                     (weights.stride(0), 0, weights.stride(1), weights.stride(2)), out, _strides3(out),
+                     scalings=scalings,
+                     **_meta(seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len,
+                             x.shape[0]),
+                     heads=3, N=widest, max_rank=R, accumulate=accumulate, slice_starts=slice_starts,
+                     slice_offsets=output_offset, n_total=n_total)
+
+
+@_qkv_lora_b_op.register_fake
+def _(x, weights, out, seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len,
+      accumulate, slice_starts, output_offset):
+    return None
+
+
+@torch.library.custom_op("guardlint::lora_step_a", mutates_args=())
+def _step_a_op(x: Tensor, w: Tensor, w_strides: list[int], rank: int, seg_indptr: Tensor, weight_indices: Tensor,
+               lora_ranks: Tensor, scalings: Tensor, permutation: Optional[Tensor], num_segments: int,
+               max_len: int) -> Tensor:
+    S, H, K = x.shape
+    out = _new_output((S, H, rank), x.dtype, x.device)
+    _k.launch_shrink(x, _strides3(x), w, tuple(w_strides), out, _strides3(out),
+                     **_meta(seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len,
+                             S),
+                     heads=H, K=K, N=rank, max_rank=rank, split_k=_k.choose_split_k(S, num_segments, K, H, x.device))
+    return out
+
+
+@_step_a_op.register_fake
+def _(x, w, w_strides, rank, seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len):
+    return x.new_empty((x.shape[0], x.shape[1], rank))
+
+
+@torch.library.custom_op("guardlint::lora_step_b", mutates_args=("out",))
+def _step_b_op(x: Tensor, w: Tensor, w_strides: list[int], out: Tensor, seg_indptr: Tensor, weight_indices: Tensor,
+               lora_ranks: Tensor, scalings: Tensor, permutation: Optional[Tensor], num_segments: int, max_len: int,
+               accumulate: bool) -> None:
+    S, H, R = x.shape
+    _k.launch_expand(x, _strides3(x), w, tuple(w_strides), out, _strides3(out), scalings=scalings,
+                     **_meta(seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len,
+                             S),
+                     heads=H, N=out.shape[2], max_rank=R, accumulate=accumulate)
+
+
+@_step_b_op.register_fake
+def _(x, w, w_strides, out, seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len,
+      accumulate):
+    return None
+
+
+def _op_batch(batch: _Batch) -> tuple:
+    return (batch.seg_indptr, batch.weight_indices, batch.lora_ranks, batch.scalings, batch.permutation,
+            batch.num_segments, batch.max_len)
+
+
+def _check_int(function: str, name: str, value, lo: int, hi: Optional[int] = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):
+        raise _bad(function, name, f"a Python int in [{lo}, {hi if hi is not None else 'inf'}]", value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Public functions.
+
+_DEVICE_DOC = "CUDA (CPU under TRITON_INTERPRET=1 or with backend='torch')"
+
+
+@guard_lora(rank_dim=1)
+def sgemm_lora_a(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, stack_num: int = 1, *,
+                 split_k: Optional[int] = None, backend: Optional[str] = None) -> Tensor:
+    """Segmented LoRA shrink: ``x @ A[slot].T`` per segment, for ``stack_num`` stacked adapters
+    (q/k/v or gate/up share one x).
+
+    Parameters
+    ----------
+    x : Tensor
+        ``(S, K)``, float16 / bfloat16 / float32, CUDA (CPU under TRITON_INTERPRET=1 or backend='torch').
+    weights : Tensor
+        ``(num_slots, stack_num * R, K)``, x's dtype and device; ``R`` is the stored (maximum) rank.
+    batch_info : LoRABatchInfo
+        Segments over x's rows; ``max_len`` set (or derived by the guard).
+    stack_num : int
+        Number of stacked A matrices.
+    split_k : int, optional
+        Split the K reduction into this many programs (1 = none, at most 8); ``None`` chooses from the
+        token count, K and the SM count.
+    backend : str, optional
+        ``"triton"`` or ``"torch"`` (the reference); ``None``: triton on CUDA or under the interpreter.
+
+    Returns
+    -------
+    Tensor
+        ``(S, stack_num * R)``, x's dtype and device. For a token of a segment with slot ``s`` and rank
+        ``r = lora_ranks[s]``, stack ``i``'s first ``r`` columns are ``x @ A[s, iR : iR + r].T`` and its
+        other columns 0; rows of no live segment are 0.
+    """
+    fn = "sgemm_lora_a"
+    _check_data(fn, "x", x, 2)
+    backend = _resolve_backend(fn, backend, x)
+    _check_weights(fn, "weights", weights, x)
+    _check_int(fn, "stack_num", stack_num, 1)
+    if weights.shape[2] != x.shape[1] or weights.shape[1] % stack_num:
+        raise _bad(fn, "weights", f"(num_slots, stack_num * R, K={x.shape[1]}) with stack_num={stack_num}", weights)
+    _rank_of(fn, "weights", weights.shape[1] // stack_num, weights, "weights.shape[1] // stack_num")
+    if split_k is not None:
+        _check_int(fn, "split_k", split_k, 1, _k.MAX_SPLIT_K)
+    batch = _check_batch(fn, x, batch_info, weights.shape[0])
+    if backend == "torch":
+        return sgemm_lora_a_reference(x, weights, batch_info, stack_num)
+    return _sgemm_lora_a_op(x, weights, *_op_batch(batch), stack_num, -1 if split_k is None else split_k)
+
+
+@guard_lora(rank_dim=2)
+def sgemm_lora_b(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, base_output: Optional[Tensor] = None, *,
+                 backend: Optional[str] = None) -> Tensor:
+    """Segmented LoRA expand: ``out += scaling * x[:, :r] @ B[slot][:, :r].T`` per segment.
+
+    Parameters
+    ----------
+    x : Tensor
+        ``(S, R)``, float16 / bfloat16 / float32, CUDA (CPU under TRITON_INTERPRET=1 or backend='torch');
+        usually the output of :func:`sgemm_lora_a`.
+    weights : Tensor
+        ``(num_slots, N, R)``, x's dtype and device.
+    batch_info : LoRABatchInfo
+        As for :func:`sgemm_lora_a`; ``scalings`` apply here.
+    base_output : Tensor, optional
+        ``(S, N)``, x's dtype and device, any strides without overlap: updated in place. Rows of segments
+        whose slot has rank 0, and rows of no live segment, are not touched.
+
+    Returns
+    -------
+    Tensor
+        ``base_output`` (or a fresh ``(S, N)`` tensor, zeros plus the LoRA delta).
+    """
+    fn = "sgemm_lora_b"
+    _check_data(fn, "x", x, 2)
+    backend = _resolve_backend(fn, backend, x)
+    _check_weights(fn, "weights", weights, x)
+    if weights.shape[2] != x.shape[1]:
+        raise _bad(fn, "weights", f"(num_slots, N, R={x.shape[1]}) (R = x.shape[1])", weights)
+    _rank_of(fn, "x", x.shape[1], x, "x.shape[1]")
+    shape = (x.shape[0], weights.shape[1])
+    if base_output is not None:
+        _check_output(fn, base_output, shape, x)
+    batch = _check_batch(fn, x, batch_info, weights.shape[0])
+    if backend == "torch":
+        return sgemm_lora_b_reference(x, weights, batch_info, base_output)
+    out = base_output if base_output is not None else _new_output(shape, x.dtype, x.device)
+    _sgemm_lora_b_op(x, weights, out, *_op_batch(batch), base_output is not None)
+    return out
+
+
+def _slice_starts(fn: str, output_offset, n_total: int, x: Tensor):
+    """(host starts, device tensor): exactly one is not None."""
+    if isinstance(output_offset, Tensor):
+        if output_offset.dim() != 1 or output_offset.shape[0] != 4 or output_offset.dtype not in _INTS:
+            raise _bad(fn, "output_offset", "4 ints [0, N_q, N_q + N_kv, N_q + 2 N_kv] (int32/int64 tensor)",
+                       output_offset)
+        if output_offset.device.type == "cpu" and x.device.type != "cpu":
+            output_offset = output_offset.tolist()  # a host tensor costs no sync
+        elif output_offset.device != x.device:
+            raise _bad(fn, "output_offset", f"a tensor on {x.device} or the host", output_offset)
+        else:
+            return None, output_offset.contiguous()
+    if not isinstance(output_offset, (list, tuple)) or len(output_offset) != 4 or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in output_offset):
+        raise _bad(fn, "output_offset", "4 ints [0, N_q, N_q + N_kv, N_q + 2 N_kv]", output_offset)
+    starts = list(output_offset)
+    if starts[0] != 0 or starts[3] != n_total or any(starts[i] > starts[i + 1] for i in range(3)):
+        raise _bad(fn, "output_offset", f"non-decreasing slice starts from 0 to weights.shape[1] = {n_total}",
+                   f"{starts}")
+    return starts, None
+
+
+@guard_lora(rank_dim=2)
+def qkv_lora_b(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, output_offset: Union[Sequence[int], Tensor],
+               base_output: Optional[Tensor] = None, *, backend: Optional[str] = None) -> Tensor:
+    """Segmented LoRA expand of the fused q/k/v projection: slice ``i`` of the output, columns
+    ``[off[i], off[i+1])``, gets ``scaling * x[:, iR : iR + r] @ B[slot][off[i]:off[i+1], :r].T``.
+
+    Parameters
+    ----------
+    x : Tensor
+        ``(S, 3 R)``: the q, k and v shrink outputs side by side; float16 / bfloat16 / float32, CUDA (CPU
+        under TRITON_INTERPRET=1 or backend='torch').
+    weights : Tensor
+        ``(num_slots, N_q + 2 N_kv, R)``, x's dtype and device.
+    batch_info : LoRABatchInfo
+        As for :func:`sgemm_lora_b`.
+    output_offset : sequence of 4 ints, or Tensor
+        Slice starts ``[0, N_q, N_q + N_kv, N_q + 2 N_kv]``: host ints (checked), or an int32/int64
+        tensor on x's device (not read on the host: values are clamped to the weight stack in the
+        kernel, and a fresh output is zero-filled first since the slices cannot be checked to tile it).
+    base_output : Tensor, optional
+        ``(S, N_q + 2 N_kv)``, updated in place as in :func:`sgemm_lora_b`.
+
+    Returns
+    -------
+    Tensor
+        ``base_output`` or a fresh ``(S, N_q + 2 N_kv)`` tensor.
+    """
+    fn = "qkv_lora_b"
+    _check_data(fn, "x", x, 2)
+    backend = _resolve_backend(fn, backend, x)
+    _check_weights(fn, "weights", weights, x)
+    R = weights.shape[2]
+    if x.shape[1] != 3 * R:
+        raise _bad(fn, "x", f"(S, 3 * R = {3 * R}) (R = weights.shape[2])", x)
+    _rank_of(fn, "weights", R, weights, "weights.shape[2]")
+    n_total = weights.shape[1]
+    starts, offsets = _slice_starts(fn, output_offset, n_total, x)
+    shape = (x.shape[0], n_total)
+    if base_output is not None:
+        _check_output(fn, base_output, shape, x)
+    batch = _check_batch(fn, x, batch_info, weights.shape[0])
+    if backend == "torch":
+        return qkv_lora_b_reference(x, weights, batch_info, starts if starts is not None else offsets, base_output)
+    accumulate = base_output is not None
+    if base_output is not None:
+        out = base_output
+    elif starts is not None:
+        out = _new_output(shape, x.dtype, x.device)
+    else:
+        out, accumulate = torch.zeros(shape, dtype=x.dtype, device=x.device), True
+    _qkv_lora_b_op(x, weights, out, *_op_batch(batch), accumulate, starts, offsets)
+    return out
+
+
+@guard_lora(weights="lora_b", rank_dim=2)
+def step_a_q(q_nope: Tensor, lora_b: Tensor, batch_info: LoRABatchInfo, *, qk_nope_head_dim: int, v_head_dim: int,
+             backend: Optional[str] = None) -> Tensor:
+    """MLA absorbed ``kv_b_proj``, q path, step A: ``q_nope`` through the transposed k_nope rows of the
+    LoRA B matrix, per head ``h``: ``y[:, h, :r] = q_nope[:, h] @ B[s, h*(qk_nope+v) : h*(qk_nope+v) +
+    qk_nope, :r]``.
+
+    Parameters
+    ----------
+    q_nope : Tensor
+        ``(S, H, qk_nope_head_dim)``, float16 / bfloat16 / float32, CUDA (CPU under TRITON_INTERPRET=1
+        or backend='torch'); any strides (a slice of q is fine).
+    lora_b : Tensor
+        ``(num_slots, H * (qk_nope_head_dim + v_head_dim), R)``: the LoRA B of ``kv_b_proj``, per head its
+        k_nope rows then its v rows; q_nope's dtype and device.
+    batch_info : LoRABatchInfo
+        Segments over q_nope's tokens.
+    qk_nope_head_dim, v_head_dim : int
+        Per-head sizes that lay out ``lora_b``'s rows.
+
+    Returns
+    -------
+    Tensor
+        ``(S, H, R)``, columns ``>= r`` zero; input of :func:`step_b_q`.
+    """
+    fn = "step_a_q"
+    _check_data(fn, "q_nope", q_nope, 3)
+    backend = _resolve_backend(fn, backend, q_nope)
+    _check_weights(fn, "lora_b", lora_b, q_nope)
+    S, H, qk = q_nope.shape
+    _mla_dims(fn, "lora_b", lora_b, H, qk_nope_head_dim, v_head_dim)
+    if qk != qk_nope_head_dim:
+        raise _bad(fn, "q_nope", f"(S, H, qk_nope_head_dim={qk_nope_head_dim})", q_nope)
+    R = _rank_of(fn, "lora_b", lora_b.shape[2], lora_b, "lora_b.shape[2]")
+    batch = _check_batch(fn, q_nope, batch_info, lora_b.shape[0])
+    if backend == "torch":
+        return step_a_q_reference(q_nope, lora_b, batch_info, qk_nope_head_dim=qk_nope_head_dim,
+                                  v_head_dim=v_head_dim)
+    b0, b1, b2 = lora_b.stride()
+    # W[slot, h, n, k] = B[slot, h * (qk_nope + v) + k, n]
+    w_strides = [b0, (qk_nope_head_dim + v_head_dim) * b1, b2, b1]
+    return _step_a_op(q_nope, lora_b, w_strides, R, *_op_batch(batch))
+
+
+@guard_lora(weights="lora_a", rank_dim=1)
+def step_b_q(lora_q: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, base_output: Optional[Tensor] = None, *,
+             backend: Optional[str] = None) -> Tensor:
+    """MLA absorbed ``kv_b_proj``, q path, step B: per head ``out[:, h] += scaling * y[:, h, :r] @
+    A[s, :r, :]`` into the latent q.
+
+    Parameters
+    ----------
+    lora_q : Tensor
+        ``(S, H, R)``: :func:`step_a_q`'s output; float16 / bfloat16 / float32, CUDA (CPU under
+        TRITON_INTERPRET=1 or backend='torch').
+    lora_a : Tensor
+        ``(num_slots, R, kv_lora_rank)``: the LoRA A of ``kv_b_proj``, shared by all heads.
+    batch_info : LoRABatchInfo
+        As for :func:`step_a_q`.
+    base_output : Tensor, optional
+        ``(S, H, kv_lora_rank)``: the absorbed q (``q_nope @ W_UK``), updated in place.
+
+    Returns
+    -------
+    Tensor
+        ``base_output`` or a fresh ``(S, H, kv_lora_rank)`` tensor.
+    """
+    fn = "step_b_q"
+    _check_data(fn, "lora_q", lora_q, 3)
+    backend = _resolve_backend(fn, backend, lora_q)
+    _check_weights(fn, "lora_a", lora_a, lora_q)
+    S, H, R = lora_q.shape
+    if lora_a.shape[1] != R:
+        raise _bad(fn, "lora_a", f"(num_slots, R={R}, kv_lora_rank) (R = lora_q.shape[2])", lora_a)
+    _rank_of(fn, "lora_q", R, lora_q, "lora_q.shape[2]")
+    shape = (S, H, lora_a.shape[2])
+    if base_output is not None:
+        _check_output(fn, base_output, shape, lora_q)
+    batch = _check_batch(fn, lora_q, batch_info, lora_a.shape[0])
+    if backend == "torch":
+        return step_b_q_reference(lora_q, lora_a, batch_info, base_output)
+    out = base_output if base_output is not None else _new_output(shape, lora_q.dtype, lora_q.device)
+    a0, a1, a2 = lora_a.stride()
+    # W[slot, h, n, k] = A[slot, k, n]
+    _step_b_op(lora_q, lora_a, [a0, 0, a2, a1], out, *_op_batch(batch), base_output is not None)
+    return out
+
+
+@guard_lora(weights="lora_a", rank_dim=1)
+def step_a_v(attn_latent: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, *,
+             backend: Optional[str] = None) -> Tensor:
+    """MLA absorbed ``kv_b_proj``, v path, step A: per head ``y[:, h, :r] = x[:, h] @ A[s, :r, :].T``.
+
+    Parameters
+    ----------
+    attn_latent : Tensor
+        ``(S, H, kv_lora_rank)``: the attention output in the latent space; float16 / bfloat16 /
+        float32, CUDA (CPU under TRITON_INTERPRET=1 or backend='torch'); any strides.
+    lora_a : Tensor
+        ``(num_slots, R, kv_lora_rank)``, attn_latent's dtype and device.
+    batch_info : LoRABatchInfo
+        Segments over the tokens.
+
+    Returns
+    -------
+    Tensor
+        ``(S, H, R)``, columns ``>= r`` zero; input of :func:`step_b_v`.
+    """
+    fn = "step_a_v"
+    _check_data(fn, "attn_latent", attn_latent, 3)
+    backend = _resolve_backend(fn, backend, attn_latent)
+    _check_weights(fn, "lora_a", lora_a, attn_latent)
+    if lora_a.shape[2] != attn_latent.shape[2]:
+        raise _bad(fn, "lora_a", f"(num_slots, R, kv_lora_rank={attn_latent.shape[2]}) (attn_latent.shape[2])",
+                   lora_a)
+    R = _rank_of(fn, "lora_a", lora_a.shape[1], lora_a, "lora_a.shape[1]")
+    batch = _check_batch(fn, attn_latent, batch_info, lora_a.shape[0])
+    if backend == "torch":
+        return step_a_v_reference(attn_latent, lora_a, batch_info)
+    a0, a1, a2 = lora_a.stride()
+    # W[slot, h, n, k] = A[slot, n, k]
+    return _step_a_op(attn_latent, lora_a, [a0, 0, a1, a2], R, *_op_batch(batch))
+
+
+@guard_lora(weights="lora_b", rank_dim=2)
+def step_b_v(lora_v: Tensor, lora_b: Tensor, batch_info: LoRABatchInfo, base_output: Optional[Tensor] = None, *,
+             qk_nope_head_dim: int, v_head_dim: int, backend: Optional[str] = None) -> Tensor:
+    """MLA absorbed ``kv_b_proj``, v path, step B: per head ``out[:, h] += scaling * y[:, h, :r] @
+    B[s, h*(qk_nope+v) + qk_nope : (h+1)*(qk_nope+v), :r].T``.
+
+    Parameters
+    ----------
+    lora_v : Tensor
+        ``(S, H, R)``: :func:`step_a_v`'s output; float16 / bfloat16 / float32, CUDA (CPU under
+        TRITON_INTERPRET=1 or backend='torch').
+    lora_b : Tensor
+        ``(num_slots, H * (qk_nope_head_dim + v_head_dim), R)``, as for :func:`step_a_q`.
+    batch_info : LoRABatchInfo
+        As for :func:`step_a_v`.
+    base_output : Tensor, optional
+        ``(S, H, v_head_dim)``: the attention output (``attn_latent @ W_UV.T``), updated in place.
+    qk_nope_head_dim, v_head_dim : int
+        Per-head sizes that lay out ``lora_b``'s rows.
+
+    Returns
+    -------
+    Tensor
+        ``base_output`` or a fresh ``(S, H, v_head_dim)`` tensor.
+    """
+    fn = "step_b_v"
+    _check_data(fn, "lora_v", lora_v, 3)
+    backend = _resolve_backend(fn, backend, lora_v)
+    _check_weights(fn, "lora_b", lora_b, lora_v)
+    S, H, R = lora_v.shape
+    _mla_dims(fn, "lora_b", lora_b, H, qk_nope_head_dim, v_head_dim)
+    if lora_b.shape[2] != R:
+        raise _bad(fn, "lora_b", f"(num_slots, H * (qk_nope_head_dim + v_head_dim), R={R}) (R = lora_v.shape[2])",
+                   lora_b)
+    _rank_of(fn, "lora_v", R, lora_v, "lora_v.shape[2]")
+    shape = (S, H, v_head_dim)
+    if base_output is not None:
+        _check_output(fn, base_output, shape, lora_v)
+    batch = _check_batch(fn, lora_v, batch_info, lora_b.shape[0])
+    if backend == "torch":
+        return step_b_v_reference(lora_v, lora_b, batch_info, base_output, qk_nope_head_dim=qk_nope_head_dim,
+                                  v_head_dim=v_head_dim)
+    out = base_output if base_output is not None else _new_output(shape, lora_v.dtype, lora_v.device)
+    b0, b1, b2 = lora_b.stride()
+    # W[slot, h, n, k] = B[slot, h * (qk_nope + v) + qk_nope + n, k]
+    _step_b_op(lora_v, lora_b[:, qk_nope_head_dim:], [b0, (qk_nope_head_dim + v_head_dim) * b1, b1, b2], out,
+               *_op_batch(batch), base_output is not None)
+    return out
