@@ -1,0 +1,308 @@
+"""Varlen attention forward in Triton (FlashAttention-2 style), with native odd head dims.
+
+Math, per sequence b (tokens cu_seqlens[b]:cu_seqlens[b+1]) and query head h (kv head h // (H / H_kv)):
+    O[i] = sum_j softmax_j(scale * q[i] . k[j]) v[j]      over j < L_b (and j <= i when causal),
+with an online softmax in fp32 (running max m, running sum l; exp2 with log2(e) folded into the scale).
+Grid: (cdiv(max_seqlen, BLOCK_M), H, B): one program per (query tile, head, sequence); programs past
+their sequence's length exit at once. A head dim that is not a power of two is split into power-of-two
+parts (80 = 64 + 16, 96 = 64 + 32, 240 = 128 + 64 + 32 + 16): QK^T is the sum of one tl.dot per part and
+PV keeps one accumulator per part, so q/k/v are read in place, never copied into padded buffers.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+# Decided once, when the kernels are defined: that is when Triton picks the interpreter.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+LOG2E = 1.4426950408889634
+MAX_PARTS = 4
+
+
+def head_dim_parts(head_dim: int) -> Tuple[int, int, int, int]:
+    """Power-of-two parts (largest first, each >= 16) that sum to ``head_dim``, padded with zeros.
+
+    ``head_dim`` must be a positive multiple of 16 up to 256 (callers validate first).
+    """
+    parts = []
+    rest = head_dim
+    size = 256
+    while rest:
+        if size <= rest:
+            parts.append(size)
+            rest -= size
+        size //= 2
+    return tuple(parts + [0] * (MAX_PARTS - len(parts)))
+
+
+@triton.jit
+def _load_part(base, rows, row_stride, col: tl.constexpr, width: tl.constexpr, row_mask,
+               MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    ptrs = base + rows[:, None] * row_stride + (col + tl.arange(0, width))[None, :]
+    if MASKED:
+        x = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    if UPCAST:
+        # The interpreter has no bf16 arithmetic (it computes silently wrong values): work in fp32.
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _attend_kv_tile(
+    acc0, acc1, acc2, acc3, l_i, m_i,
+    q0, q1, q2, q3,
+    k_base, v_base, stride_kt, stride_vt,
+    start_n, offs_m, seq_len, qk_scale,
+    D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASK_KEYS: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One BLOCK_N tile of keys/values folded into the running (acc, l, m) of a query tile."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    key_ok = offs_n < seq_len
+    k0 = _load_part(k_base, offs_n, stride_kt, 0, D0, key_ok, MASK_KEYS, UPCAST)
+    qk = tl.dot(q0, tl.trans(k0), input_precision=PRECISION)
+    if D1 > 0:
+        k1 = _load_part(k_base, offs_n, stride_kt, D0, D1, key_ok, MASK_KEYS, UPCAST)
+        qk = tl.dot(q1, tl.trans(k1), qk, input_precision=PRECISION)
+    if D2 > 0:
+        k2 = _load_part(k_base, offs_n, stride_kt, D0 + D1, D2, key_ok, MASK_KEYS, UPCAST)
+        qk = tl.dot(q2, tl.trans(k2), qk, input_precision=PRECISION)
+    if D3 > 0:
+        k3 = _load_part(k_base, offs_n, stride_kt, D0 + D1 + D2, D3, key_ok, MASK_KEYS, UPCAST)
+        qk = tl.dot(q3, tl.trans(k3), qk, input_precision=PRECISION)
+
+    if MASK_KEYS:
+        keep = key_ok[None, :]
+        if MASK_CAUSAL:
+            keep = keep & (offs_m[:, None] >= offs_n[None, :])
+        qk = tl.where(keep, qk, float("-inf"))
+    # Every tile the caller visits holds at least one visible key for each real query row (key 0 is
+    # in the first tile), so m_new is finite from the first tile on and no exp2(-inf - -inf) occurs.
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    v0 = _load_part(v_base, offs_n, stride_vt, 0, D0, key_ok, MASK_KEYS, UPCAST)
+    p = p.to(v0.dtype)
+    acc0 = tl.dot(p, v0, acc0 * alpha[:, None], input_precision=PRECISION)
+    if D1 > 0:
+        v1 = _load_part(v_base, offs_n, stride_vt, D0, D1, key_ok, MASK_KEYS, UPCAST)
+        acc1 = tl.dot(p, v1, acc1 * alpha[:, None], input_precision=PRECISION)
+    if D2 > 0:
+        v2 = _load_part(v_base, offs_n, stride_vt, D0 + D1, D2, key_ok, MASK_KEYS, UPCAST)
+        acc2 = tl.dot(p, v2, acc2 * alpha[:, None], input_precision=PRECISION)
+    if D3 > 0:
+        v3 = _load_part(v_base, offs_n, stride_vt, D0 + D1 + D2, D3, key_ok, MASK_KEYS, UPCAST)
+        acc3 = tl.dot(p, v3, acc3 * alpha[:, None], input_precision=PRECISION)
+    return acc0, acc1, acc2, acc3, l_i, m_new
+
+
+@triton.jit
+def _store_part(o_base, offs_m, stride_ot, col: tl.constexpr, width: tl.constexpr, acc, inv_l, row_ok):
+    ptrs = o_base + offs_m[:, None] * stride_ot + (col + tl.arange(0, width))[None, :]
+    tl.store(ptrs, (acc * inv_l[:, None]).to(o_base.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _varlen_attention_fwd(
+    Q, K, V, O, cu_seqlens,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    total_tokens, qk_scale,
+    HEAD_DIM: tl.constexpr,  # autotune key only: the parts below carry the shape
+    GROUP: tl.constexpr,
+    D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+
+    # Clamped so that any cu_seqlens content stays inside q/k/v/o: a wrong prefix sum gives a wrong
+    # answer (the guard's strict mode reports it), never an out-of-bounds access.
+    seq_start = tl.load(cu_seqlens + seq).to(tl.int64)
+    seq_end = tl.load(cu_seqlens + seq + 1).to(tl.int64)
+    seq_start = tl.minimum(tl.maximum(seq_start, 0), total_tokens)
+    seq_end = tl.minimum(tl.maximum(seq_end, seq_start), total_tokens)
+    seq_len = (seq_end - seq_start).to(tl.int32)
+    if pid_m * BLOCK_M >= seq_len:
+        return
+
+    kv_head = head // GROUP
+    q_base = Q + seq_start * stride_qt + head * stride_qh
+    k_base = K + seq_start * stride_kt + kv_head * stride_kh
+    v_base = V + seq_start * stride_vt + kv_head * stride_vh
+    o_base = O + seq_start * stride_ot + head * stride_oh
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < seq_len
+    q0 = _load_part(q_base, offs_m, stride_qt, 0, D0, row_ok, True, UPCAST)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if D1 > 0:
+        q1 = _load_part(q_base, offs_m, stride_qt, D0, D1, row_ok, True, UPCAST)
+    if D2 > 0:
+        q2 = _load_part(q_base, offs_m, stride_qt, D0 + D1, D2, row_ok, True, UPCAST)
+    if D3 > 0:
+        q3 = _load_part(q_base, offs_m, stride_qt, D0 + D1 + D2, D3, row_ok, True, UPCAST)
+
+    # Absent parts keep a placeholder accumulator that is never touched (a loop-invariant value the
+    # compiler drops).
+    acc0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    if D1 > 0:
+        acc1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
+    if D2 > 0:
+        acc2 = tl.zeros([BLOCK_M, D2], dtype=tl.float32)
+    if D3 > 0:
+        acc3 = tl.zeros([BLOCK_M, D3], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    # Key tiles [0, full_end) need no mask at all; [full_end, masked_end) get key-bound (and causal)
+    # masks. Keeping the masks out of the main loop is worth ~10% on long sequences.
+    if CAUSAL:
+        tile_end = tl.minimum((pid_m + 1) * BLOCK_M, seq_len)
+        full_end = (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N
+    else:
+        tile_end = seq_len
+        full_end = (seq_len // BLOCK_N) * BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        acc0, acc1, acc2, acc3, l_i, m_i = _attend_kv_tile(
+            acc0, acc1, acc2, acc3, l_i, m_i, q0, q1, q2, q3, k_base, v_base, stride_kt, stride_vt,
+            start_n, offs_m, seq_len, qk_scale, D0, D1, D2, D3, BLOCK_N, False, False, UPCAST, PRECISION)
+    for start_n in range(full_end, tile_end, BLOCK_N):
+        acc0, acc1, acc2, acc3, l_i, m_i = _attend_kv_tile(
+            acc0, acc1, acc2, acc3, l_i, m_i, q0, q1, q2, q3, k_base, v_base, stride_kt, stride_vt,
+            start_n, offs_m, seq_len, qk_scale, D0, D1, D2, D3, BLOCK_N, True, CAUSAL, UPCAST, PRECISION)
+
+    # Rows past the sequence end are never stored; the guard keeps their division finite anyway.
+    inv_l = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
+    _store_part(o_base, offs_m, stride_ot, 0, D0, acc0, inv_l, row_ok)
+    if D1 > 0:
+        _store_part(o_base, offs_m, stride_ot, D0, D1, acc1, inv_l, row_ok)
+    if D2 > 0:
+        _store_part(o_base, offs_m, stride_ot, D0 + D1, D2, acc2, inv_l, row_ok)
+    if D3 > 0:
+        _store_part(o_base, offs_m, stride_ot, D0 + D1 + D2, D3, acc3, inv_l, row_ok)
+
+
+# Hopper (H100/H200) choices, one line each (register and shared-memory figures from ptxas for sm_90a):
+# - BLOCK_M=128 with num_warps=8: two warpgroups, each owning 64 query rows = one m64 wgmma row block.
+# - BLOCK_N=128 (D <= 128): the widest K/V tile that still fits scores + accumulator in 255 registers
+#   without spills; it halves the per-tile rescale work against BLOCK_N=64.
+# - BLOCK_N=64 with 8 warps: fewer live scores (~180 regs at D=128) when 128 turns out register-bound.
+# - num_stages=3: three K/V tiles in flight hide HBM latency; at D=128, BLOCK_N=128 that is 224 KB of
+#   the 227 KB shared memory, so a 2-stage variant stays in the set.
+# - BLOCK_M=64, num_warps=4, 4 stages: more, smaller programs for batches of short sequences (64 x 256
+#   tokens) so that 132 SMs fill; one warpgroup per program.
+# - BLOCK_M=128, num_warps=4 (D <= 96 only): one warpgroup doing two row blocks per K/V tile, reusing it
+#   twice from shared memory; at D=128 it spills.
+# - Wide heads (D > 128): the accumulator takes up to 128 regs/thread, so BLOCK_N drops to 32-64.
+# - float32 (exact IEEE dots on CUDA cores): tiny tiles, since bigger ones spill kilobytes.
+_NARROW = [
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+]
+_WIDE = [
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 32}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=3),
+]
+_FP32 = [
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=2),
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=8, num_stages=2),
+]
+_SMEM_LIMIT = 227 * 1024
+
+
+def _shared_bytes(cfg, head_dim: int, elem: int) -> int:
+    # K and V tiles per stage plus the Q tile (matches what Triton allocates for this kernel).
+    return (2 * cfg.kwargs["BLOCK_N"] * cfg.num_stages + cfg.kwargs["BLOCK_M"]) * head_dim * elem
+
+
+def configs_for(head_dim: int, elem: int) -> list:
+    """The autotune candidates for a head dim and element size (bytes)."""
+    if elem == 4:
+        family = _FP32[:1] if head_dim <= 96 else _FP32[1:]
+    elif head_dim <= 128:
+        family = [c for c in _NARROW if head_dim <= 96 or c.num_warps == 8 or c.kwargs["BLOCK_M"] == 64]
+    else:
+        family = _WIDE
+    return [c for c in family if _shared_bytes(c, head_dim, elem) <= _SMEM_LIMIT]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
+    return configs_for(head_dim, named_args["Q"].element_size())
+
+
+_varlen_attention_fwd_tuned = triton.autotune(
+    configs=_NARROW + _WIDE + _FP32, key=["HEAD_DIM", "CAUSAL", "GROUP"], prune_configs_by={"early_config_prune": _prune_configs},
+)(_varlen_attention_fwd)
+
+# The interpreter cannot time configs; small tiles keep its per-program cost low and still make
+# multi-tile sequences in tests.
+INTERPRET_BLOCKS = (16, 16)
+
+
+def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                            max_seqlen: int, softmax_scale: float, causal: bool, *,
+                            out: Optional[torch.Tensor] = None,
+                            config: Optional[Tuple[int, int, int, int]] = None) -> torch.Tensor:
+    """Launch the kernel. Inputs are already validated by the caller.
+
+    q ``(total_tokens, num_heads, head_dim)``, k/v ``(total_tokens, num_kv_heads, head_dim)`` with unit
+    stride on the last dim; cu_seqlens ``(batch + 1,)`` int32/int64 on q's device; ``max_seqlen`` a host
+    int >= every sequence length (it sizes the grid). ``config`` = (BLOCK_M, BLOCK_N, num_warps,
+    num_stages) skips autotuning (benchmarks, the interpreter).
+    """
+    total_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    batch = cu_seqlens.shape[0] - 1
+    if out is None:
+        out = torch.empty_like(q)
+    if total_tokens == 0 or batch <= 0 or max_seqlen <= 0:
+        return out
+    d0, d1, d2, d3 = head_dim_parts(head_dim)
+    upcast = INTERPRET and q.dtype == torch.bfloat16
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    args = (q, k, v, out, cu_seqlens,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), total_tokens, float(softmax_scale) * LOG2E)
+    meta = dict(HEAD_DIM=head_dim, GROUP=num_heads // num_kv_heads, D0=d0, D1=d1, D2=d2, D3=d3,
+                CAUSAL=bool(causal), UPCAST=upcast, PRECISION=precision)
+    if config is None and INTERPRET:
+        config = (*INTERPRET_BLOCKS, 4, 1)
+    if config is None:
+        grid = lambda cfg: (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), num_heads, batch)  # noqa: E731
+        _varlen_attention_fwd_tuned[grid](*args, **meta)
+    else:
+        block_m, block_n, num_warps, num_stages = config
+        grid = (triton.cdiv(max_seqlen, block_m), num_heads, batch)
+        _varlen_attention_fwd[grid](*args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
+                                    num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def best_config(head_dim: int, causal: bool, group: int = 1):
+    """The autotuner's pick for this key, once it has run on the GPU (None before)."""
+    for key, cfg in _varlen_attention_fwd_tuned.cache.items():
+        if key[:3] == (head_dim, causal, group):
+            return cfg
+    return None

@@ -1,0 +1,438 @@
+"""Varlen (packed) attention: ``varlen_attention`` over four backends, and ``cudnn_vision_attention``,
+a drop-in for the engine's flashinfer_cudnn vision backend.
+
+Backends: ``triton`` (our kernel, native odd head dims), ``flashinfer`` (ragged FA2/FA3 prefill and the
+cuDNN batch prefill, where installed), ``sdpa`` (a torch loop; the CPU default), ``torch-varlen``
+(torch's flash varlen attention, where this torch has it) and ``auto`` (fastest measured; see
+``_attention_dispatch.RULE``). Both entry points are guarded: missing metadata is derived once.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any, Optional
+
+import torch
+
+from guardlint.guard import GuardError, describe, guard_cudnn_vision, guard_varlen, prepare_varlen_metadata
+
+from . import _attention_dispatch as dispatch
+from . import _attention_flashinfer as fi
+from . import _attention_torch as torch_paths
+from . import _attention_triton as triton_path
+
+BACKENDS = ("auto", "triton", "sdpa", "torch-varlen", "flashinfer", "flashinfer-fa2", "flashinfer-fa3",
+            "flashinfer-cudnn")
+# Concrete backends that ``auto`` may pick (the names used in the dispatch table).
+CONCRETE = ("triton", "sdpa", "torch-varlen", "flashinfer-fa2", "flashinfer-fa3", "flashinfer-cudnn")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+__all__ = ["BACKENDS", "cudnn_vision_attention", "select_backend", "varlen_attention"]
+
+
+# -- the Triton path as one op for torch.compile -----------------------------------------------------
+
+@torch.library.custom_op("guardlint::varlen_attention_triton", mutates_args=())
+def varlen_attention_triton_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                               max_seqlen: int, softmax_scale: float, causal: bool) -> torch.Tensor:
+    """``torch.ops.guardlint.varlen_attention_triton``: the Triton kernel as one opaque op."""
+    return triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal)
+
+
+@varlen_attention_triton_op.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal):
+    return torch.empty_like(q)
+
+
+def _run_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal):
+    if torch.compiler.is_compiling():
+        return varlen_attention_triton_op(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+    # Eager calls skip the op dispatcher: it costs ~10 us per call, a tenth of a short batch's kernel.
+    return triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+
+
+# -- validation (GL106: what no backend can take) ---------------------------------------------------
+
+def _bad(argument: str, expected: str, got: str, function: str, detail: str = "") -> GuardError:
+    return GuardError("GL106", argument=argument, expected=expected, got=got, function=function, detail=detail)
+
+
+def _check_inputs(function: str, q: Any, k: Any, v: Any, cu_seqlens: Any) -> None:
+    """Shapes, dtypes, devices and head dims, before anything launches. No device reads."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise _bad(name, "a torch.Tensor", describe(t), function)
+        if t.dim() != 3:
+            shape = "(total_tokens, num_heads, head_dim)" if name == "q" else "(total_tokens, num_kv_heads, head_dim)"
+            raise _bad(name, f"a 3-D tensor {shape}", describe(t), function,
+                       "Packed varlen layout: flatten (B, S, H, D) to (B*S, H, D) and pass cu_seqlens.")
+    if q.dtype not in DTYPES:
+        raise _bad("q", "float16, bfloat16 or float32", describe(q), function)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise _bad(name, f"q's dtype {q.dtype}", describe(t), function)
+        if t.device != q.device:
+            raise _bad(name, f"q's device {q.device}", describe(t), function)
+    total, heads, head_dim = q.shape
+    if k.shape != v.shape:
+        raise _bad("v", f"k's shape {tuple(k.shape)}", describe(v), function)
+    if k.shape[0] != total:
+        raise _bad("k", f"{total} tokens (q's total_tokens)", describe(k), function)
+    if k.shape[2] != head_dim:
+        raise _bad("k", f"head_dim {head_dim} (q's)", describe(k), function)
+    if heads < 1 or k.shape[1] < 1 or heads % k.shape[1]:
+        raise _bad("k", f"num_kv_heads dividing num_heads={heads} (GQA)", describe(k), function)
+    if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:
+        raise _bad("q", f"head_dim 64, 80, 96, 128 or another multiple of 16 up to {MAX_HEAD_DIM}",
+                   describe(q), function)
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise _bad("cu_seqlens", "an integer tensor of token offsets (B+1,)", describe(cu_seqlens), function)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise _bad("cu_seqlens", "a 1-D int32/int64 tensor (B+1,)", describe(cu_seqlens), function)
+    if cu_seqlens.device != q.device:
+        raise _bad("cu_seqlens", f"q's device {q.device}", describe(cu_seqlens), function,
+                   "A kernel would read a host pointer on the GPU (an illegal memory access).")
+
+
+def _check_call(function: str, max_seqlen: Any, softmax_scale: Any, causal: Any, backend: Any) -> None:
+    if type(max_seqlen) is not int or max_seqlen < 0:
+        raise GuardError("GL103", argument="max_seqlen", function=function,
+                         expected="a Python int >= 0 (the longest sequence)", got=describe(max_seqlen))
+    if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool)
+                                      or not math.isfinite(softmax_scale)):
+        raise _bad("softmax_scale", "None or a finite float", describe(softmax_scale), function)
+    if not isinstance(causal, bool):
+        raise _bad("causal", "a bool", describe(causal), function)
+    if backend not in BACKENDS:
+        raise _bad("backend", " / ".join(repr(b) for b in BACKENDS), describe(backend), function)
+
+
+def _contiguous_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# -- backend choice ---------------------------------------------------------------------------------
+
+_device_info: dict = {}
+
+
+def _device_key(device: torch.device) -> tuple:
+    """(name, capability) of a CUDA device, asked once per device."""
+    info = _device_info.get(device.index)
+    if info is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        info = (torch.cuda.get_device_name(index), tuple(torch.cuda.get_device_capability(index)))
+        _device_info[device.index] = info
+    return info
+
+
+def _runnable(name: str, q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> bool:
+    if name == "sdpa":
+        return True
+    if name == "triton":
+        return q.device.type == "cuda" or triton_path.INTERPRET
+    if name == "torch-varlen":
+        return torch_paths.torch_varlen_supports(q, k, scale, causal)
+    if name.startswith("flashinfer-"):
+        return fi.supports(name[len("flashinfer-"):], q.shape[2], q.dtype, q.device)
+    return False
+
+
+def _why_not(name: str, q: torch.Tensor) -> str:
+    if name == "triton":
+        return ("Triton kernels need a CUDA device; on the CPU only the interpreter (TRITON_INTERPRET=1, set "
+                "before import) runs them")
+    if name.startswith("flashinfer"):
+        reason = fi.unavailable_reason(q.device)
+        if reason:
+            return reason
+        return (f"FlashInfer {name[len('flashinfer-'):]} takes head dims FA2 {sorted(fi.FA2_HEAD_DIMS)}, "
+                f"FA3 {sorted(fi.FA3_HEAD_DIMS)} (Hopper), cuDNN {sorted(fi.CUDNN_HEAD_DIMS)} (bfloat16)")
+    if name == "torch-varlen":
+        return torch_paths._probe_varlen_attn() or "torch varlen_attn takes float16/bfloat16 CUDA tensors"
+    return ""
+
+
+def select_backend(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
+                   softmax_scale: Optional[float] = None, causal: bool = False, backend: str = "auto") -> str:
+    """The concrete backend a call with these inputs runs (``auto`` and ``flashinfer`` resolved)."""
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
+    return _resolve(backend, q, k, cu_seqlens, max_seqlen, scale, causal, "select_backend")
+
+
+def _resolve(backend: str, q, k, cu_seqlens, max_seqlen: int, scale: float, causal: bool, function: str) -> str:
+    if backend == "auto" or backend == "flashinfer":
+        if q.device.type != "cuda":
+            if backend == "flashinfer":
+                raise _bad("backend", "a backend that runs on " + str(q.device), repr(backend), function,
+                           _why_not("flashinfer", q))
+            return "sdpa"
+        name, capability = _device_key(q.device)
+        only_fi = backend == "flashinfer"
+
+        def runnable(candidate: str) -> bool:
+            if only_fi and not candidate.startswith("flashinfer-"):
+                return False
+            return _runnable(candidate, q, k, scale, causal)
+
+        choice = dispatch.choose(
+            device_type="cuda", device_name=name, capability=capability, head_dim=q.shape[2],
+            dtype=str(q.dtype).replace("torch.", ""), causal=causal, batch=max(cu_seqlens.shape[0] - 1, 1),
+            max_seqlen=max(max_seqlen, 1), total_tokens=max(q.shape[0], 1), runnable=runnable,
+            memo_extra=(backend, q.shape[1] // k.shape[1], scale == q.shape[2] ** -0.5))
+        if only_fi and not choice.startswith("flashinfer-"):
+            # Not in the table for this shape: FA3 on Hopper, else FA2, else cuDNN; a head dim none of them
+            # runs (80, 96, ...) goes to our kernel rather than to padded copies.
+            choice = next((f"flashinfer-{v}" for v in ("fa3", "fa2", "cudnn")
+                           if _runnable(f"flashinfer-{v}", q, k, scale, causal)), "triton")
+        return choice
+    if not _runnable(backend, q, k, scale, causal):
+        raise _bad("backend", f"a backend that runs head_dim={q.shape[2]} {q.dtype} on {q.device}",
+                   repr(backend), function, _why_not(backend, q))
+    return backend
+
+
+# -- host offsets and the cuDNN element offsets -----------------------------------------------------
+
+def _host_offsets(q: torch.Tensor, cu_seqlens: torch.Tensor, metadata: Any) -> tuple:
+    host = getattr(metadata, "host_cu_seqlens", None) if metadata is not None else None
+    if isinstance(host, (tuple, list)):
+        return tuple(host)
+    if cu_seqlens.device.type == "cpu":
+        return tuple(cu_seqlens.tolist())
+    # Cached per cu_seqlens version by the guard: the first layer reads, the others do not.
+    return prepare_varlen_metadata(cu_seqlens, q).host_cu_seqlens
+
+
+_MAX_CACHED = 8
+_element_offsets: "OrderedDict[tuple, tuple]" = OrderedDict()
+
+
+def _cached(key: tuple, keep: tuple, build):
+    """LRU of device-side derived offsets. ``keep`` (the source tensors) is stored with the value and
+    compared by identity, so a freed tensor's id reused by a new one can never hit a stale entry."""
+    hit = _element_offsets.get(key)
+    if hit is not None and len(hit[0]) == len(keep) and all(a is b for a, b in zip(hit[0], keep)):
+        _element_offsets.move_to_end(key)
+        return hit[1]
+    value = build()
+    _element_offsets[key] = (keep, value)
+    if len(_element_offsets) > _MAX_CACHED:
+        _element_offsets.popitem(last=False)
+    return value
+
+
+def _run_cudnn_tokens(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata):
+    """The cuDNN prefill from token offsets (or a cudnn-layout plan that matches q's H*D)."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    if (metadata is not None and getattr(metadata, "layout", None) == "cudnn"
+            and getattr(metadata, "elements_per_token", None) == heads * head_dim and k.shape[1] == heads):
+        packed = metadata.packed_indptrs
+        section = packed.shape[0] // 3
+        qk = packed[:section].view(section, 1, 1, 1)
+        vo = packed[section:2 * section].view(section, 1, 1, 1)
+        out = packed[2 * section:].view(section, 1, 1, 1)
+        return fi.cudnn_prefill(q, k, v, out, qk, metadata.cudnn_sequence_lengths, metadata.cudnn_max_seqlen,
+                                scale, causal, v_offsets=vo)
+    key = ("tokens", id(cu_seqlens), cu_seqlens._version, id(sequence_lengths), heads, k.shape[1], head_dim)
+    qo_off, kv_off, lengths = _cached(key, (cu_seqlens, sequence_lengths),
+                                      lambda: fi.cudnn_offsets(q, k, cu_seqlens, sequence_lengths))
+    return fi.cudnn_prefill(q, k, v, qo_off, kv_off, lengths, max_seqlen, scale, causal)
+
+
+def _run(name: str, q, k, v, cu_seqlens, sequence_lengths, max_seqlen: int, scale: float, causal: bool,
+         metadata, function: str) -> torch.Tensor:
+    if q.shape[0] == 0 or cu_seqlens.shape[0] < 2:
+        return torch.zeros_like(q)
+    if name == "triton":
+        return _run_triton(_contiguous_last(q), _contiguous_last(k), _contiguous_last(v), cu_seqlens,
+                           max_seqlen, scale, causal)
+    if name == "sdpa":
+        return torch_paths.sdpa_varlen(q, k, v, _host_offsets(q, cu_seqlens, metadata), scale, causal)
+    if name == "torch-varlen":
+        return torch_paths.torch_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, max_seqlen,
+                                        scale, causal)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if name == "flashinfer-cudnn":
+        if sequence_lengths is None:
+            sequence_lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        return _run_cudnn_tokens(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata)
+    offsets = _host_offsets(q, cu_seqlens, metadata)
+    if offsets[0] != 0 or offsets[-1] != q.shape[0]:
+        raise GuardError("GL103", argument="cu_seqlens", function=function,
+                         expected=f"token offsets from 0 to q's token count {q.shape[0]}",
+                         got=f"offsets from {offsets[0]} to {offsets[-1]}")
+    return fi.ragged(q, k, v, offsets, scale, causal, name[len("flashinfer-"):])
+
+
+# -- public entry points ----------------------------------------------------------------------------
+
+@guard_varlen
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
+                     sequence_lengths: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
+                     metadata: Any = None, softmax_scale: Optional[float] = None, causal: bool = False,
+                     backend: str = "auto") -> torch.Tensor:
+    """Attention over packed variable-length sequences.
+
+    Args:
+        q: ``(total_tokens, num_heads, head_dim)``, float16 / bfloat16 / float32.
+        k, v: ``(total_tokens, num_kv_heads, head_dim)``, q's dtype and device; ``num_kv_heads`` divides
+            ``num_heads`` (query head h reads kv head ``h // (num_heads // num_kv_heads)``).
+        cu_seqlens: int32/int64 ``(B+1,)`` token offsets on q's device (0, ..., total_tokens); zero-length
+            sequences are allowed.
+        sequence_lengths, max_seqlen, metadata: derived by the guard when missing; pass
+            ``metadata=prepare_varlen_metadata(cu_seqlens, q)`` once per forward to skip all host work.
+        softmax_scale: default ``head_dim ** -0.5``.
+        causal: mask keys after the query within each sequence.
+        backend: ``"auto"`` (fastest measured), ``"triton"``, ``"sdpa"``, ``"torch-varlen"``,
+            ``"flashinfer"`` (best FlashInfer variant; head dims it cannot run go to ``triton``),
+            ``"flashinfer-fa2"``, ``"flashinfer-fa3"``, ``"flashinfer-cudnn"``.
+
+    Returns ``(total_tokens, num_heads, head_dim)`` in q's dtype. Raises ``GuardError`` GL106 for inputs
+    no backend takes (or a backend that cannot run them), GL103 for inconsistent metadata.
+    """
+    function = "varlen_attention"
+    _check_inputs(function, q, k, v, cu_seqlens)
+    _check_call(function, max_seqlen, softmax_scale, causal, backend)
+    if metadata is not None and getattr(metadata, "total_tokens", q.shape[0]) != q.shape[0]:
+        raise GuardError("GL103", argument="metadata", function=function,
+                         expected=f"metadata prepared for q's token count {q.shape[0]}",
+                         got=f"metadata for {metadata.total_tokens} tokens (a stale plan?)")
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
+    name = _resolve(backend, q, k, cu_seqlens, max_seqlen, scale, causal, function)
+    return _run(name, q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function)
+
+
+def _token_view(q, fm, cu_seqlens, sequence_lengths, max_seqlen, function):
+    """Token offsets, lengths, max and host offsets (or None) for the non-cuDNN backends."""
+    if fm is not None and hasattr(fm, "host_cu_seqlens") and getattr(fm, "cu_seqlens", None) is not None:
+        return fm.cu_seqlens, fm.sequence_lengths, fm.max_seqlen, fm
+    heads_dim = q.shape[1] * q.shape[2]
+    if fm is not None:
+        packed = fm.packed_indptrs
+        section = packed.numel() // 3
+        cu = _cached(("packed", id(packed), packed._version, heads_dim), (packed,),
+                     lambda: torch.div(packed.view(-1)[:section], heads_dim, rounding_mode="floor").to(torch.int32))
+        return cu, None, max_seqlen, None
+    if cu_seqlens.numel() == 3 * (sequence_lengths.numel() + 1):
+        section = cu_seqlens.numel() // 3
+        cu = _cached(("packed", id(cu_seqlens), cu_seqlens._version, heads_dim), (cu_seqlens,),
+                     lambda: torch.div(cu_seqlens[:section], heads_dim, rounding_mode="floor").to(torch.int32))
+        return cu, sequence_lengths, max_seqlen, None
+    return cu_seqlens, sequence_lengths, max_seqlen, None
+
+
+def _packed_view(q, k, fm, cu_seqlens, sequence_lengths, max_seqlen):
+    """(q/o, k, v) element offsets ``(Bp+1, 1, 1, 1)``, lengths ``(Bp, 1, 1, 1)`` and max for cuDNN."""
+    heads_dim = q.shape[1] * q.shape[2]
+    if fm is not None:
+        packed = fm.packed_indptrs.view(-1)
+        lengths = getattr(fm, "cudnn_sequence_lengths", None)
+        if lengths is None:
+            lengths = fm.sequence_lengths
+    elif cu_seqlens.numel() == 3 * (sequence_lengths.numel() + 1):
+        packed, lengths = cu_seqlens.view(-1), sequence_lengths
+    else:
+        cu = cu_seqlens.view(-1)
+        packed = _cached(("pack", id(cu_seqlens), cu_seqlens._version, heads_dim), (cu_seqlens,),
+                         lambda: (cu.to(torch.int32) * heads_dim).repeat(3))
+        lengths = sequence_lengths
+    section = packed.numel() // 3
+    lengths = lengths.reshape(-1, 1, 1, 1)
+    if lengths.dtype != torch.int32:
+        lengths = lengths.to(torch.int32)
+    return (packed[:section].view(section, 1, 1, 1), packed[section:2 * section].view(section, 1, 1, 1),
+            packed[2 * section:].view(section, 1, 1, 1), lengths, max_seqlen)
+
+
+def _int_max(value: Any, argument: str, function: str) -> int:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_floating_point:
+        return int(value.item())  # the engine accepts a tensor too (one read)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GuardError("GL103", argument=argument, function=function,
+                         expected="a Python int (the longest sequence, possibly bucketed)", got=describe(value))
+    return value
+
+
+@guard_cudnn_vision
+def cudnn_vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Any, bsz: int, seq_len: int,
+                           softmax_scale: Optional[float] = None, forward_metadata: Any = None,
+                           **kwargs: Any) -> torch.Tensor:
+    """Drop-in for the engine's ``VisionFlashInferAttention.forward`` (flashinfer_cudnn backend).
+
+    Args:
+        q, k, v: ``(total_tokens, num_heads, head_dim)`` packed (or ``(bsz, seq_len, H, D)``, flattened and
+            restored like the engine does).
+        cu_seqlens: token offsets ``(B+1,)`` or the engine's packed element indptrs ``(3(Bp+1),)``.
+        bsz, seq_len: the engine's arguments; when both are ints, ``bsz * seq_len`` must be the token count.
+        softmax_scale: default ``head_dim ** -0.5``.
+        forward_metadata: ``prepare_varlen_metadata(cu_seqlens, q, layout="cudnn")`` or the engine's
+            metadata object (``packed_indptrs``, ``sequence_lengths``, ``flashinfer_max_seqlen``).
+        kwargs: ``sequence_lengths`` ``(Bp,)`` / ``(Bp, 1, 1, 1)`` and ``max_seqlen`` (int) when there is no
+            forward_metadata (the guard derives forward_metadata when they are missing); ``backend`` to
+            override the choice below.
+
+    Runs FlashInfer's cuDNN prefill when it is installed and takes the inputs (bfloat16, head dim 128 or
+    192, CUDA, H == H_kv), otherwise ``varlen_attention``'s ``auto`` choice. Returns q's shape and dtype.
+    """
+    function = "cudnn_vision_attention"
+    backend = kwargs.pop("backend", None)
+    reshaped = isinstance(q, torch.Tensor) and q.dim() == 4
+    if reshaped:
+        batch_shape = q.shape[:2]
+        q, k, v = (t.reshape(-1, *t.shape[2:]) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
+    fm = forward_metadata
+    sequence_lengths = kwargs.get("sequence_lengths")
+    if fm is not None:
+        if getattr(fm, "packed_indptrs", None) is None:
+            raise GuardError("GL107", argument="forward_metadata", function=function,
+                             expected="metadata with packed_indptrs (prepare_varlen_metadata(..., layout=\"cudnn\"))",
+                             got=describe(fm))
+        max_value = getattr(fm, "cudnn_max_seqlen", None)
+        if max_value is None:
+            max_value = getattr(fm, "flashinfer_max_seqlen", None)
+        if max_value is None:
+            max_value = getattr(fm, "max_seqlen", None)
+        max_seqlen = _int_max(max_value, "forward_metadata.max_seqlen", function)
+        token_cu = getattr(fm, "cu_seqlens", None)
+    else:
+        max_seqlen = _int_max(kwargs.get("max_seqlen"), "max_seqlen", function)
+        if not isinstance(sequence_lengths, torch.Tensor):
+            raise GuardError("GL101", argument="sequence_lengths", function=function,
+                             expected="an int32 tensor (Bp,) or (Bp, 1, 1, 1)", got=describe(sequence_lengths))
+        token_cu = cu_seqlens
+    if not isinstance(token_cu, torch.Tensor):
+        token_cu = getattr(fm, "packed_indptrs", None)
+    _check_inputs(function, q, k, v, token_cu.view(-1) if isinstance(token_cu, torch.Tensor) else token_cu)
+    if fm is None:
+        n = sequence_lengths.numel()
+        if cu_seqlens.numel() not in (n + 1, 3 * (n + 1)):
+            raise GuardError("GL107", argument="cu_seqlens", function=function,
+                             expected=f"token offsets ({n + 1},) or packed element indptrs ({3 * (n + 1)},) for "
+                                      f"{n} sequence_lengths", got=describe(cu_seqlens),
+                             detail="packed indptr numel mismatch")
+    elif fm.packed_indptrs.numel() % 3:
+        raise GuardError("GL107", argument="forward_metadata.packed_indptrs", function=function,
+                         expected="packed element indptrs [qk | v | o] of shape (3(Bp+1),)",
+                         got=describe(fm.packed_indptrs), detail="packed indptr numel mismatch")
+    if type(bsz) is int and type(seq_len) is int and bsz > 0 and seq_len > 0 and bsz * seq_len != q.shape[0]:
+        raise _bad("seq_len", f"bsz * seq_len == q's token count {q.shape[0]}", f"bsz={bsz}, seq_len={seq_len}",
+                   function)
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
+    if backend is not None and backend not in BACKENDS:
+        raise _bad("backend", " / ".join(repr(b) for b in BACKENDS), describe(backend), function)
+    use_cudnn = (backend in (None, "flashinfer-cudnn") and k.shape[1] == q.shape[1]
+                 and _runnable("flashinfer-cudnn", q, k, scale, False))
+    if backend == "flashinfer-cudnn" and not use_cudnn:
+        raise _bad("backend", f"a backend that runs head_dim={q.shape[2]} {q.dtype} on {q.device}",
+                   repr(backend), function, _why_not("flashinfer-cudnn", q))
+    if use_cudnn:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        qk_off, v_off, o_off, lengths, max_seqlen = _packed_view(q, k, fm, cu_seqlens, sequence_lengths, max_seqlen)
+        out = fi.cudnn_prefill(q, k, v, o_off, qk_off, lengths, max_seqlen, scale, False, v_offsets=v_off)
+    else:
+        cu, lengths, max_tokens, plan = _token_view(q, fm, cu_seqlens, sequence_lengths, max_seqlen, function)
+        name = _resolve(backend or "auto", q, k, cu, max_tokens, scale, False, function)
+        out = _run(name, q, k, v, cu, lengths, max_tokens, scale, False, plan, function)
+    return out.view(*batch_shape, *out.shape[1:]) if reshaped else out
