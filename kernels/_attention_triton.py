@@ -256,6 +256,12 @@ _varlen_attention_fwd_tuned = triton.autotune(
     configs=_NARROW + _WIDE + _FP32, key=["HEAD_DIM", "CAUSAL", "GROUP"], prune_configs_by={"early_config_prune": _prune_configs},
 )(_varlen_attention_fwd)
 
+def new_output(q: torch.Tensor) -> torch.Tensor:
+    """The output buffer. Uninitialised on purpose (the kernel writes every row of every sequence);
+    tests replace it with a NaN-filled one to prove that."""
+    return torch.empty_like(q)
+
+
 # The interpreter cannot time configs; small tiles keep its per-program cost low and still make
 # multi-tile sequences in tests.
 INTERPRET_BLOCKS = (16, 16)
@@ -276,7 +282,7 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     num_kv_heads = k.shape[1]
     batch = cu_seqlens.shape[0] - 1
     if out is None:
-        out = torch.empty_like(q)
+        out = new_output(q)
     if total_tokens == 0 or batch <= 0 or max_seqlen <= 0:
         return out
     d0, d1, d2, d3 = head_dim_parts(head_dim)
