@@ -313,7 +313,7 @@ def launch_shrink(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
         stride_os = ws.stride(0)
     else:
         stride_os = 0
-    block_n = _pow2_clamp(N, 16, 128)
+    block_n = 16 if INTERPRET else _pow2_clamp(N, 16, 128)
     n_blocks_n = triton.cdiv(N, block_n)
     span = max(1, min(max_len, num_tokens))
     args = (x, w, out, seg_indptr, weight_indices, lora_ranks, permutation if permutation is not None else seg_indptr,
@@ -347,7 +347,8 @@ def launch_expand(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
     if num_tokens == 0 or N == 0 or (accumulate and num_segments == 0):
         return
     num_slots = w.shape[0]
-    block_k = _pow2_clamp(max_rank, 16, 64)
+    # Under the interpreter a rank chunk of 8 makes the rank loop run twice at the test ranks.
+    block_k = 8 if INTERPRET else _pow2_clamp(max_rank, 16, 64)
     span = max(1, min(max_len, num_tokens))
     # A fresh output gets one more segment column, which zero-fills the rows no live segment covers.
     columns = num_segments if accumulate else num_segments + 1
