@@ -32,20 +32,23 @@ class DerivedCache:
         self.capacity = capacity
         self._tensors: dict[int, _Slot] = {}
         self._host: dict[Hashable, Any] = {}
+        self._last: Any = None  # the slot most recently moved to the end (a hot slot is not moved again)
 
     # -- tensors ------------------------------------------------------------------------------------
     def get(self, tensor, tag: Hashable) -> Any:
         slot = self._tensors.get(id(tensor))
         if slot is None or slot.ref() is not tensor:
             return MISS
-        if (tensor._version != slot.version or tensor.data_ptr() != slot.data_ptr
-                or tensor.shape != slot.shape):
-            # Written in place (or re-pointed with set_()): every value derived from it is stale.
+        # Same object (the weakref), so shape, dtype and device can only have changed together with
+        # the version (resize_, set_) or the data pointer (``.data =``); comparing those two suffices.
+        if tensor._version != slot.version or tensor.data_ptr() != slot.data_ptr:
+            # Written in place (or re-pointed): every value derived from it is stale.
             slot.values.clear()
             return MISS
         value = slot.values.get(tag, MISS)
-        if value is not MISS:
+        if value is not MISS and slot is not self._last:
             self._tensors[id(tensor)] = self._tensors.pop(id(tensor))  # most recently used goes last
+            self._last = slot
         return value
 
     def put(self, tensor, tag: Hashable, value: Any) -> None:
@@ -53,11 +56,11 @@ class DerivedCache:
         slot = self._tensors.pop(key, None)  # re-inserted below: most recently used goes last
         if slot is None or slot.ref() is not tensor:
             slot = _Slot(weakref.ref(tensor, self._dropper(key)), tensor)
-        elif (tensor._version != slot.version or tensor.data_ptr() != slot.data_ptr
-              or tensor.shape != slot.shape):
+        elif tensor._version != slot.version or tensor.data_ptr() != slot.data_ptr:
             slot = _Slot(slot.ref, tensor)
         slot.values[tag] = value
         self._tensors[key] = slot
+        self._last = slot
         while len(self._tensors) > self.capacity:
             self._tensors.pop(next(iter(self._tensors)), None)
 
@@ -82,6 +85,7 @@ class DerivedCache:
             self._host.pop(next(iter(self._host)), None)
 
     def clear(self) -> None:
+        self._last = None
         self._tensors.clear()
         self._host.clear()
 

@@ -69,7 +69,7 @@ class DerivationEvent:
 
 
 class _Counters:
-    __slots__ = ("host_reads", "device_reads", "cache_hits", "cache_misses", "derivations",
+    __slots__ = ("host_reads", "device_reads", "cache_misses", "derivations", "cached",
                  "checks", "checks_skipped", "events", "hook")
 
     def __init__(self) -> None:
@@ -79,9 +79,9 @@ class _Counters:
     def reset(self) -> None:
         self.host_reads = 0      # tensor values read into Python (a sync when the tensor is on a GPU)
         self.device_reads = 0    # ... of which from a non-CPU device
-        self.cache_hits = 0
         self.cache_misses = 0
-        self.derivations: dict[str, int] = {}
+        self.derivations: dict[str, int] = {}  # fresh derivations by name
+        self.cached: dict[tuple, int] = {}      # cache hits by the tuple of derivation names served
         self.checks = 0          # strict validations run
         self.checks_skipped = 0  # strict value checks skipped (graph capture, compile tracing)
         self.events: collections.deque = collections.deque(maxlen=64)
@@ -99,14 +99,21 @@ def note_read(tensor) -> None:
 def note_derived(function: str, target: str, derivation: str, sources: tuple, *, fresh: bool,
                  host_read: bool) -> None:
     """Count a derived value; a fresh one (not served from the cache) is also an event and a hook call."""
-    counters.derivations[derivation] = counters.derivations.get(derivation, 0) + 1
     if not fresh:
-        counters.cache_hits += 1
+        note_cached(derivation)
         return
+    counters.derivations[derivation] = counters.derivations.get(derivation, 0) + 1
     event = DerivationEvent(function, target, derivation, tuple(sources), host_read)
     counters.events.append(event)
     if counters.hook is not None:
         counters.hook(event)
+
+
+def note_cached(*derivations: str) -> None:
+    """Count values served from the cache (no event, no hook: they were reported when derived).
+    One dict update per call; ``stats()`` spreads the counts over the derivation names."""
+    cached = counters.cached
+    cached[derivations] = cached.get(derivations, 0) + 1
 
 
 def stats() -> dict:
@@ -116,12 +123,18 @@ def stats() -> dict:
     ``checks_skipped`` (strict validations run / skipped under capture or tracing), and ``events``: the
     most recent fresh derivations (``DerivationEvent``), oldest first."""
     c = counters
+    derivations = dict(c.derivations)
+    hits = 0
+    for names, count in c.cached.items():
+        hits += count * len(names)
+        for name in names:
+            derivations[name] = derivations.get(name, 0) + count
     return {
         "host_reads": c.host_reads,
         "device_reads": c.device_reads,
-        "cache_hits": c.cache_hits,
+        "cache_hits": hits,
         "cache_misses": c.cache_misses,
-        "derivations": dict(c.derivations),
+        "derivations": derivations,
         "checks": c.checks,
         "checks_skipped": c.checks_skipped,
         "events": list(c.events),

@@ -6,41 +6,31 @@ missing values derived (named derivations, cached) or a coded ``GuardError`` nam
 """
 from __future__ import annotations
 
-import functools
 import inspect
-import sys
+import itertools
+import operator
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from guardlint.contracts import Contract, get as get_contract
 
 from . import _state
+from ._codegen import accesses, make_wrapper
 from .derive import Context, deriver
 from .errors import GuardError, describe
 from .validate import check_lora, check_varlen
 
-NOT_POSITIONAL = sys.maxsize  # an index no call reaches: the value is looked up in kwargs
+NONES = itertools.repeat(None)
 
 
 class Param:
-    """Where one contract argument sits in the guarded function's signature."""
+    """Where one contract argument goes in the guarded function's signature."""
 
-    __slots__ = ("name", "param", "index", "default", "accepted")
+    __slots__ = ("name", "param", "accepted")
 
-    def __init__(self, name: str, param: str, index: int, default: Any, accepted: bool) -> None:
+    def __init__(self, name: str, param: str, accepted: bool) -> None:
         self.name = name          # the contract's name for it
         self.param = param        # the function's parameter name
-        self.index = index        # positional index, or NOT_POSITIONAL
-        self.default = default    # the signature's default (None when it has none)
         self.accepted = accepted  # can the function receive it (named parameter or **kwargs)?
-
-    def get(self, args: Sequence, kwargs: dict) -> Any:
-        return args[self.index] if self.index < len(args) else kwargs.get(self.param, self.default)
-
-    def put(self, args: list, kwargs: dict, value: Any) -> None:
-        if self.index < len(args):
-            args[self.index] = value
-        else:
-            kwargs[self.param] = value
 
 
 def qualified_name(fn: Callable) -> str:
@@ -57,9 +47,7 @@ def bind(fn: Callable, names: Iterable[str], rename: dict, *, function: Optional
     except (TypeError, ValueError) as exc:
         raise GuardError("GL001", argument="fn", function=function, expected="a function with a signature",
                          got=f"{type(fn).__name__} ({exc})") from None
-    params = list(sig.parameters.values())
-    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
-    positions = {p.name: i for i, p in enumerate(params) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
     names = list(dict.fromkeys(names))
     for key, target in rename.items():
         if key not in names:
@@ -76,10 +64,11 @@ def bind(fn: Callable, names: Iterable[str], rename: dict, *, function: Optional
         param = rename.get(name, name)
         p = sig.parameters.get(param)
         if p is None or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            out[name] = Param(name, param, NOT_POSITIONAL, None, var_kw)
-            continue
-        default = None if p.default is p.empty else p.default
-        out[name] = Param(name, param, positions.get(param, NOT_POSITIONAL), default, True)
+            out[name] = Param(name, param, var_kw)
+        elif p.kind is p.POSITIONAL_ONLY:
+            out[name] = Param(name, param, False)  # derived values are passed by keyword
+        else:
+            out[name] = Param(name, param, True)
     for name in must_accept:
         if not out[name].accepted:
             raise GuardError("GL001", argument=name, function=function,
@@ -128,6 +117,11 @@ def _check_lora_fields(function: str, values: dict) -> None:
 
 
 VALIDATORS = {"GL101": _check_vision, "GL102": _check_vision, "GL201": _check_lora_fields}
+VALIDATED = {
+    "GL101": ("q", "cu_seqlens", "sequence_lengths", "max_seqlen", "forward_metadata"),
+    "GL102": ("q", "cu_seqlens", "sequence_lengths", "max_seqlen", "forward_metadata"),
+    "GL201": ("seg_indptr", "num_segments", "weight_indices", "seg_lens", "max_len"),
+}
 
 
 class _Guard:
@@ -137,12 +131,17 @@ class _Guard:
         self.fn = fn
         self.function = qualified_name(fn)
         self.contracts = contracts
+        # Only what the contracts, their derivations and their value checks read travels to the hook.
         names: list = []
         for c in contracts:
-            names += list(c.params) + [n for g in c.require for n in g]
+            names += [n for g in c.require for n in g]
             for d in c.derivations:
                 names += [d.target, *d.sources]
+            names += VALIDATED.get(c.code, ())
         self.params = bind(fn, names, rename, function=self.function)
+        self.names = tuple(self.params)
+        sig = inspect.signature(fn).parameters
+        self.named = {n for n, p in self.params.items() if p.param in sig}
         self.derivations = {}
         for c in contracts:
             for d in c.derivations:
@@ -161,50 +160,66 @@ class _Guard:
                                  fix="add the parameters with default None, give the function **kwargs, "
                                      "or map names with guard(..., name='parameter')")
             self.groups.append(usable)
-        self.checks = tuple(tuple(tuple((self.params[n].index, self.params[n].param, self.params[n].default)
-                                        for n in g) for g in groups) for groups in self.groups)
         self.validators = tuple(dict.fromkeys(VALIDATORS[c.code] for c in contracts if c.code in VALIDATORS))
+        self.plans: dict = {}  # which names are present -> what to derive (or which contract fails)
 
-    def values(self, args: Sequence, kwargs: dict) -> dict:
-        return {name: p.get(args, kwargs) for name, p in self.params.items()}
+    def fast_expression(self) -> str:
+        """True when every contract has a group whose arguments are all passed and not None."""
+        return " and ".join(
+            "(" + " or ".join("(" + " and ".join(f"{{{n}}} is not None" for n in g) + ")" for g in groups) + ")"
+            for groups in self.groups)
 
-    def validate(self, args: Sequence, kwargs: dict) -> None:
-        values = self.values(args, kwargs)
-        for check in self.validators:
-            check(self.function, values)
+    def hook(self, mode: int, *vals: Any) -> tuple:
+        key = tuple(map(operator.is_not, vals, NONES))  # which arguments are present
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = self._plan(frozenset(n for n, p in zip(self.names, key) if p))
+        values = dict(zip(self.names, vals))
+        if type(plan) is int:
+            raise self._unmet_error(plan, values)
+        counters = _state.counters
+        for name in plan:
+            d, impl, ctx = self.derivations[name]
+            before = counters.host_reads
+            value, fresh = impl(values, d, ctx)
+            if fresh:
+                _state.note_derived(self.function, self.params[name].param, d.name, d.sources, fresh=True,
+                                    host_read=counters.host_reads > before)
+            else:
+                _state.note_cached(d.name)
+            values[name] = value
+        if mode == _state.STRICT:
+            for check in self.validators:
+                check(self.function, values)
+        return tuple(values.values())
 
-    def complete(self, args: tuple, kwargs: dict) -> tuple:
-        """Derive what the unmet contracts miss; return the call's new (args, kwargs)."""
-        values = self.values(args, kwargs)
-        present = {n for n, v in values.items() if v is not None}
-        args = list(args)
+    def _plan(self, present: frozenset):
+        """Names to derive, in order, so that every contract is met (preferring the group that meets the
+        most contracts, then one the function names as parameters over one that would go through
+        ``**kwargs``, then the fewest host reads, then catalog order); or the index of a contract that
+        cannot be met."""
+        present = set(present)
+        plan: list = []
         while True:
-            unmet = [i for i, c in enumerate(self.contracts) if not self._met(i, present)]
+            unmet = [i for i in range(len(self.contracts)) if not self._met(i, present)]
             if not unmet:
-                return tuple(args), kwargs
+                return tuple(plan)
             best = None
             for i in unmet:
                 for rank, group in enumerate(self.groups[i]):
                     missing = [n for n in group if n not in present]
-                    plan = [self.derivations.get(n) for n in missing]
-                    if any(p is None or any(s not in present for s in p[0].sources) for p in plan):
+                    steps = [self.derivations.get(n) for n in missing]
+                    if any(st is None or any(s not in present for s in st[0].sources) for st in steps):
                         continue
                     after = present | set(group)
-                    satisfied = sum(self._met(j, after) for j in unmet)
-                    reads = sum(p[0].host_read for p in plan)
-                    key = (-satisfied, reads, i, rank)
+                    key = (-sum(self._met(j, after) for j in unmet), sum(n not in self.named for n in missing),
+                           sum(st[0].host_read for st in steps), i, rank)
                     if best is None or key < best[0]:
-                        best = (key, missing, plan)
+                        best = (key, missing)
             if best is None:
-                raise self._unmet_error(unmet[0], values)
-            for name, (d, impl, ctx) in zip(best[1], best[2]):
-                before = _state.counters.host_reads
-                value, fresh = impl(values, d, ctx)
-                _state.note_derived(self.function, name, d.name, d.sources, fresh=fresh,
-                                    host_read=_state.counters.host_reads > before)
-                values[name] = value
-                present.add(name)
-                self.params[name].put(args, kwargs, value)
+                return unmet[0]
+            plan += best[1]
+            present.update(best[1])
 
     def _met(self, i: int, present: set) -> bool:
         return any(all(n in present for n in g) for g in self.groups[i])
@@ -213,12 +228,12 @@ class _Guard:
         c = self.contracts[i]
         # The catalog lists the prepared form first and the specific value last: name the specific one.
         group = self.groups[i][-1]
-        name = next(n for n in group if values.get(n) is None)
+        name = next((n for n in group if values.get(n) is None), group[0])
         sources = sorted({s for g in self.groups[i] for n in g if n in self.derivations
                           for s in self.derivations[n][0].sources})
         missing_sources = [s for s in sources if values.get(s) is None]
         got = "None (or not passed)"
-        if sources:
+        if missing_sources:
             got += f"; nothing to derive it from ({', '.join(missing_sources)} missing too)"
         return GuardError(c.code, argument=self.params[name].param, function=self.function,
                           expected=f"{c.requirement_text()} passed and not None", got=got,
@@ -231,40 +246,17 @@ def guard(contract: Union[str, Contract, Sequence[Union[str, Contract]]], **rena
     ``contract`` is a rule code (``"GL101"``), a ``Contract`` or a list (``guard(["GL101", "GL102"])``);
     ``rename`` maps the contract's argument names to the function's parameters
     (``@guard("GL101", cu_seqlens="cu", sequence_lengths="lens")``). A keyword passed as None counts as
-    missing. Derived values are passed as keywords (or in their positional slot when the caller used
-    it), so the function must accept them: a named parameter or ``**kwargs`` (checked at decoration,
-    GuardError GL001 otherwise). Mode ``off`` calls the function directly; ``strict`` also validates
-    the values of the varlen (GL103) and LoRA (GL204) contracts.
+    missing. Derived values are passed in the argument's own slot, so the function must be able to take
+    them: a named parameter or ``**kwargs`` (checked at decoration: GuardError GL001 otherwise). Mode
+    ``off`` calls the function directly; ``strict`` also validates the values of the varlen (GL103) and
+    LoRA (GL204) contracts.
     """
     contracts = _resolve(contract)
 
     def decorate(fn: Callable) -> Callable:
         g = _Guard(fn, contracts, dict(rename))
-        checks = g.checks
-        complete = g.complete
-        validate = g.validate
-
-        @functools.wraps(fn)
-        def guarded(*args, **kwargs):
-            mode = _state.current
-            if not mode:
-                return fn(*args, **kwargs)
-            n = len(args)
-            for groups in checks:
-                for group in groups:
-                    for index, param, default in group:
-                        if (args[index] if index < n else kwargs.get(param, default)) is None:
-                            break
-                    else:
-                        break  # this group is fully present: the contract is met
-                else:
-                    args, kwargs = complete(args, kwargs)
-                    break
-            if mode == _state.STRICT:
-                validate(args, kwargs)
-            return fn(*args, **kwargs)
-
-        guarded.__guardlint__ = g
-        return guarded
+        wrapper = make_wrapper(fn, accesses(fn, g.params), g.names, g.hook, fast=g.fast_expression())
+        wrapper.__guardlint__ = g
+        return wrapper
 
     return decorate

@@ -120,12 +120,17 @@ def _q_shape(values: dict) -> tuple:
     return tuple(shape) if shape is not None else None
 
 
+def _longest(offsets: tuple, count: int) -> int:
+    # max() without default=: torch.compile traces this when a compiled call derives.
+    return max([offsets[i + 1] - offsets[i] for i in range(count)] or [0])
+
+
 def max_of_diff(values: dict, d: Derivation, ctx: Context) -> tuple:
     """The longest sequence as a Python int: one host read per cu_seqlens version."""
     def compute() -> int:
         offsets = _host_offsets(values, d, ctx)
         check_prefix_sums(offsets, d.sources[0], ctx.function, code=ctx.invalid_code)
-        return max((offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)), default=0)
+        return _longest(offsets, len(offsets) - 1)
 
     return _memo(values, d, ctx, ("max_of_diff", ctx.layout, _q_shape(values)), compute)
 
@@ -144,13 +149,19 @@ def max_of_live_diff(values: dict, d: Derivation, ctx: Context) -> tuple:
                              got=repr(n) if type(n) is int else type(n).__name__)
         host = host[:n + 1]
         check_prefix_sums(host, name, ctx.function, code=ctx.invalid_code)
-        return max((host[i + 1] - host[i] for i in range(n)), default=0)
+        return _longest(host, n)
 
     return _memo(values, d, ctx, ("max_of_live_diff", live if type(live) is int else None), compute)
 
 
 def prepare_varlen_cudnn(values: dict, d: Derivation, ctx: Context) -> tuple:
     """The engine's cuDNN plan: packed element indptrs, padded lengths, bucketed max (cached)."""
+    cu, q = values[d.sources[0]], values.get(d.sources[1])
+    if isinstance(cu, torch.Tensor) and not is_compiling():
+        # prepare()'s own cache lookup, without its call and argument checks
+        hit = cache.get(cu, ("meta", "cudnn", True, getattr(q, "shape", None), getattr(q, "device", None)))
+        if hit is not MISS:
+            return hit, False
     return prepare(values[d.sources[0]], values.get(d.sources[1]), layout="cudnn", bucket=True,
                    function=ctx.function, argument=d.sources[0])
 

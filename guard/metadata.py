@@ -280,7 +280,7 @@ def _build(offsets: tuple, *, layout: str, bucket: bool, device: torch.device,
            elements_per_token: Optional[int], argument: str, function: Optional[str]) -> VarlenMetadata:
     B = len(offsets) - 1
     lengths = _lengths(offsets)
-    max_seqlen = max(lengths, default=0)
+    max_seqlen = max(lengths) if lengths else 0
     values = list(offsets) + lengths
     extra: dict = {"padded_batch_size": B}
     if layout == "cudnn":
@@ -325,6 +325,16 @@ def _query_shape(q: Any, function: Optional[str]) -> tuple:
 def prepare(cu_seqlens: Any, q: Any = None, *, layout: str = "tokens", bucket: bool = False,
             function: Optional[str] = None, argument: str = "cu_seqlens") -> tuple:
     """``prepare_varlen_metadata`` that also says whether the result was freshly built (not cached)."""
+    compiling = is_compiling()
+    shape = getattr(q, "shape", None)
+    device = getattr(q, "device", None)
+    # The plan depends on q only through its shape (T, H*D) and device.
+    tag = ("meta", layout, bool(bucket), shape, device)
+    is_tensor = isinstance(cu_seqlens, torch.Tensor)
+    if is_tensor and not compiling:
+        meta = cache.get(cu_seqlens, tag)
+        if meta is not MISS:
+            return meta, False
     if layout not in LAYOUTS:
         raise GuardError("GL103", argument="layout", function=function,
                          expected=" or ".join(repr(x) for x in LAYOUTS), got=repr(layout))
@@ -336,15 +346,9 @@ def prepare(cu_seqlens: Any, q: Any = None, *, layout: str = "tokens", bucket: b
                          got="None")
     else:
         T = HD = None
-        device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu")
-    tag = ("meta", layout, bool(bucket), device, HD, T)
-    compiling = is_compiling()
-    if isinstance(cu_seqlens, torch.Tensor):
+        device = cu_seqlens.device if is_tensor else torch.device("cpu")
+    if is_tensor:
         check_index_tensor(cu_seqlens, argument, function)
-        if not compiling:
-            meta = cache.get(cu_seqlens, tag)
-            if meta is not MISS:
-                return meta, False
         host = read_host(cu_seqlens, argument, function)
         host_key = None
     else:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
+import inspect
+import operator
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -16,7 +18,8 @@ from guardlint.contracts import get as get_contract
 
 from . import _state
 from ._cache import MISS, cache
-from .decorator import NOT_POSITIONAL, bind, qualified_name
+from ._codegen import accesses, make_wrapper
+from .decorator import bind, qualified_name
 from .derive import Context, DERIVERS
 from .errors import GuardError, describe
 from .metadata import VarlenMetadata, check_index_tensor, is_compiling, prepare, read_host
@@ -38,10 +41,6 @@ def _decorator(build: Callable, fn: Optional[Callable], options: dict):
     return lambda f: build(f, **options)
 
 
-def _replace(args: tuple, index: int, value: Any) -> tuple:
-    return args[:index] + (value,) + args[index + 1:]
-
-
 # -- varlen attention -------------------------------------------------------------------------------
 
 def guard_varlen(fn: Optional[Callable] = None, **rename: str):
@@ -59,94 +58,63 @@ def guard_varlen(fn: Optional[Callable] = None, **rename: str):
 
 def _build_varlen(fn: Callable, **rename: str) -> Callable:
     function = qualified_name(fn)
-    p = bind(fn, ("q", "cu_seqlens", "sequence_lengths", "max_seqlen", "metadata"), rename, function=function,
-             must_accept=("q", "cu_seqlens", "sequence_lengths", "max_seqlen"))
-    iQ, nQ = p["q"].index, p["q"].param
-    iC, nC = p["cu_seqlens"].index, p["cu_seqlens"].param
-    iS, nS = p["sequence_lengths"].index, p["sequence_lengths"].param
-    iX, nX = p["max_seqlen"].index, p["max_seqlen"].param
-    iM, nM = p["metadata"].index, p["metadata"].param
+    names = ("q", "cu_seqlens", "sequence_lengths", "max_seqlen", "metadata")
+    p = bind(fn, names, rename, function=function, must_accept=("q", "cu_seqlens", "sequence_lengths", "max_seqlen"))
+    nC, nS, nX = p["cu_seqlens"].param, p["sequence_lengths"].param, p["max_seqlen"].param
     Tensor = torch.Tensor
 
-    def put(args: tuple, kwargs: dict, index: int, name: str, value: Any) -> tuple:
-        if index < len(args):
-            return _replace(args, index, value)
-        kwargs[name] = value
-        return args
-
-    def slow(args: tuple, kwargs: dict, mode: int) -> Any:
-        n = len(args)
-        q = args[iQ] if iQ < n else kwargs.get(nQ)
-        cu = args[iC] if iC < n else kwargs.get(nC)
-        seq = args[iS] if iS < n else kwargs.get(nS)
-        mx = args[iX] if iX < n else kwargs.get(nX)
-        meta = args[iM] if iM < n else kwargs.get(nM)
-        plan = meta if isinstance(meta, VarlenMetadata) else None
-        if meta is not None and plan is None:
-            # Any object with the same fields serves; missing ones are derived below.
-            seq = getattr(meta, "sequence_lengths", None) if seq is None else seq
-            mx = getattr(meta, "max_seqlen", None) if mx is None else mx
-            cu = getattr(meta, "cu_seqlens", None) if cu is None else cu
-        if plan is None and (seq is None or mx is None or (cu is not None and not isinstance(cu, Tensor))):
-            if cu is None:
-                code, name = (GL101, nS) if seq is None else (GL102, nX)
-                raise GuardError(code.code, argument=name, function=function,
-                                 expected="sequence_lengths and max_seqlen, or metadata="
-                                          "prepare_varlen_metadata(cu_seqlens, q), or cu_seqlens to derive them",
-                                 got="None, and cu_seqlens is None too")
-            before = _state.counters.host_reads
-            plan, fresh = prepare(cu, q, layout="tokens", function=function, argument=nC)
-            read = _state.counters.host_reads > before
-            if seq is None:
-                _state.note_derived(function, nS, SEQ_DERIVATION, (nC,), fresh=fresh, host_read=False)
-            if mx is None:
-                _state.note_derived(function, nX, MAX_DERIVATION, (nC,), fresh=fresh, host_read=read)
+    def hook(mode: int, q: Any, cu: Any, seq: Any, mx: Any, meta: Any) -> tuple:
+        if type(meta) is VarlenMetadata:
+            plan = meta
+        else:
+            plan = None
+            if meta is not None:
+                # Any object with the same fields serves; missing ones are derived below.
+                seq = getattr(meta, "sequence_lengths", None) if seq is None else seq
+                mx = getattr(meta, "max_seqlen", None) if mx is None else mx
+                cu = getattr(meta, "cu_seqlens", None) if cu is None else cu
+            if seq is None or mx is None or (cu is not None and not isinstance(cu, Tensor)):
+                if cu is None:
+                    code, name = (GL101, nS) if seq is None else (GL102, nX)
+                    raise GuardError(code.code, argument=name, function=function,
+                                     expected="sequence_lengths and max_seqlen, or metadata=prepare_varlen_metadata("
+                                              "cu_seqlens, q), or cu_seqlens to derive them from",
+                                     got="None, and cu_seqlens is None too")
+                plan = MISS
+                if isinstance(cu, Tensor) and not is_compiling():
+                    # prepare()'s own cache lookup, without its call and argument checks
+                    plan = cache.get(cu, ("meta", "tokens", False, getattr(q, "shape", None),
+                                          getattr(q, "device", None)))
+                fresh = False
+                if plan is MISS:
+                    before = _state.counters.host_reads
+                    plan, fresh = prepare(cu, q, layout="tokens", function=function, argument=nC)
+                if fresh:
+                    if seq is None:
+                        _state.note_derived(function, nS, SEQ_DERIVATION, (nC,), fresh=True, host_read=False)
+                    if mx is None:
+                        _state.note_derived(function, nX, MAX_DERIVATION, (nC,), fresh=True,
+                                            host_read=_state.counters.host_reads > before)
+                elif seq is None and mx is None:
+                    _state.note_cached(SEQ_DERIVATION, MAX_DERIVATION)
+                else:
+                    _state.note_cached(SEQ_DERIVATION if seq is None else MAX_DERIVATION)
         if plan is not None:
-            seq = plan.sequence_lengths if seq is None else seq
-            mx = plan.max_seqlen if mx is None else mx
+            if seq is None:
+                seq = plan.sequence_lengths
+            if mx is None:
+                mx = plan.max_seqlen
             if cu is None or not isinstance(cu, Tensor):
                 cu = plan.cu_seqlens
         if mode == _state.STRICT:
             check_varlen(function, q=q, cu_seqlens=cu, sequence_lengths=seq, max_seqlen=mx, metadata=plan)
-        args = put(args, kwargs, iC, nC, cu)
-        args = put(args, kwargs, iS, nS, seq)
-        args = put(args, kwargs, iX, nX, mx)
-        return fn(*args, **kwargs)
+        return q, cu, seq, mx, meta
 
-    @functools.wraps(fn)
-    def guarded(*args, **kwargs):
-        mode = _state.current
-        if not mode:
-            return fn(*args, **kwargs)
-        n = len(args)
-        meta = args[iM] if iM < n else kwargs.get(nM)
-        if type(meta) is VarlenMetadata and mode != _state.STRICT:
-            # Prepared plan: fill what the caller left out, no host work.
-            if (args[iS] if iS < n else kwargs.get(nS)) is None:
-                if iS < n:
-                    args = _replace(args, iS, meta.sequence_lengths)
-                else:
-                    kwargs[nS] = meta.sequence_lengths
-            if (args[iX] if iX < n else kwargs.get(nX)) is None:
-                if iX < n:
-                    args = _replace(args, iX, meta.max_seqlen)
-                else:
-                    kwargs[nX] = meta.max_seqlen
-            if not isinstance(args[iC] if iC < n else kwargs.get(nC), Tensor):
-                if iC < n:
-                    args = _replace(args, iC, meta.cu_seqlens)
-                else:
-                    kwargs[nC] = meta.cu_seqlens
-            return fn(*args, **kwargs)
-        if (meta is None and mode != _state.STRICT
-                and (args[iS] if iS < n else kwargs.get(nS)) is not None
-                and (args[iX] if iX < n else kwargs.get(nX)) is not None
-                and isinstance(args[iC] if iC < n else kwargs.get(nC), Tensor)):
-            return fn(*args, **kwargs)
-        return slow(args, kwargs, mode)
-
-    guarded.__guardlint__ = ("varlen", p)
-    return guarded
+    fast = ("{metadata} is None and {sequence_lengths} is not None and {max_seqlen} is not None "
+            "and isinstance({cu_seqlens}, _guardlint_Tensor)")
+    wrapper = make_wrapper(fn, accesses(fn, p), names, hook, fast=fast, env={"Tensor": Tensor})
+    wrapper.__guardlint__ = ("varlen", p)
+    return wrapper
 
 
 # -- cuDNN vision attention -------------------------------------------------------------------------
@@ -167,21 +135,13 @@ def guard_cudnn_vision(fn: Optional[Callable] = None, **rename: str):
 
 def _build_cudnn(fn: Callable, **rename: str) -> Callable:
     function = qualified_name(fn)
-    p = bind(fn, ("q", "cu_seqlens", "forward_metadata", "sequence_lengths", "max_seqlen"), rename,
-             function=function, must_accept=("q", "cu_seqlens", "forward_metadata"))
-    iQ, nQ = p["q"].index, p["q"].param
-    iC, nC = p["cu_seqlens"].index, p["cu_seqlens"].param
-    iF, nF = p["forward_metadata"].index, p["forward_metadata"].param
-    iS, nS = p["sequence_lengths"].index, p["sequence_lengths"].param
-    iX, nX = p["max_seqlen"].index, p["max_seqlen"].param
+    names = ("q", "cu_seqlens", "forward_metadata", "sequence_lengths", "max_seqlen")
+    p = bind(fn, names, rename, function=function, must_accept=("q", "cu_seqlens", "forward_metadata"))
+    nF, nS, nX = p["forward_metadata"].param, p["sequence_lengths"].param, p["max_seqlen"].param
+    context = Context(function, GL101.code)
+    derive_meta = DERIVERS[META_DERIVATION.name]
 
-    def slow(args: tuple, kwargs: dict, mode: int) -> Any:
-        n = len(args)
-        q = args[iQ] if iQ < n else kwargs.get(nQ)
-        cu = args[iC] if iC < n else kwargs.get(nC)
-        fm = args[iF] if iF < n else kwargs.get(nF)
-        seq = args[iS] if iS < n else kwargs.get(nS)
-        mx = args[iX] if iX < n else kwargs.get(nX)
+    def hook(mode: int, q: Any, cu: Any, fm: Any, seq: Any, mx: Any) -> tuple:
         if fm is None and (seq is None or mx is None):
             if cu is None:
                 code, name = (GL101, nS) if seq is None else (GL102, nX)
@@ -189,45 +149,39 @@ def _build_cudnn(fn: Callable, **rename: str) -> Callable:
                                  expected=f"{code.requirement_text()} passed and not None, or cu_seqlens "
                                           "to derive forward_metadata from",
                                  got="None, and cu_seqlens is None too", detail=code.diagnosis.message)
-            before = _state.counters.host_reads
-            fm, fresh = DERIVERS[META_DERIVATION.name](
-                {"cu_seqlens": cu, "q": q}, META_DERIVATION, Context(function, GL101.code))
-            _state.note_derived(function, nF, META_DERIVATION.name, META_DERIVATION.sources, fresh=fresh,
-                                host_read=_state.counters.host_reads > before)
+            fm = MISS
+            if isinstance(cu, torch.Tensor) and not is_compiling():
+                fm = cache.get(cu, ("meta", "cudnn", True, getattr(q, "shape", None), getattr(q, "device", None)))
+            fresh = False
+            if fm is MISS:
+                before = _state.counters.host_reads
+                fm, fresh = derive_meta({"cu_seqlens": cu, "q": q}, META_DERIVATION, context)
+            if fresh:
+                _state.note_derived(function, nF, META_DERIVATION.name, META_DERIVATION.sources, fresh=True,
+                                    host_read=_state.counters.host_reads > before)
+            else:
+                _state.note_cached(META_DERIVATION.name)
         elif type(fm) is VarlenMetadata and fm.layout != "cudnn":
+            # Prepared for token-offset kernels: re-plan from its host offsets (no read).
             fm, fresh = prepare(fm.host_cu_seqlens, q, layout="cudnn", bucket=True, function=function,
                                 argument=nF)
-            _state.note_derived(function, nF, META_DERIVATION.name, (nF,), fresh=fresh, host_read=False)
+            if fresh:
+                _state.note_derived(function, nF, META_DERIVATION.name, (nF,), fresh=True, host_read=False)
+            else:
+                _state.note_cached(META_DERIVATION.name)
         if mode == _state.STRICT:
             if fm is not None:
                 check_varlen(function, q=q, cu_seqlens=cu, metadata=fm, layout="cudnn")
             else:
                 check_varlen(function, q=q, cu_seqlens=cu, sequence_lengths=seq, max_seqlen=mx, layout="cudnn")
-        if fm is not None:
-            if iF < n:
-                args = _replace(args, iF, fm)
-            else:
-                kwargs[nF] = fm
-        return fn(*args, **kwargs)
+        return q, cu, fm, seq, mx
 
-    @functools.wraps(fn)
-    def guarded(*args, **kwargs):
-        mode = _state.current
-        if not mode:
-            return fn(*args, **kwargs)
-        if mode != _state.STRICT:
-            n = len(args)
-            fm = args[iF] if iF < n else kwargs.get(nF)
-            if fm is not None:
-                if type(fm) is not VarlenMetadata or fm.layout == "cudnn":
-                    return fn(*args, **kwargs)
-            elif ((args[iS] if iS < n else kwargs.get(nS)) is not None
-                  and (args[iX] if iX < n else kwargs.get(nX)) is not None):
-                return fn(*args, **kwargs)
-        return slow(args, kwargs, mode)
-
-    guarded.__guardlint__ = ("cudnn_vision", p)
-    return guarded
+    fast = ("({forward_metadata} is not None and ({forward_metadata}.__class__ is not _guardlint_VM "
+            "or {forward_metadata}.layout == 'cudnn')) or ({forward_metadata} is None and "
+            "{sequence_lengths} is not None and {max_seqlen} is not None)")
+    wrapper = make_wrapper(fn, accesses(fn, p), names, hook, fast=fast, env={"VM": VarlenMetadata})
+    wrapper.__guardlint__ = ("cudnn_vision", p)
+    return wrapper
 
 
 # -- segmented LoRA ---------------------------------------------------------------------------------
@@ -264,41 +218,102 @@ def _info_copy(info: Any, **changes: Any) -> Any:
     return out
 
 
+def _snapshot(info: Any) -> Optional[tuple]:
+    """The identity of every field of ``info`` and the version of its seg_indptr: when all are the same
+    at the next call, the copy made then is still right."""
+    fields = getattr(info, "__dict__", None)
+    if fields is None:
+        return None
+    seg_indptr = info.seg_indptr
+    version = (seg_indptr._version, seg_indptr.data_ptr()) if isinstance(seg_indptr, torch.Tensor) else None
+    return tuple(fields.values()), version
+
+
+class _Copies:
+    """Completed copies of LoRA batch infos, so 60 layers x several kernels make one copy, not hundreds.
+    Keyed on the caller's object (weakly: an entry dies with it) and checked against a snapshot."""
+
+    def __init__(self, capacity: int = 16) -> None:
+        self.capacity = capacity
+        self.entries: dict = {}
+
+    def get(self, info: Any) -> Any:
+        entry = self.entries.get(id(info))
+        if entry is None or entry[0]() is not info:
+            return None
+        fields, version = entry[1]
+        now = info.__dict__
+        if len(now) != len(fields) or not all(map(operator.is_, now.values(), fields)):
+            return None
+        seg_indptr = info.seg_indptr
+        if version is not None and (seg_indptr._version, seg_indptr.data_ptr()) != version:
+            return None
+        return entry[2]
+
+    def put(self, info: Any, snapshot: Optional[tuple], completed: Any) -> None:
+        if snapshot is None:
+            return
+        try:
+            ref = weakref.ref(info, self._dropper(id(info)))
+        except TypeError:  # __slots__ without __weakref__: no memo, a copy per call
+            return
+        self.entries.pop(id(info), None)
+        self.entries[id(info)] = (ref, snapshot, completed)
+        while len(self.entries) > self.capacity:
+            self.entries.pop(next(iter(self.entries)), None)
+
+    def _dropper(self, key: int):
+        entries = self.entries
+
+        def drop(ref) -> None:
+            entry = entries.get(key)
+            if entry is not None and entry[0] is ref:
+                entries.pop(key, None)
+
+        return drop
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+copies = _Copies()
+
+
 def _build_lora(fn: Callable, *, batch_info: str, x: Optional[str], weights: Optional[str],
                 rank_dim: Optional[int], rank_stack: int) -> Callable:
-    import inspect
-
     function = qualified_name(fn)
     first = next(iter(inspect.signature(fn).parameters), None)
     x = x or first
     if x is None:
         raise GuardError("GL001", argument="x", function=function, expected="a kernel taking x first",
                          got="a function without parameters")
-    names = {"batch_info": batch_info, "x": x}
+    rename = {"batch_info": batch_info, "x": x}
     if weights is not None:
-        names["weights"] = weights
-    p = bind(fn, names, {k: v for k, v in names.items() if k != v}, function=function,
-             must_accept=("batch_info",))
-    if weights is not None and p["weights"].index == NOT_POSITIONAL and not p["weights"].accepted:
-        p.pop("weights")
-    if rank_dim is not None and (type(rank_dim) is not int or "weights" not in p):
+        rename["weights"] = weights
+    p = bind(fn, ("x", "weights", "batch_info"), {k: v for k, v in rename.items() if k != v},
+             function=function, must_accept=("batch_info",))
+    has_weights = weights is not None and p["weights"].accepted and (
+        p["weights"].param in inspect.signature(fn).parameters)
+    if rank_dim is not None and (type(rank_dim) is not int or not has_weights):
         raise GuardError("GL001", argument="rank_dim", function=function,
                          expected="an int dimension of the kernel's weights parameter", got=repr(rank_dim))
     if type(rank_stack) is not int or rank_stack < 1:
         raise GuardError("GL001", argument="rank_stack", function=function, expected="an int >= 1",
                          got=repr(rank_stack))
-    iB, nB = p["batch_info"].index, p["batch_info"].param
-    px, pw = p["x"], p.get("weights")
-    seg_ctx = Context(function, GL201.code)
+    nB = p["batch_info"].param
+    context = Context(function, GL201.code)
+    derive_seg_lens = DERIVERS[SEG_LENS_DERIVATION.name]
+    derive_max_len = DERIVERS[MAX_LEN_DERIVATION.name]
 
-    def derive(info: Any, x_value: Any, mode: int) -> Any:
+    def complete(info: Any, x_value: Any, mode: int) -> Any:
         seg_indptr = info.seg_indptr
         num_segments = info.num_segments
         ml, sl = info.max_len, info.seg_lens
         changes = {}
         if type(ml) is int and ml == 0:
             tokens_exist = getattr(x_value, "shape", (0,))[0] > 0
-            if tokens_exist and seg_indptr is not None:
+            if tokens_exist and isinstance(seg_indptr, torch.Tensor):
+                check_index_tensor(seg_indptr, nB + ".seg_indptr", function, code="GL204")
                 host = read_host(seg_indptr, nB + ".seg_indptr", function)
                 live = num_segments if type(num_segments) is int and 0 <= num_segments < len(host) else -1
                 tokens_exist = host[live] > 0
@@ -318,21 +333,21 @@ def _build_lora(fn: Callable, *, batch_info: str, x: Optional[str], weights: Opt
                                  expected="an integer tensor of segment offsets", got=describe(seg_indptr))
             check_index_tensor(seg_indptr, nB + ".seg_indptr", function, code="GL204")
             values = {"seg_indptr": seg_indptr, "num_segments": num_segments}
+            steps = [(MAX_LEN_DERIVATION, derive_max_len)]
             if sl is None:
+                steps.insert(0, (SEG_LENS_DERIVATION, derive_seg_lens))
+            for d, impl in steps:
                 before = _state.counters.host_reads
-                sl, fresh = DERIVERS[SEG_LENS_DERIVATION.name](values, SEG_LENS_DERIVATION, seg_ctx)
-                _state.note_derived(function, nB + ".seg_lens", SEG_LENS_DERIVATION.name,
-                                    SEG_LENS_DERIVATION.sources, fresh=fresh,
-                                    host_read=_state.counters.host_reads > before)
-                changes["seg_lens"] = sl
-            before = _state.counters.host_reads
-            ml, fresh = DERIVERS[MAX_LEN_DERIVATION.name](values, MAX_LEN_DERIVATION, seg_ctx)
-            _state.note_derived(function, nB + ".max_len", MAX_LEN_DERIVATION.name, MAX_LEN_DERIVATION.sources,
-                                fresh=fresh, host_read=_state.counters.host_reads > before)
-            changes["max_len"] = ml
+                value, fresh = impl(values, d, context)
+                if fresh:
+                    _state.note_derived(function, f"{nB}.{d.target}", d.name, d.sources, fresh=True,
+                                        host_read=_state.counters.host_reads > before)
+                else:
+                    _state.note_cached(d.name)
+                changes[d.target] = value
         return _info_copy(info, **changes) if changes else info
 
-    def strict(info: Any, x_value: Any, w_value: Any) -> None:
+    def check(info: Any, x_value: Any, w_value: Any) -> None:
         tokens = getattr(x_value, "shape", None)
         max_rank = None
         if rank_dim is not None and w_value is not None:
@@ -344,29 +359,33 @@ def _build_lora(fn: Callable, *, batch_info: str, x: Optional[str], weights: Opt
                    num_slots=int(w_value.shape[0]) if getattr(w_value, "shape", None) is not None else None,
                    max_rank=max_rank, prefix=nB + ".")
 
-    @functools.wraps(fn)
-    def guarded(*args, **kwargs):
-        mode = _state.current
-        if not mode:
-            return fn(*args, **kwargs)
-        n = len(args)
-        info = args[iB] if iB < n else kwargs.get(nB)
+    def hook(mode: int, x_value: Any, w_value: Any, info: Any) -> tuple:
         if info is None:
-            raise GuardError(GL201.code, argument=nB, function=function,
-                             expected="a LoRA batch info object", got="None")
+            raise GuardError(GL201.code, argument=nB, function=function, expected="a LoRA batch info object",
+                             got="None")
         ml = info.max_len
-        if mode != _state.STRICT and ml is not None and (ml.__class__ is not int or ml > 0):
-            return fn(*args, **kwargs)
-        x_value = px.get(args, kwargs)
-        new = derive(info, x_value, mode)
-        if mode == _state.STRICT:
-            strict(new, x_value, pw.get(args, kwargs) if pw is not None else None)
-        if new is not info:
-            if iB < n:
-                args = _replace(args, iB, new)
+        if ml is not None and (type(ml) is not int or ml > 0):
+            new = info  # max_len given: nothing to derive
+        else:
+            # Strict mode re-checks the caller's own values (max_len == 0 is an error there).
+            memo = mode == _state.DERIVE and not is_compiling()
+            new = copies.get(info) if memo else None
+            if new is not None:
+                if info.seg_lens is None:
+                    _state.note_cached(SEG_LENS_DERIVATION.name, MAX_LEN_DERIVATION.name)
+                else:
+                    _state.note_cached(MAX_LEN_DERIVATION.name)
             else:
-                kwargs[nB] = new
-        return fn(*args, **kwargs)
+                snapshot = _snapshot(info) if memo else None
+                new = complete(info, x_value, mode)
+                if new is not info and memo:
+                    copies.put(info, snapshot, new)
+        if mode == _state.STRICT:
+            check(new, x_value, w_value if has_weights else None)
+        return x_value, w_value, new
 
-    guarded.__guardlint__ = ("lora", p)
-    return guarded
+    fast = "{batch_info} is not None and ((_guardlint_ml := {batch_info}.max_len).__class__ is int and " \
+           "_guardlint_ml > 0)"
+    wrapper = make_wrapper(fn, accesses(fn, p), ("x", "weights", "batch_info"), hook, fast=fast)
+    wrapper.__guardlint__ = ("lora", p)
+    return wrapper

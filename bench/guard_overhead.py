@@ -1,0 +1,170 @@
+"""CPU cost the guard adds to a call: metadata passed, derived values served from the cache, mode off.
+
+Thread CPU time (``time.thread_time_ns``) of batches of calls, median over many batches, minus the same
+for the undecorated function in the same run (batches interleaved, so drift hits both alike).
+Run: ``.venv/bin/python bench/guard_overhead.py [--batches 300 --calls 2000]``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from _util import env_meta, write_results  # noqa: E402
+from guardlint.guard import (guard, guard_cudnn_vision, guard_lora, guard_varlen, mode,  # noqa: E402
+                             prepare_varlen_metadata, reset_stats, stats)
+
+GOALS_US = {"metadata passed": 1.0, "served from cache": 2.0, "mode off": 0.3}
+
+
+def varlen_attention(q, k, v, cu_seqlens, *, sequence_lengths=None, max_seqlen=None, metadata=None,
+                     softmax_scale=None, causal=False, backend="auto"):
+    return max_seqlen
+
+
+def cudnn_vision_attention(q, k, v, cu_seqlens, bsz, seq_len, softmax_scale=None, forward_metadata=None,
+                           **kwargs):
+    return forward_metadata
+
+
+def sgemm_lora_a(x, weights, batch_info, stack_num=1):
+    return batch_info
+
+
+@dataclasses.dataclass
+class BatchInfo:
+    use_cuda_graph: bool
+    bs: int
+    num_segments: int
+    seg_indptr: torch.Tensor
+    weight_indices: torch.Tensor
+    lora_ranks: torch.Tensor
+    scalings: torch.Tensor
+    max_len: Optional[int]
+    seg_lens: Optional[torch.Tensor]
+    permutation: Optional[torch.Tensor]
+
+
+def per_call_ns(fn, calls: int) -> float:
+    start = time.thread_time_ns()
+    for _ in range(calls):
+        fn()
+    return (time.thread_time_ns() - start) / calls
+
+
+def added_us(guarded_call, raw_call, batches: int, calls: int) -> tuple[float, float, float]:
+    """(added µs, guarded µs, raw µs): medians of per-call thread time over interleaved batches."""
+    for _ in range(3):
+        per_call_ns(guarded_call, calls)
+        per_call_ns(raw_call, calls)
+    g, r = [], []
+    for _ in range(batches):
+        g.append(per_call_ns(guarded_call, calls))
+        r.append(per_call_ns(raw_call, calls))
+    gm, rm = statistics.median(g), statistics.median(r)
+    return (gm - rm) / 1e3, gm / 1e3, rm / 1e3
+
+
+def cases():
+    T, H, D = 1200, 16, 80
+    q = torch.randn(T, H, D)
+    cu = torch.tensor([0, 480, 1200], dtype=torch.int32)
+    meta = prepare_varlen_metadata(cu, q)
+    cudnn_meta = prepare_varlen_metadata(cu, q, layout="cudnn", bucket=True)
+    g_varlen = guard_varlen(varlen_attention)
+    g_cudnn = guard_cudnn_vision(cudnn_vision_attention)
+    g_generic = guard(["GL101", "GL102"])(cudnn_vision_attention)
+    g_lora = guard_lora(sgemm_lora_a)
+    x = torch.randn(1200, 64)
+    w = torch.randn(4, 16, 64)
+    seg_indptr = torch.tensor([0, 480, 1200], dtype=torch.int32)
+    info_given = BatchInfo(False, 2, 2, seg_indptr, torch.tensor([0, 1]), torch.tensor([16, 16, 16, 16]),
+                           torch.ones(4), 720, None, None)
+    info_missing = dataclasses.replace(info_given, max_len=None)
+    # (case, goal key, mode, guarded call, undecorated call)
+    return [
+        ("varlen_attention, metadata passed", "metadata passed", "derive",
+         lambda: g_varlen(q, q, q, cu, metadata=meta),
+         lambda: varlen_attention(q, q, q, cu, metadata=meta, sequence_lengths=meta.sequence_lengths,
+                                  max_seqlen=meta.max_seqlen)),
+        ("varlen_attention, values passed", "metadata passed", "derive",
+         lambda: g_varlen(q, q, q, cu, sequence_lengths=meta.sequence_lengths, max_seqlen=720),
+         lambda: varlen_attention(q, q, q, cu, sequence_lengths=meta.sequence_lengths, max_seqlen=720)),
+        ("cudnn_vision_attention, forward_metadata passed", "metadata passed", "derive",
+         lambda: g_cudnn(q, q, q, cu, 2, 1200, forward_metadata=cudnn_meta),
+         lambda: cudnn_vision_attention(q, q, q, cu, 2, 1200, forward_metadata=cudnn_meta)),
+        ("guard(['GL101','GL102']), forward_metadata passed", "metadata passed", "derive",
+         lambda: g_generic(q, q, q, cu, 2, 1200, forward_metadata=cudnn_meta),
+         lambda: cudnn_vision_attention(q, q, q, cu, 2, 1200, forward_metadata=cudnn_meta)),
+        ("LoRA kernel, max_len passed", "metadata passed", "derive",
+         lambda: g_lora(x, w, info_given), lambda: sgemm_lora_a(x, w, info_given)),
+        ("varlen_attention, cu_seqlens only (cache hit)", "served from cache", "derive",
+         lambda: g_varlen(q, q, q, cu),
+         lambda: varlen_attention(q, q, q, cu, sequence_lengths=meta.sequence_lengths, max_seqlen=720)),
+        ("cudnn_vision_attention, cu_seqlens only (cache hit)", "served from cache", "derive",
+         lambda: g_cudnn(q, q, q, cu, 2, 1200),
+         lambda: cudnn_vision_attention(q, q, q, cu, 2, 1200, forward_metadata=cudnn_meta)),
+        ("guard(['GL101','GL102']), cu_seqlens only (cache hit)", "served from cache", "derive",
+         lambda: g_generic(q, q, q, cu, 2, 1200),
+         lambda: cudnn_vision_attention(q, q, q, cu, 2, 1200, forward_metadata=cudnn_meta)),
+        ("LoRA kernel, max_len and seg_lens None (cache hit + replace)", "served from cache", "derive",
+         lambda: g_lora(x, w, info_missing), lambda: sgemm_lora_a(x, w, info_given)),
+        ("varlen_attention, mode off", "mode off", "off",
+         lambda: g_varlen(q, q, q, cu, metadata=meta), lambda: varlen_attention(q, q, q, cu, metadata=meta)),
+        ("cudnn_vision_attention, mode off", "mode off", "off",
+         lambda: g_cudnn(q, q, q, cu, 2, 1200), lambda: cudnn_vision_attention(q, q, q, cu, 2, 1200)),
+        ("LoRA kernel, mode off", "mode off", "off",
+         lambda: g_lora(x, w, info_missing), lambda: sgemm_lora_a(x, w, info_missing)),
+    ]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, default=300)
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--out-dir", default=None, help="where to write guard_overhead.json/.md")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = []
+    reset_stats()
+    for name, goal_key, m, guarded_call, raw_call in cases():
+        with mode(m):
+            guarded_call()  # first call derives and fills the cache
+            add, g, r = added_us(guarded_call, raw_call, args.batches, args.calls)
+        goal = GOALS_US[goal_key]
+        rows.append({"case": name, "kind": goal_key, "mode": m, "added_us": round(add, 3),
+                     "guarded_us": round(g, 3), "undecorated_us": round(r, 3), "goal_us": goal,
+                     "meets_goal": add <= goal})
+    s = stats()
+    meta = env_meta()
+    meta.update({"cpu": _cpu_name(), "batches": args.batches, "calls_per_batch": args.calls,
+                 "host_reads_during_run": s["host_reads"], "timer": "time.thread_time_ns"})
+    table = write_results("guard_overhead", rows, ["case", "mode", "added_us", "guarded_us", "undecorated_us",
+                                                   "goal_us", "meets_goal"],
+                          meta=meta, title="Guard overhead per call (CPU thread time, µs)",
+                          out_dir=args.out_dir)
+    print(table)
+    return 0 if all(r["meets_goal"] for r in rows) else 1
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+if __name__ == "__main__":
+    sys.exit(main())
