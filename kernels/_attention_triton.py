@@ -252,9 +252,19 @@ def _prune_configs(configs, named_args, **kwargs):
     return configs_for(head_dim, named_args["Q"].element_size())
 
 
-_varlen_attention_fwd_tuned = triton.autotune(
-    configs=_NARROW + _WIDE + _FP32, key=["HEAD_DIM", "CAUSAL", "GROUP"], prune_configs_by={"early_config_prune": _prune_configs},
-)(_varlen_attention_fwd)
+# Two tuners over the same kernel (compiled binaries are shared): batches of short sequences and long
+# ones favour different tiles, so each length class keeps its own pick per (head dim, causal, GQA).
+SHORT_SEQLEN = 1024
+_TUNERS = {
+    length_class: triton.autotune(configs=_NARROW + _WIDE + _FP32, key=["HEAD_DIM", "CAUSAL", "GROUP"],
+                                  prune_configs_by={"early_config_prune": _prune_configs})(_varlen_attention_fwd)
+    for length_class in ("short", "long")
+}
+
+
+def length_class(max_seqlen: int) -> str:
+    return "short" if max_seqlen <= SHORT_SEQLEN else "long"
+
 
 def new_output(q: torch.Tensor) -> torch.Tensor:
     """The output buffer. Uninitialised on purpose (the kernel writes every row of every sequence);
@@ -297,7 +307,7 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         config = (*INTERPRET_BLOCKS, 4, 1)
     if config is None:
         grid = lambda cfg: (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), num_heads, batch)  # noqa: E731
-        _varlen_attention_fwd_tuned[grid](*args, **meta)
+        _TUNERS[length_class(max_seqlen)][grid](*args, **meta)
     else:
         block_m, block_n, num_warps, num_stages = config
         grid = (triton.cdiv(max_seqlen, block_m), num_heads, batch)
@@ -306,9 +316,10 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     return out
 
 
-def best_config(head_dim: int, causal: bool, group: int = 1):
-    """The autotuner's pick for this key, once it has run on the GPU (None before)."""
-    for key, cfg in _varlen_attention_fwd_tuned.cache.items():
-        if key[:3] == (head_dim, causal, group):
-            return cfg
+def tuned_config(head_dim: int, causal: bool, max_seqlen: int, group: int = 1) -> Optional[str]:
+    """The autotuner's pick for this key as text, once it has run on the GPU (None before)."""
+    for key, cfg in _TUNERS[length_class(max_seqlen)].cache.items():
+        if tuple(key[:3]) == (head_dim, causal, group):
+            kw = cfg.kwargs
+            return f"BLOCK_M={kw['BLOCK_M']} BLOCK_N={kw['BLOCK_N']} warps={cfg.num_warps} stages={cfg.num_stages}"
     return None

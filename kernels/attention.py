@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from guardlint.contracts import get as get_contract
 from guardlint.guard import GuardError, describe, guard_cudnn_vision, guard_varlen, prepare_varlen_metadata
 
 from . import _attention_dispatch as dispatch
@@ -58,8 +59,42 @@ def _bad(argument: str, expected: str, got: str, function: str, detail: str = ""
     return GuardError("GL106", argument=argument, expected=expected, got=got, function=function, detail=detail)
 
 
+def _cannot_run(backend: str, q: torch.Tensor, function: str) -> GuardError:
+    """A backend that cannot take these inputs here: GL301 when there is no GPU at all, else GL106."""
+    if backend == "triton" and not torch.cuda.is_available():
+        return GuardError("GL301", argument="backend", function=function, expected="a CUDA device for Triton",
+                          got=f"{backend!r} with q on {q.device} and no GPU driver", detail=_why_not(backend, q))
+    # The catalog's own advice for a backend that cannot run the inputs (not the reshape one).
+    fix = next((s for s in get_contract("GL106").diagnosis.solutions if "backend" in s), None)
+    return GuardError("GL106", argument="backend", function=function, fix=fix,
+                      expected=f"a backend that runs head_dim={q.shape[2]} {q.dtype} on {q.device}",
+                      got=repr(backend), detail=_why_not(backend, q))
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _inputs_fit(q: Any, k: Any, v: Any, cu_seqlens: Any) -> bool:
+    """The common case in one expression (about a microsecond); ``_check_inputs`` says what is wrong."""
+    try:
+        total, heads, head_dim = q.shape
+        kv_total, kv_heads, kv_dim = k.shape
+        dtype = q.dtype
+        device = q.device
+        return (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+                and type(cu_seqlens) is torch.Tensor and v.shape == k.shape and kv_total == total
+                and kv_dim == head_dim and kv_heads > 0 and heads % kv_heads == 0 and head_dim % 16 == 0
+                and 16 <= head_dim <= MAX_HEAD_DIM and dtype in DTYPES and k.dtype is dtype and v.dtype is dtype
+                and cu_seqlens.dtype in _INDEX_DTYPES and cu_seqlens.dim() == 1 and cu_seqlens.numel() > 0
+                and k.device == device and v.device == device and cu_seqlens.device == device)
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
 def _check_inputs(function: str, q: Any, k: Any, v: Any, cu_seqlens: Any) -> None:
     """Shapes, dtypes, devices and head dims, before anything launches. No device reads."""
+    if _inputs_fit(q, k, v, cu_seqlens):
+        return
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise _bad(name, "a torch.Tensor", describe(t), function)
@@ -88,7 +123,7 @@ def _check_inputs(function: str, q: Any, k: Any, v: Any, cu_seqlens: Any) -> Non
                    describe(q), function)
     if not isinstance(cu_seqlens, torch.Tensor):
         raise _bad("cu_seqlens", "an integer tensor of token offsets (B+1,)", describe(cu_seqlens), function)
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in _INDEX_DTYPES:
         raise _bad("cu_seqlens", "a 1-D int32/int64 tensor (B+1,)", describe(cu_seqlens), function)
     if cu_seqlens.device != q.device:
         raise _bad("cu_seqlens", f"q's device {q.device}", describe(cu_seqlens), function,
@@ -165,8 +200,7 @@ def _resolve(backend: str, q, k, cu_seqlens, max_seqlen: int, scale: float, caus
     if backend == "auto" or backend == "flashinfer":
         if q.device.type != "cuda":
             if backend == "flashinfer":
-                raise _bad("backend", "a backend that runs on " + str(q.device), repr(backend), function,
-                           _why_not("flashinfer", q))
+                raise _cannot_run(backend, q, function)
             return "sdpa"
         name, capability = _device_key(q.device)
         only_fi = backend == "flashinfer"
@@ -188,8 +222,7 @@ def _resolve(backend: str, q, k, cu_seqlens, max_seqlen: int, scale: float, caus
                            if _runnable(f"flashinfer-{v}", q, k, scale, causal)), "triton")
         return choice
     if not _runnable(backend, q, k, scale, causal):
-        raise _bad("backend", f"a backend that runs head_dim={q.shape[2]} {q.dtype} on {q.device}",
-                   repr(backend), function, _why_not(backend, q))
+        raise _cannot_run(backend, q, function)
     return backend
 
 
@@ -425,8 +458,7 @@ def cudnn_vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     use_cudnn = (backend in (None, "flashinfer-cudnn") and k.shape[1] == q.shape[1]
                  and _runnable("flashinfer-cudnn", q, k, scale, False))
     if backend == "flashinfer-cudnn" and not use_cudnn:
-        raise _bad("backend", f"a backend that runs head_dim={q.shape[2]} {q.dtype} on {q.device}",
-                   repr(backend), function, _why_not("flashinfer-cudnn", q))
+        raise _cannot_run(backend, q, function)
     if use_cudnn:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         qk_off, v_off, o_off, lengths, max_seqlen = _packed_view(q, k, fm, cu_seqlens, sequence_lengths, max_seqlen)

@@ -1,0 +1,346 @@
+"""Varlen attention on one GPU: correctness against float64, then median times of every backend.
+
+Cases: 6 images of 1024/4096/256/2304/576/8192 tokens and 64 images of 256 tokens, 16 heads, head dim 80
+and 128, bfloat16, non-causal; plus a sweep of 8 images of 256..8192 tokens at head dim 80. Our Triton
+kernel, the SDPA loop and torch's varlen attention run here; each FlashInfer configuration and ``auto``
+run in their own subprocess (bench/_attention_worker.py), since a CUDA fault poisons the context.
+
+    python bench/attention.py [--write-dispatch] [--cases 6img,64x256,sweep] [--no-flashinfer] [--quick]
+    python bench/attention.py --quick --cpu-smoke        # tiny shapes on the CPU: checks the script
+Writes bench/results/attention.{json,md,png} (attention_smoke.* for --cpu-smoke) and, with
+--write-dispatch, kernels/attention_dispatch.json, the table ``backend="auto"`` reads. Prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DISPATCH_OUT = ROOT / "kernels" / "attention_dispatch.json"
+START = time.time()
+
+# Backends this process times; FlashInfer variants and auto go to subprocesses.
+LOCAL = ("triton", "sdpa", "torch-varlen")
+FLASHINFER = ("flashinfer-fa2", "flashinfer-fa3", "flashinfer-cudnn")
+WORKER_TIMEOUT = {"flashinfer-fa3": 330, "flashinfer-fa2": 200, "flashinfer-cudnn": 200, "auto": 240, "warm": 420}
+GOAL_D80_US = 1180.0  # the best D=80 anchor (SDPA loop) for 6 images
+GOAL_D128_RATIO = 1.25
+GOAL_AUTO_RATIO = 1.03
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - START:6.1f}s] {msg}", flush=True)
+
+
+def worker_command(args, *extra) -> list:
+    cmd = [sys.executable, str(HERE / "_attention_worker.py"), *extra, "--warmup", str(args.warmup),
+           "--iters", str(args.iters)]
+    if args.quick:
+        cmd.append("--quick")
+    if args.cpu_smoke:
+        cmd.append("--cpu-smoke")
+    if args.cases:
+        cmd += ["--cases", args.cases]
+    return cmd
+
+
+def parse_worker(proc_out: str, proc_err: str, returncode: int, label: str) -> list:
+    lines = [ln for ln in proc_out.splitlines() if ln.startswith("RESULT ")]
+    if lines:
+        try:
+            return json.loads(lines[-1][len("RESULT "):])
+        except ValueError:
+            pass
+    tail = " | ".join(proc_err.strip().splitlines()[-3:])
+    return [{"error": f"{label} exited with {returncode} and no result: {tail}"[:500]}]
+
+
+def run_worker(args, label: str, extra: list, env: dict | None = None) -> list:
+    log(f"subprocess: {label}")
+    try:
+        proc = subprocess.run(worker_command(args, *extra), capture_output=True, text=True, cwd=ROOT,
+                              timeout=WORKER_TIMEOUT.get(label, 240), env=env)
+    except subprocess.TimeoutExpired as exc:
+        return [{"error": f"{label} timed out after {exc.timeout}s"}]
+    sys.stderr.write(proc.stderr[-4000:])
+    return parse_worker(proc.stdout, proc.stderr, proc.returncode, label)
+
+
+def local_rows(cases, args, cuda: bool, warm_proc) -> list:
+    """Correctness of every local backend first (Triton autotunes here), then the timings."""
+    import torch
+
+    from _attention_cases import make_inputs, max_abs_error, passes, reference, row, time_us
+    from guardlint.kernels import attention, varlen_attention
+    from guardlint.kernels import _attention_triton as triton_path
+
+    device = torch.device("cuda" if cuda else "cpu")
+    checked = {}
+    rows = []
+    for case in cases:
+        q, k, v, cu, offsets, plan = make_inputs(case, device, torch.bfloat16)
+        ref = reference(case, q, k, v, offsets)
+        for backend in LOCAL:
+            if not attention._runnable(backend, q, k, case.head_dim ** -0.5, case.causal):
+                rows.append(row(case, backend, ok=False, note="skipped: " + attention._why_not(backend, q)))
+                continue
+            out = varlen_attention(q, k, v, cu, metadata=plan, backend=backend)
+            err = max_abs_error(out, ref)
+            checked[(case.name, backend)] = err
+            log(f"check {case.name:18s} {backend:13s} max abs error {err:.2e}{'' if passes(err) else '  <-- WRONG'}")
+        del q, k, v, ref
+    if warm_proc is not None:
+        # FlashInfer's JIT build ran beside the checks; wait for it before timing so nothing competes.
+        proc, out_file, err_file = warm_proc
+        try:
+            proc.wait(timeout=max(WORKER_TIMEOUT["warm"] - (time.time() - START), 1))
+            out_file.seek(0)
+            err_file.seek(0)
+            for r in parse_worker(out_file.read(), err_file.read(), proc.returncode, "warm"):
+                log(f"warm: {r}")
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log("warm: timed out; the FlashInfer workers build their own modules")
+        out_file.close()
+        err_file.close()
+    for case in cases:
+        q, k, v, cu, offsets, plan = make_inputs(case, device, torch.bfloat16)
+        for backend in LOCAL:
+            if (case.name, backend) not in checked:
+                continue
+            err = checked[(case.name, backend)]
+            note = ""
+            if backend == "triton" and cuda:
+                note = triton_path.tuned_config(case.head_dim, case.causal, case.max_seqlen) or ""
+            if not passes(err):
+                rows.append(row(case, backend, err=err, note=f"WRONG RESULT (max abs error {err:.3g})"))
+                continue
+            fn = lambda: varlen_attention(q, k, v, cu, metadata=plan, backend=backend)  # noqa: E731
+            t = time_us(fn, cuda=cuda, warmup=args.warmup, iters=args.iters)
+            rows.append(row(case, backend, time=t, err=err, note=note))
+            log(f"time  {case.name:18s} {backend:13s} {t:9.1f} us  {rows[-1]['tflops']:.1f} TFLOP/s {note}")
+        del q, k, v
+    return rows
+
+
+def dispatch_entries(cases, rows, device_name: str, capability: tuple) -> list:
+    from guardlint.kernels.attention import CONCRETE
+
+    entries = []
+    for case in cases:
+        times = {r["backend"]: r["time_us"] for r in rows
+                 if r.get("case") == case.name and r["backend"] in CONCRETE and r.get("ok") and r.get("time_us")}
+        if not times:
+            continue
+        entries.append({
+            "device": device_name, "capability": list(capability), "dtype": "bfloat16", "head_dim": case.head_dim,
+            "causal": case.causal, "case": case.name, "batch": len(case.lengths), "max_seqlen": case.max_seqlen,
+            "total_tokens": case.total_tokens, "times_us": {k: round(v, 2) for k, v in sorted(times.items())},
+            "best": min(times, key=times.get),
+        })
+    return entries
+
+
+def annotate(cases, rows) -> dict:
+    """vs_best for every timed row; returns the best selectable time per case."""
+    from guardlint.kernels.attention import CONCRETE
+
+    best = {}
+    for case in cases:
+        timed = [r for r in rows if r.get("case") == case.name and r.get("ok") and r.get("time_us")]
+        selectable = [r for r in timed if r["backend"] in CONCRETE]
+        if not selectable:
+            continue
+        best[case.name] = min(r["time_us"] for r in selectable)
+        for r in timed:
+            r["vs_best"] = r["time_us"] / best[case.name]
+    return best
+
+
+def goals(cases, rows, best) -> list:
+    def time_of(case, backend):
+        r = next((r for r in rows if r.get("case") == case and r["backend"] == backend and r.get("ok")), None)
+        return r["time_us"] if r and r.get("time_us") else None
+
+    out = []
+    t80 = time_of("6img-d80", "triton")
+    if t80 is not None:
+        out.append((t80 <= GOAL_D80_US, f"Triton 6 images D=80: {t80:.0f} us (goal <= {GOAL_D80_US:.0f} us, "
+                                        f"the best anchor)"))
+    t128 = time_of("6img-d128", "triton")
+    if t128 is not None and "6img-d128" in best:
+        ratio = t128 / best["6img-d128"]
+        out.append((ratio <= GOAL_D128_RATIO, f"Triton 6 images D=128: {t128:.0f} us = {ratio:.2f}x the best "
+                                              f"measured (goal <= {GOAL_D128_RATIO}x)"))
+    worst = None
+    for case in cases:
+        t = time_of(case.name, "auto")
+        if t is None or case.name not in best:
+            continue
+        ratio = t / best[case.name]
+        if worst is None or ratio > worst[0]:
+            worst = (ratio, case.name)
+    if worst is not None:
+        out.append((worst[0] <= GOAL_AUTO_RATIO, f"auto vs best, worst case {worst[1]}: {worst[0]:.3f}x "
+                                                 f"(goal <= {GOAL_AUTO_RATIO}x in every case)"))
+    return out
+
+
+def plot(cases, rows, path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:
+        return f"no plot: matplotlib does not import ({type(exc).__name__})"
+    sweep = [c for c in cases if c.sweep]
+    main = [c for c in cases if not c.sweep]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    ax = axes[0]
+    for backend in ("triton", "auto", "sdpa", "torch-varlen", "fa3-pad128"):
+        pts = [(c.lengths[0], r["tflops"]) for c in sweep for r in rows
+               if r.get("case") == c.name and r["backend"] == backend and r.get("ok") and r.get("tflops")]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=backend)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per image (8 images, 16 heads, D=80)")
+    ax.set_ylabel("TFLOP/s (4 sum L^2 H D / time)")
+    ax.set_title("Sequence-length sweep, bf16")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    ax = axes[1]
+    backends = [b for b in ("triton", "auto", "sdpa", "torch-varlen", *FLASHINFER, "fa3-pad128")
+                if any(r["backend"] == b and r.get("time_us") for r in rows)]
+    width = 0.8 / max(len(backends), 1)
+    for i, backend in enumerate(backends):
+        xs, ys = [], []
+        for j, c in enumerate(main):
+            r = next((r for r in rows if r.get("case") == c.name and r["backend"] == backend and r.get("ok")), None)
+            if r and r.get("time_us"):
+                xs.append(j + i * width)
+                ys.append(r["time_us"] / 1000)
+        ax.bar(xs, ys, width=width, label=backend)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(main))], [c.name for c in main])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per call (median)")
+    ax.set_title("Main cases")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot: {path.relative_to(ROOT)}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", help="comma-separated case-name prefixes (6img, 64x256, sweep, 6img-d80, ...)")
+    parser.add_argument("--no-flashinfer", action="store_true", help="skip the FlashInfer subprocesses")
+    parser.add_argument("--quick", action="store_true", help="fewer iterations and sweep points")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (interpreter, sdpa)")
+    parser.add_argument("--write-dispatch", action="store_true",
+                        help="write kernels/attention_dispatch.json from the measured best per case")
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--iters", type=int)
+    args = parser.parse_args()
+    args.warmup = args.warmup if args.warmup is not None else (3 if args.quick else 10)
+    args.iters = args.iters if args.iters is not None else (10 if args.quick else 50)
+    if args.cpu_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is defined
+    sys.path.insert(0, str(HERE))
+
+    import torch
+
+    from _attention_cases import ANCHORS, all_cases, select
+    from _util import env_meta, write_results
+
+    cuda = torch.cuda.is_available() and not args.cpu_smoke
+    if not cuda and not args.cpu_smoke:
+        print("No CUDA device: run with --cpu-smoke for a CPU check of this script.", file=sys.stderr)
+        return 2
+    cases = select(all_cases(quick=args.quick, smoke=args.cpu_smoke), args.cases)
+    if not cases:
+        print(f"--cases {args.cases!r} matches no case", file=sys.stderr)
+        return 2
+    name = "attention_smoke" if args.cpu_smoke else "attention"
+    meta = env_meta()
+    meta.update(heads=16 if not args.cpu_smoke else 2, dtype="bfloat16", warmup=args.warmup, iters=args.iters,
+                timing="median of per-call CUDA events (bench/_util.cuda_time_us), public API with a prepared plan"
+                if cuda else "host clock, CPU smoke run (not a measurement)")
+    log(f"{len(cases)} cases on {meta.get('gpu', 'cpu')}: {', '.join(c.name for c in cases)}")
+
+    use_fi = not args.no_flashinfer
+    warm_proc = None
+    if use_fi and cuda:
+        # Files, not pipes: JIT build logs could fill a pipe and stall the child.
+        out_file, err_file = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        proc = subprocess.Popen([sys.executable, str(HERE / "_attention_worker.py"), "--warm", "fa2,fa3"],
+                                cwd=ROOT, stdout=out_file, stderr=err_file, text=True)
+        warm_proc = (proc, out_file, err_file)
+    rows = local_rows(cases, args, cuda, warm_proc)
+    errors = []
+    if use_fi:
+        for backend in FLASHINFER:
+            for r in run_worker(args, backend, ["--backend", backend]):
+                (errors if "error" in r else rows).append(r)
+    if cuda:
+        device_name = torch.cuda.get_device_name()
+        capability = tuple(torch.cuda.get_device_capability())
+    else:
+        device_name, capability = "cpu", ()
+    entries = dispatch_entries(cases, rows, device_name, capability)
+    from guardlint.kernels import _attention_dispatch as dispatch
+
+    table = {"version": dispatch.TABLE_VERSION, "meta": meta, "rule": dispatch.RULE, "entries": entries}
+    fresh = Path(tempfile.mkstemp(prefix="attention_dispatch_", suffix=".json")[1])
+    fresh.write_text(json.dumps(table, indent=1) + "\n")
+    env = dict(os.environ, **{dispatch.TABLE_ENV: str(fresh)})
+    for r in run_worker(args, "auto", ["--backend", "auto"], env=env):
+        (errors if "error" in r else rows).append(r)
+    fresh.unlink(missing_ok=True)
+    if args.write_dispatch:
+        out = DISPATCH_OUT if cuda else HERE / "results" / "attention_smoke_dispatch.json"
+        out.write_text(json.dumps(table, indent=1) + "\n")
+        log(f"dispatch table: {out.relative_to(ROOT)} ({len(entries)} entries)")
+
+    best = annotate(cases, rows)
+    outcome = goals(cases, rows, best) if cuda else []
+    columns = ["case", "backend", "time_us", "tflops", "vs_best", "max_abs_err", "note"]
+    order = {b: i for i, b in enumerate(("triton", "auto", "sdpa", "torch-varlen", *FLASHINFER, "fa3-pad128"))}
+    case_order = {c.name: i for i, c in enumerate(cases)}
+    rows.sort(key=lambda r: (case_order.get(r.get("case"), 99), order.get(r.get("backend"), 99)))
+    table_md = write_results(name, rows, columns, meta=meta,
+                             title="Varlen attention, bf16, 16 heads (time in us, median per call)")
+    md = HERE / "results" / f"{name}.md"
+    extra = ["", "## Goals", *[f"- {'PASS' if ok else 'FAIL'}: {text}" for ok, text in outcome]]
+    extra += ["", "## Anchors measured on an H200 (DESIGN.md), us",
+              *[f"- {case}: " + ", ".join(f"{b} {lo}-{hi}" if lo != hi else f"{b} {lo}" for b, (lo, hi) in a.items())
+                for case, a in ANCHORS.items()]]
+    extra += ["", f"Dispatch rule (`backend=\"auto\"`):", "", "```", dispatch.RULE.rstrip(), "```"]
+    if errors:
+        extra += ["", "## Subprocess errors", *[f"- {e['error']}" for e in errors]]
+    with md.open("a") as fh:
+        fh.write("\n".join(extra) + "\n")
+    log(plot(cases, rows, HERE / "results" / f"{name}.png"))
+    wrong = [r for r in rows if str(r.get("note", "")).startswith("WRONG")]
+    for e in errors:
+        print(f"subprocess error: {e['error']}")
+    for ok, text in outcome:
+        print(f"{'PASS' if ok else 'FAIL'}: {text}")
+    if wrong:
+        print("CORRECTNESS FAILURES: " + ", ".join(f"{r['case']}/{r['backend']} (max abs error {r['max_abs_err']:.3g})"
+                                                   for r in wrong))
+    print()
+    print(table_md)
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

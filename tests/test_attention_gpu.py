@@ -1,0 +1,151 @@
+"""varlen_attention on a CUDA device: the compiled Triton kernel against float64 for every head-dim split,
+CUDA-graph capture with a prepared plan, torch.compile, and (each in its own process, since a CUDA fault
+poisons the context) the FlashInfer backends and the cuDNN drop-in. Skipped without CUDA.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from guardlint.guard import GuardError, prepare_varlen_metadata
+from guardlint.kernels import _attention_dispatch as dispatch
+from guardlint.kernels import _attention_triton as triton_path
+from guardlint.kernels import varlen_attention
+from guardlint.kernels._attention_torch import reference_varlen_attention
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 4e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+def make_batch(lengths, heads, kv_heads, head_dim, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    shape = (offsets[-1], heads, head_dim)
+    q = torch.randn(shape, generator=gen, device="cuda").to(dtype)
+    k = torch.randn(shape[0], kv_heads, head_dim, generator=gen, device="cuda").to(dtype)
+    v = torch.randn(shape[0], kv_heads, head_dim, generator=gen, device="cuda").to(dtype)
+    return q, k, v, torch.tensor(offsets, dtype=torch.int32, device="cuda"), offsets
+
+
+def assert_matches(out, q, k, v, offsets, causal, scale=None):
+    scale = q.shape[2] ** -0.5 if scale is None else scale
+    ref = reference_varlen_attention(q, k, v, offsets, scale, causal)
+    assert torch.isfinite(out).all()
+    atol, rtol = TOLERANCE[q.dtype]
+    err = (out.double() - ref).abs()
+    assert (err <= atol + rtol * ref.abs()).all(), f"max abs error {err.max().item():.3g}"
+
+
+@pytest.fixture
+def poisoned_output(monkeypatch):
+    monkeypatch.setattr(triton_path, "new_output", lambda q: torch.full_like(q, float("nan")))
+
+
+LENGTHS = [0, 1, 300, 77, 1024, 129, 0, 513]
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 112, 128, 192, 240, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_triton_bf16_every_head_dim_split(head_dim, causal, poisoned_output):
+    q, k, v, cu, offsets = make_batch(LENGTHS, 8, 2, head_dim, torch.bfloat16, seed=head_dim)
+    out = varlen_attention(q, k, v, cu, causal=causal, backend="triton")
+    assert_matches(out, q, k, v, offsets, causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_triton_other_dtypes(dtype, poisoned_output):
+    q, k, v, cu, offsets = make_batch(LENGTHS, 4, 4, 80, dtype, seed=1)
+    out = varlen_attention(q, k, v, cu, backend="triton", softmax_scale=0.07)
+    assert_matches(out, q, k, v, offsets, False, scale=0.07)
+
+
+def test_triton_runs_inside_cuda_graph_capture_with_a_prepared_plan():
+    q, k, v, cu, offsets = make_batch([200, 0, 64, 333], 16, 16, 80, torch.bfloat16)
+    plan = prepare_varlen_metadata(cu, q)
+    eager = varlen_attention(q, k, v, cu, metadata=plan, backend="triton")  # autotunes before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = varlen_attention(q, k, v, cu, metadata=plan, backend="triton")
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    assert_matches(captured, q, k, v, offsets, False)
+    assert not torch.equal(captured, eager)
+
+
+def test_triton_under_torch_compile():
+    q, k, v, cu, offsets = make_batch([100, 5, 260], 8, 4, 80, torch.bfloat16)
+    lengths = cu[1:] - cu[:-1]
+
+    def forward(q, k, v, cu, lengths):
+        return varlen_attention(q, k, v, cu, sequence_lengths=lengths, max_seqlen=260, backend="triton") + 1
+
+    torch._dynamo.reset()
+    out = torch.compile(forward, fullgraph=True)(q, k, v, cu, lengths)
+    assert_matches(out - 1, q, k, v, offsets, False)
+
+
+def test_auto_without_a_table_runs_triton_on_cuda(tmp_path, monkeypatch):
+    monkeypatch.setenv(dispatch.TABLE_ENV, str(tmp_path / "none.json"))
+    dispatch.reset()
+    try:
+        from guardlint.kernels.attention import select_backend
+
+        q, k, v, cu, _ = make_batch([10, 20], 4, 4, 80, torch.bfloat16)
+        assert select_backend(q, k, cu, 20) == "triton"
+    finally:
+        dispatch.reset()
+
+
+def test_cu_seqlens_on_the_host_is_refused_before_launch():
+    q, k, v, cu, _ = make_batch([10, 20], 4, 4, 80, torch.bfloat16)
+    with pytest.raises(GuardError) as err:
+        varlen_attention(q, k, v, cu.cpu(), max_seqlen=20, sequence_lengths=(cu[1:] - cu[:-1]), backend="triton")
+    assert err.value.code == "GL106" and err.value.argument == "cu_seqlens"
+
+
+# -- FlashInfer: one process per check ---------------------------------------------------------------
+
+ISOLATED = textwrap.dedent("""
+    import json, torch
+    from guardlint.kernels import varlen_attention, cudnn_vision_attention
+    from guardlint.kernels import _attention_flashinfer as fi
+    from guardlint.kernels._attention_torch import reference_varlen_attention
+    backend, head_dim, drop_in = {backend!r}, {head_dim}, {drop_in}
+    variant = backend.split("-", 1)[1]
+    if not fi.supports(variant, head_dim, torch.bfloat16, torch.device("cuda")):
+        print(json.dumps({{"skip": fi.unavailable_reason(torch.device("cuda")) or "unsupported head dim"}}))
+        raise SystemExit
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    offsets = [0, 300, 300, 1324, 1580]
+    q, k, v = (torch.randn(1580, 8, head_dim, generator=gen, device="cuda").bfloat16() for _ in range(3))
+    cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    if drop_in:
+        out = cudnn_vision_attention(q, k, v, cu, 1, 1580)
+    else:
+        out = varlen_attention(q, k, v, cu, backend=backend)
+        out = varlen_attention(q, k, v, cu, backend=backend)  # the cached plan
+    ref = reference_varlen_attention(q, k, v, offsets, head_dim ** -0.5, False)
+    print(json.dumps({{"err": float((out.double() - ref).abs().max()), "finite": bool(torch.isfinite(out).all())}}))
+""")
+
+
+@pytest.mark.parametrize("backend,head_dim,drop_in", [
+    ("flashinfer-fa2", 128, False), ("flashinfer-fa3", 128, False), ("flashinfer-fa3", 64, False),
+    ("flashinfer-cudnn", 128, False), ("flashinfer-cudnn", 128, True),
+])
+def test_flashinfer_backend_matches_float64(backend, head_dim, drop_in):
+    code = ISOLATED.format(backend=backend, head_dim=head_dim, drop_in=drop_in)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    assert result["finite"] and result["err"] < 2e-2, result
