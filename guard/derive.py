@@ -21,11 +21,12 @@ from .metadata import (_upload, check_index_tensor, check_prefix_sums, host_sequ
 class Context:
     """Where a derivation runs: the guarded function's name and the contract's code."""
 
-    __slots__ = ("function", "code")
+    __slots__ = ("function", "code", "prefix")
 
-    def __init__(self, function: str, code: str) -> None:
+    def __init__(self, function: str, code: str, prefix: str = "") -> None:
         self.function = function
         self.code = code
+        self.prefix = prefix  # how errors name the arguments, e.g. "batch_info." for LoRA fields
 
     @property
     def invalid_code(self) -> str:
@@ -51,8 +52,8 @@ def _target_device(values: dict, source: Any) -> torch.device:
 
 def _host_offsets(values: dict, d: Derivation, ctx: Context) -> tuple:
     """Token offsets of the derivation's first source, on the host (one cached read for a tensor)."""
-    name = d.sources[0]
-    src = values[name]
+    src = values[d.sources[0]]
+    name = ctx.prefix + d.sources[0]
     if isinstance(src, torch.Tensor):
         check_index_tensor(src, name, ctx.function, code=ctx.invalid_code)
         host = read_host(src, name, ctx.function)
@@ -70,8 +71,8 @@ def _host_offsets(values: dict, d: Derivation, ctx: Context) -> tuple:
 
 def diff(values: dict, d: Derivation, ctx: Context) -> tuple:
     """``src[1:] - src[:-1]`` as int32, on the device; no host read."""
-    name = d.sources[0]
-    src = values[name]
+    src = values[d.sources[0]]
+    name = ctx.prefix + d.sources[0]
     compiling = is_compiling()
     if isinstance(src, torch.Tensor):
         check_index_tensor(src, name, ctx.function, code=ctx.invalid_code)
@@ -106,7 +107,7 @@ def _memo(values: dict, d: Derivation, ctx: Context, tag: tuple, compute: Callab
         value = compute()
         cache.put(src, tag, value)
         return value, True
-    key = tag + (host_sequence(src, d.sources[0], ctx.function, code=ctx.invalid_code),)
+    key = tag + (host_sequence(src, ctx.prefix + d.sources[0], ctx.function, code=ctx.invalid_code),)
     hit = cache.get_host(key)
     if hit is not MISS:
         return hit, False
@@ -129,7 +130,7 @@ def max_of_diff(values: dict, d: Derivation, ctx: Context) -> tuple:
     """The longest sequence as a Python int: one host read per cu_seqlens version."""
     def compute() -> int:
         offsets = _host_offsets(values, d, ctx)
-        check_prefix_sums(offsets, d.sources[0], ctx.function, code=ctx.invalid_code)
+        check_prefix_sums(offsets, ctx.prefix + d.sources[0], ctx.function, code=ctx.invalid_code)
         return _longest(offsets, len(offsets) - 1)
 
     return _memo(values, d, ctx, ("max_of_diff", ctx.layout, _q_shape(values)), compute)
@@ -137,14 +138,14 @@ def max_of_diff(values: dict, d: Derivation, ctx: Context) -> tuple:
 
 def max_of_live_diff(values: dict, d: Derivation, ctx: Context) -> tuple:
     """The longest live segment (the first ``num_segments``) as a Python int."""
-    name = d.sources[0]
+    name = ctx.prefix + d.sources[0]
     live = values.get(d.sources[1]) if len(d.sources) > 1 else None
 
     def compute() -> int:
         host = _host_offsets(values, d, ctx)
         n = len(host) - 1 if live is None else live
         if type(n) is not int or not 0 <= n <= len(host) - 1:
-            raise GuardError(ctx.invalid_code, argument=d.sources[1], function=ctx.function,
+            raise GuardError(ctx.invalid_code, argument=ctx.prefix + d.sources[1], function=ctx.function,
                              expected=f"an int in [0, {len(host) - 1}] (live segments of {name})",
                              got=repr(n) if type(n) is int else type(n).__name__)
         host = host[:n + 1]

@@ -39,6 +39,7 @@ class GuardError(ValueError, RuntimeError):
         self.expected = expected
         self.got = got
         self.function = function
+        self.detail = detail
         try:
             contract = _get_contract(code)
         except KeyError:
@@ -57,8 +58,10 @@ class GuardError(ValueError, RuntimeError):
         super().__init__(text)
 
     def __reduce__(self):
-        return (_rebuild, (self.code, self.argument, self.expected, self.got, self.function, self.fix))
+        return (_rebuild, (self.code, self.argument, self.expected, self.got, self.function, self.fix,
+                           self.detail))
 
 
-def _rebuild(code, argument, expected, got, function, fix):
-    return GuardError(code, argument=argument, expected=expected, got=got, function=function, fix=fix)
+def _rebuild(code, argument, expected, got, function, fix, detail=""):
+    return GuardError(code, argument=argument, expected=expected, got=got, function=function, fix=fix,
+                      detail=detail)

@@ -208,17 +208,12 @@ def token_offsets(values: Sequence[int], *, layout: str, total_tokens: Optional[
     """
     T, HD = total_tokens, elements_per_token
     if layout == "cudnn":
-        tokens_fit = values[-1] == T
+        tokens_fit = values[-1] == T and values[0] == 0 and first_decrease(values) is None
         s = packed_sections(values)
-        packed_fit = s is not None and values[s - 1] == T * HD
-        if tokens_fit and packed_fit:
-            raise GuardError("GL107", argument=argument, function=function,
-                             expected="offsets that are unambiguously token offsets (B+1,) or packed "
-                                      "element indptrs (3(B+1),)",
-                             got=f"a {len(values)}-entry sequence that reads as both (T={T}, H*D={HD})",
-                             fix="pass token offsets (B+1,) and prepare with prepare_varlen_metadata("
-                                 "cu_seqlens, q, layout=\"cudnn\")")
-        if packed_fit:
+        # With tokens present both readings cannot fit (packed sections restart at 0, valid token
+        # offsets do not); with none, every reading describes empty sequences: take the plain one.
+        packed_fit = s is not None and values[s - 1] == T * HD and T > 0
+        if packed_fit and not tokens_fit:
             section = values[:s]
             check_prefix_sums(section, argument, function, what="element offsets")
             bad = next((i for i, v in enumerate(section) if v % HD), None)

@@ -301,7 +301,7 @@ def _build_lora(fn: Callable, *, batch_info: str, x: Optional[str], weights: Opt
         raise GuardError("GL001", argument="rank_stack", function=function, expected="an int >= 1",
                          got=repr(rank_stack))
     nB = p["batch_info"].param
-    context = Context(function, GL201.code)
+    context = Context(function, GL201.code, prefix=nB + ".")
     derive_seg_lens = DERIVERS[SEG_LENS_DERIVATION.name]
     derive_max_len = DERIVERS[MAX_LEN_DERIVATION.name]
 

@@ -13,8 +13,8 @@ import torch
 from . import _state
 from ._cache import MISS, cache
 from .errors import GuardError, describe
-from .metadata import (VarlenMetadata, capturing, check_index_tensor, host_sequence, is_compiling,
-                       token_offsets)
+from . import metadata as _metadata
+from .metadata import VarlenMetadata, check_index_tensor, host_sequence, is_compiling, token_offsets
 
 
 def read_together(tensors: Sequence[torch.Tensor]) -> Optional[list]:
@@ -31,7 +31,7 @@ def read_together(tensors: Sequence[torch.Tensor]) -> Optional[list]:
     if not todo:
         return out
     first = tensors[todo[0]]
-    if capturing(first.device):
+    if _metadata.capturing(first.device):
         return None
     flat = torch.cat([tensors[i].reshape(-1).to(torch.int64) for i in todo]) if len(todo) > 1 \
         else tensors[todo[0]].reshape(-1)

@@ -205,9 +205,15 @@ def test_prepare_cudnn_rejects_packed_with_differing_sections():
     assert code_of(lambda: prepare_varlen_metadata(bad, q, layout="cudnn"))[0] == "GL103"
 
 
-def test_prepare_cudnn_rejects_ambiguous_offsets():
-    q = qkv(0, 2, 64)  # [0, 0, 0] is 2 empty sequences or 1 packed empty batch
-    assert code_of(lambda: prepare_varlen_metadata([0, 0, 0], q, layout="cudnn"))[0] == "GL107"
+def test_prepare_cudnn_reads_empty_offsets_as_tokens():
+    q = qkv(0, 2, 64)  # [0, 0, 0]: 2 empty sequences, or packed indptrs of 0 sequences; no tokens either way
+    assert prepare_varlen_metadata([0, 0, 0], q, layout="cudnn").batch_size == 2
+
+
+def test_prepare_cudnn_one_element_per_token_is_unambiguous():
+    q = qkv(12, 1, 1)  # T*H*D == T: token offsets and a packed form end at the same value
+    assert prepare_varlen_metadata([0, 5, 12], q, layout="cudnn").host_cu_seqlens == (0, 5, 12)
+    assert prepare_varlen_metadata([0, 5, 12] * 3, q, layout="cudnn").host_cu_seqlens == (0, 5, 12)
 
 
 def test_prepare_cudnn_needs_q():
