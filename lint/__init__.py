@@ -1,1 +1,38 @@
-"""placeholder"""
+"""The static half of guardlint: a libcst linter whose rules are generated from the contract catalog.
+
+Importing this package is cheap (no libcst, no torch): the engine loads when something is checked.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Finding": "findings",
+    "Fix": "findings",
+    "RuleSet": "rules",
+    "build_rules": "rules",
+    "Settings": "config",
+    "load_settings": "config",
+    "UsageError": "config",
+    "Report": "runner",
+    "lint_paths": "runner",
+    "lint_source": "runner",
+    "rules_for": "runner",
+    "FileResult": "engine",
+    "check_source": "engine",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'guardlint.lint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

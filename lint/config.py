@@ -1,0 +1,264 @@
+"""``[tool.guardlint]`` settings: rule selection, excludes, per-file ignores and user contracts.
+
+Found in the nearest ``pyproject.toml`` with a ``[tool.guardlint]`` table upward from the first path
+(or the working directory), or given with ``--config``. Errors name the key and exit with 2.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+from guardlint.contracts import ConfigError, Contract, all_contracts, contract_from_config
+
+KEYS = ("select", "ignore", "exclude", "per-file-ignores", "contracts")
+DEFAULT_EXCLUDE = (".git", ".venv", "venv", "__pycache__", "build", "dist", "node_modules", ".tox", ".eggs")
+_SELECTOR = re.compile(r"^GL\d{0,3}$")
+
+
+class UsageError(ValueError):
+    """A command-line problem (unknown rule code, missing path); exit code 2."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    root: Path
+    config_path: Optional[Path] = None
+    select: tuple[str, ...] = ("GL",)
+    ignore: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    per_file_ignores: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    contracts: tuple[Contract, ...] = field(default=())
+
+    def selected(self, code: str) -> bool:
+        return any(code.startswith(s) for s in self.select) and not any(code.startswith(i) for i in self.ignore)
+
+    def known_codes(self) -> set[str]:
+        return {c.code for c in (*all_contracts(), *self.contracts)}
+
+
+# -- gitignore-like globs -----------------------------------------------------------------------------
+def _glob_to_regex(pattern: str) -> str:
+    out = []
+    i = 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("/**", i) and i + 3 == len(pattern):
+            out.append("(?:/.*)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif ch == "*":
+            out.append("[^/]*")
+            i += 1
+        elif ch == "?":
+            out.append("[^/]")
+            i += 1
+        elif ch == "[":
+            end = pattern.find("]", i + 1)
+            if end == -1:
+                out.append(re.escape(ch))
+                i += 1
+            else:
+                body = pattern[i + 1:end]
+                if body.startswith("!"):
+                    body = "^" + body[1:]
+                out.append(f"[{body}]")
+                i = end + 1
+        else:
+            out.append(re.escape(ch))
+            i += 1
+    return "".join(out)
+
+
+@dataclass(frozen=True)
+class Glob:
+    """One pattern, matched like a .gitignore line against a path relative to the project root: with
+    no ``/`` inside it matches a name at any depth, with one it is anchored at the root; a trailing
+    ``/`` matches directories only; ``*`` stays within a path segment, ``**`` crosses them."""
+
+    pattern: str
+    regex: re.Pattern
+    dir_only: bool
+
+    @classmethod
+    def compile(cls, pattern: str, key: str = "exclude") -> "Glob":
+        p = pattern.strip()
+        if not p:
+            raise ConfigError(f"{key}: empty pattern")
+        if p.startswith("!"):
+            raise ConfigError(f"{key}: negated patterns ({pattern!r}) are not supported")
+        dir_only = p.endswith("/")
+        p = p.rstrip("/")
+        if p.startswith("./"):
+            p = p[2:]
+        anchored = "/" in p
+        p = p.lstrip("/")
+        body = _glob_to_regex(p)
+        rx = ("^" if anchored else "^(?:.*/)?") + body + "$"
+        return cls(pattern, re.compile(rx), dir_only)
+
+    def matches(self, rel: str, is_dir: bool) -> bool:
+        if self.dir_only and not is_dir:
+            return False
+        return bool(self.regex.match(rel))
+
+
+class PathMatcher:
+    def __init__(self, patterns: Iterable[str], key: str = "exclude"):
+        self.globs = tuple(Glob.compile(p, key) for p in patterns)
+
+    def matches(self, rel: str, is_dir: bool = False) -> bool:
+        """True when ``rel`` or one of its parent directories matches (a .gitignore'd directory hides
+        everything below it)."""
+        if not self.globs:
+            return False
+        parts = rel.split("/")
+        for i in range(1, len(parts) + 1):
+            sub = "/".join(parts[:i])
+            d = is_dir or i < len(parts)
+            if any(g.matches(sub, d) for g in self.globs):
+                return True
+        return False
+
+
+def relative_to_root(path: Path, root: Path) -> str:
+    """``path`` relative to ``root`` in posix form; outside the root, the path as given."""
+    try:
+        return path.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return path.as_posix().lstrip("/")
+
+
+# -- loading ----------------------------------------------------------------------------------------
+def _load_toml(path: Path) -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError:
+            raise ConfigError(f"{path}: reading TOML needs Python 3.11 or the tomli package") from None
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+
+
+def find_config(start: Path) -> Optional[Path]:
+    """The nearest pyproject.toml with a [tool.guardlint] table, from ``start`` upward."""
+    d = start.resolve()
+    if not d.is_dir():
+        d = d.parent
+    for folder in (d, *d.parents):
+        candidate = folder / "pyproject.toml"
+        if candidate.is_file():
+            try:
+                data = _load_toml(candidate)
+            except ConfigError:
+                # A broken pyproject.toml that is not ours to read is not our error; one with our
+                # table is (it is reported when read below).
+                if b"[tool.guardlint" in candidate.read_bytes():
+                    return candidate
+                continue
+            if "guardlint" in data.get("tool", {}):
+                return candidate
+    return None
+
+
+def _table(path: Path) -> dict:
+    data = _load_toml(path)
+    tool = data.get("tool")
+    if isinstance(tool, dict) and "guardlint" in tool:
+        table = tool["guardlint"]
+    elif path.name == "pyproject.toml":
+        table = {}
+    else:
+        table = data  # a dedicated file (guardlint.toml) holds the table itself
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: tool.guardlint: expected a table, got {type(table).__name__}")
+    return table
+
+
+def _codes(value: Any, key: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{key}: expected a list of rule codes or prefixes (strings), got "
+                          f"{type(value).__name__}: {value!r}")
+    out = []
+    for v in value:
+        v = v.strip().upper()
+        if not _SELECTOR.match(v):
+            raise ConfigError(f"{key}: {v!r} is not a rule code or prefix (like 'GL101' or 'GL1')")
+        out.append(v)
+    return tuple(out)
+
+
+def _patterns(value: Any, key: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{key}: expected a list of glob patterns (strings), got "
+                          f"{type(value).__name__}: {value!r}")
+    PathMatcher(value, key)  # validates
+    return tuple(value)
+
+
+def settings_from_table(table: dict, root: Path, config_path: Optional[Path] = None) -> Settings:
+    where = f"{config_path}: tool.guardlint" if config_path else "tool.guardlint"
+    unknown = sorted(set(table) - set(KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(KEYS)})")
+    select = _codes(table["select"], f"{where}.select") if "select" in table else ("GL",)
+    ignore = _codes(table.get("ignore", []), f"{where}.ignore")
+    exclude = DEFAULT_EXCLUDE + _patterns(table.get("exclude", []), f"{where}.exclude")
+    pfi_raw = table.get("per-file-ignores", {})
+    if not isinstance(pfi_raw, dict):
+        raise ConfigError(f"{where}.per-file-ignores: expected a table of pattern = [codes], got "
+                          f"{type(pfi_raw).__name__}: {pfi_raw!r}")
+    per_file = []
+    for pattern, codes in pfi_raw.items():
+        key = f"{where}.per-file-ignores.{pattern!r}"
+        _patterns([pattern], key)
+        per_file.append((pattern, _codes(codes, key)))
+    raw_contracts = table.get("contracts", [])
+    if not isinstance(raw_contracts, list):
+        raise ConfigError(f"{where}.contracts: expected an array of tables ([[tool.guardlint.contracts]]), "
+                          f"got {type(raw_contracts).__name__}")
+    try:
+        contracts = tuple(contract_from_config(raw, i) for i, raw in enumerate(raw_contracts))
+    except ConfigError as e:
+        raise ConfigError(f"{config_path}: {e}" if config_path else str(e)) from None
+    settings = Settings(root=root, config_path=config_path, select=select, ignore=ignore, exclude=exclude,
+                        per_file_ignores=tuple(per_file), contracts=contracts)
+    check_codes(settings, select, f"{where}.select")
+    check_codes(settings, ignore, f"{where}.ignore")
+    return settings
+
+
+def check_codes(settings: Settings, codes: Sequence[str], key: str, error=ConfigError) -> None:
+    known = settings.known_codes()
+    for code in codes:
+        if len(code) == 5 and code not in known:
+            raise error(f"{key}: unknown rule code {code!r} (known: {', '.join(sorted(known))})")
+
+
+def load_settings(paths: Sequence[str] = (), config: Optional[str] = None, cwd: Optional[Path] = None) -> Settings:
+    """Settings for a run over ``paths``: from ``config`` if given, else the nearest configuration."""
+    cwd = Path(cwd) if cwd else Path.cwd()
+    if config:
+        path = Path(config)
+        if not path.is_file():
+            raise ConfigError(f"--config: {config}: no such file")
+        return settings_from_table(_table(path), path.resolve().parent, path)
+    first = next((p for p in paths if p != "-"), None)
+    start = (cwd / first) if first else cwd
+    found = find_config(start if start.exists() else cwd)
+    if found is None:
+        return Settings(root=cwd)
+    return settings_from_table(_table(found), found.resolve().parent, found)

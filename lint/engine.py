@@ -1,0 +1,641 @@
+"""The lint engine for one file: parse with libcst, walk once, resolve callees, check the contracts.
+
+Files are parsed by CPython's ``ast`` first: it is ~6x cheaper than libcst, gives CPython's own
+syntax-error messages, refuses the deeply nested input that crashes libcst's native parser (a
+segfault would take the whole run down), and its call positions spare libcst's PositionProvider,
+which costs about 2.5x the parse.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import libcst as cst
+
+from guardlint.contracts import Contract, get as _builtin_contract
+
+from . import suppress
+from .findings import Finding
+from .names import ClassInfo, FuncInfo, Ref, Resolver, Scope, Binding, dotted, is_none
+from .patterns import PATTERNS
+from .rules import REPLACE_FUNCTIONS, RuleSet
+from .walk import Walker
+
+MAX_BYTES = 10 * 1024 * 1024
+_NEWLINE = re.compile(r"\r\n|\r|\n")
+
+
+@dataclass
+class FileResult:
+    """Findings of one file. ``module`` (and ``nodes``, the node of each finding) are kept on
+    request for a fixer; they do not cross process boundaries."""
+
+    path: str
+    findings: list[Finding]
+    parsed: bool = False
+    module: Optional[cst.Module] = None
+    nodes: list = field(default_factory=list)
+
+
+@dataclass
+class RawFinding:
+    node: cst.Call
+    contract: Contract
+    message: str
+    severity: str
+    # Index into ``node.args`` when the finding is about one argument (reported at that argument).
+    arg: Optional[int] = None
+
+
+# -- collection: one walk fills the scopes and lists the calls ------------------------------------------
+class Collector:
+    """Bindings per scope, ``self.<attr> = <call>`` per class, attribute stores per function, and every
+    call with the scope it is made in. ``seq`` orders bindings, calls and stores in source order."""
+
+    def __init__(self, module_name: Optional[str] = None, is_package: bool = False):
+        self.module_name = module_name
+        self.is_package = is_package
+        self.module = Scope("module", None)
+        self.scope = self.module
+        self.func: Optional[FuncInfo] = None
+        self.seq = 0
+        self.calls: list[cst.Call] = []
+        self.sites: list[tuple[cst.Call, Scope, int, Optional[FuncInfo]]] = []
+        # id(call) -> the dotted name its result was assigned to (``info = C(...)`` -> "info").
+        self.assigned: dict[int, str] = {}
+        self._bodies: dict[int, Scope] = {}
+        self._restore: list[tuple[Scope, Optional[FuncInfo]]] = []
+
+    def _next(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def bind(self, name: str, kind: str, value=None, scope: Optional[Scope] = None) -> None:
+        s = scope or self.scope
+        if name in s.nonlocal_names:
+            return
+        if name in s.global_names:
+            s = self.module
+        s.bindings.setdefault(name, []).append(Binding(self._next(), kind, value))
+
+    # imports
+    def visit_Import(self, node: cst.Import) -> None:
+        for alias in node.names:
+            full = dotted(alias.name)
+            if full is None:
+                continue
+            if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
+                self.bind(alias.asname.name.value, "import", full)
+            else:
+                head = full.split(".", 1)[0]
+                self.bind(head, "import", head)
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+        base: Optional[str] = dotted(node.module) if node.module is not None else ""
+        if node.relative:
+            base = self._absolute(base or "", len(node.relative))
+        if isinstance(node.names, cst.ImportStar):
+            if base:
+                self.module.star_modules.append(base)
+            return
+        for alias in node.names:
+            name = dotted(alias.name)
+            if name is None:
+                continue
+            bound = name
+            if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
+                bound = alias.asname.name.value
+            if base:
+                self.bind(bound, "import", f"{base}.{name}")
+            else:
+                self.bind(bound, "local")
+
+    def _absolute(self, module: str, level: int) -> Optional[str]:
+        if not self.module_name:
+            return None
+        parts = self.module_name.split(".")
+        if not self.is_package:
+            parts = parts[:-1]
+        if level - 1 > len(parts):
+            return None
+        parts = parts[: len(parts) - (level - 1)]
+        if module:
+            parts.append(module)
+        return ".".join(parts) or None
+
+    # definitions and scopes
+    def _push(self, scope: Scope, func: Optional[FuncInfo] = None) -> None:
+        self._restore.append((self.scope, self.func))
+        self.scope = scope
+        if func is not None:
+            self.func = func
+
+    def _pop(self, node=None) -> None:
+        self.scope, self.func = self._restore.pop()
+
+    def _qualname(self, name: str) -> Optional[str]:
+        if self.scope is self.module and self.module_name:
+            return f"{self.module_name}.{name}"
+        return None
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        name = node.name.value
+        info = FuncInfo(name, [d.decorator for d in node.decorators], self.scope, self.seq + 1, self.func,
+                        self._qualname(name))
+        self.bind(name, "def", info)
+        inner = Scope("function", self.scope, info)
+        p = node.params
+        positional = [*p.posonly_params, *p.params]
+        if (self.scope.kind == "class" and positional
+                and not any(dotted(d) in ("staticmethod", "classmethod") for d in info.decorators)):
+            inner.bindings[positional[0].name.value] = [Binding(self._next(), "self", self.scope.info)]
+            positional = positional[1:]
+        rest = [*positional, *p.kwonly_params]
+        for star in (p.star_arg, p.star_kwarg):
+            if isinstance(star, cst.Param):
+                rest.append(star)
+        for param in rest:
+            self.bind(param.name.value, "local", scope=inner)
+        # Decorators, defaults and annotations are evaluated outside; the body runs inside.
+        self._bodies[id(node.body)] = inner
+        self._restore.append((self.scope, self.func))
+
+    def leave_FunctionDef(self, node) -> None:
+        self._pop()
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        name = node.name.value
+        info = ClassInfo(name, self._qualname(name))
+        self.bind(name, "def", info)
+        self._bodies[id(node.body)] = Scope("class", self.scope, info)
+        self._restore.append((self.scope, self.func))
+
+    def leave_ClassDef(self, node) -> None:
+        self._pop()
+
+    def _enter_body(self, node) -> None:
+        scope = self._bodies.pop(id(node), None)
+        if scope is not None:
+            self.scope = scope
+            if isinstance(scope.info, FuncInfo):
+                self.func = scope.info
+
+    visit_IndentedBlock = _enter_body
+    visit_SimpleStatementSuite = _enter_body
+
+    def visit_Lambda(self, node: cst.Lambda) -> None:
+        inner = Scope("lambda", self.scope)
+        p = node.params
+        for param in (*p.posonly_params, *p.params, *p.kwonly_params, p.star_arg, p.star_kwarg):
+            if isinstance(param, cst.Param):
+                self.bind(param.name.value, "local", scope=inner)
+        self._push(inner)
+
+    leave_Lambda = _pop
+
+    def _enter_comprehension(self, node) -> None:
+        inner = Scope("comp", self.scope)
+        self._push(inner)
+        comp = node.for_in
+        while comp is not None:
+            self._target(comp.target, None)
+            comp = comp.inner_for_in
+
+    visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _enter_comprehension
+    leave_ListComp = leave_SetComp = leave_DictComp = leave_GeneratorExp = _pop
+
+    def visit_Global(self, node: cst.Global) -> None:
+        self.scope.global_names.update(n.name.value for n in node.names)
+
+    def visit_Nonlocal(self, node: cst.Nonlocal) -> None:
+        self.scope.nonlocal_names.update(n.name.value for n in node.names)
+
+    # assignments
+    def visit_Assign(self, node: cst.Assign) -> None:
+        for t in node.targets:
+            self._target(t.target, node.value)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        if node.value is not None:
+            self._target(node.target, node.value)
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        self._target(node.target, None)
+
+    def visit_For(self, node: cst.For) -> None:
+        self._target(node.target, None)
+
+    def visit_WithItem(self, node: cst.WithItem) -> None:
+        if node.asname is not None:
+            self._target(node.asname.name, None)
+
+    def visit_ExceptHandler(self, node: cst.ExceptHandler) -> None:
+        if node.name is not None and isinstance(node.name.name, cst.Name):
+            self.bind(node.name.name.value, "local")
+
+    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
+        if isinstance(node.target, cst.Name):
+            self.bind(node.target.value, "local", scope=self.scope.function_scope())
+
+    def visit_MatchAs(self, node) -> None:
+        if node.name is not None:
+            self.bind(node.name.value, "local")
+
+    def _target(self, target: cst.BaseExpression, value: Optional[cst.BaseExpression]) -> None:
+        if isinstance(target, cst.Name):
+            if isinstance(value, cst.Call):
+                self.bind(target.value, "call", (value.func, self.scope, self.seq + 1))
+                self.assigned[id(value)] = target.value
+            elif not is_none(value):
+                # ``X = None`` is a placeholder (``except ImportError: X = None``), not a new meaning.
+                self.bind(target.value, "local")
+        elif isinstance(target, cst.Attribute):
+            obj = dotted(target.value)
+            if obj is None:
+                return
+            attr = target.attr.value
+            self.scope.function_scope().attr_stores.append((self._next(), obj, attr, is_none(value)))
+            if isinstance(value, cst.Call):
+                self.assigned[id(value)] = f"{obj}.{attr}"
+                cls = self._self_class(obj)
+                if cls is not None:
+                    cls.attrs.setdefault(attr, []).append((value.func, self.scope, self.seq))
+        elif isinstance(target, (cst.Tuple, cst.List)):
+            for el in target.elements:
+                self._target(el.value, None)
+        elif isinstance(target, cst.StarredElement):
+            self._target(target.value, None)
+
+    def _self_class(self, obj: str) -> Optional[ClassInfo]:
+        binds = self.scope.function_scope().bindings.get(obj)
+        if binds and binds[0].kind == "self":
+            return binds[0].value
+        return None
+
+    # calls
+    def visit_Call(self, node: cst.Call) -> None:
+        self.calls.append(node)
+        self.sites.append((node, self.scope, self._next(), self.func))
+
+
+# -- checking: calls against contracts ---------------------------------------------------------------
+@dataclass
+class BoundArgs:
+    """A call's arguments bound to parameter names (by keyword, and by position through ``params``)."""
+
+    values: dict
+    positional: int = 0
+    star: bool = False
+    double_star: bool = False
+
+    @property
+    def splat(self) -> str:
+        return " and ".join(s for s, on in (("*args", self.star), ("**kwargs", self.double_star)) if on)
+
+    def present(self) -> set[str]:
+        return {k for k, v in self.values.items() if not is_none(v)}
+
+    def explicit_none(self) -> set[str]:
+        return {k for k, v in self.values.items() if is_none(v)}
+
+
+def bind_args(call: cst.Call, params: tuple[str, ...]) -> BoundArgs:
+    bound = BoundArgs({})
+    index = 0
+    for arg in call.args:
+        if arg.star == "*":
+            bound.star = True
+        elif arg.star == "**":
+            bound.double_star = True
+        elif arg.keyword is not None:
+            bound.values[arg.keyword.value] = arg.value
+        else:
+            bound.positional += 1
+            # After *args the position of what follows is unknown.
+            if not bound.star and index < len(params):
+                bound.values[params[index]] = arg.value
+            index += 1
+    return bound
+
+
+def _alternatives(groups) -> str:
+    items = ["+".join(g) for g in groups]
+    if len(items) == 1:
+        return f"does not pass {items[0]}"
+    if len(items) == 2:
+        return f"passes neither {items[0]} nor {items[1]}"
+    return "passes none of " + ", ".join(items[:-1]) + f" or {items[-1]}"
+
+
+def _none_note(names) -> str:
+    if not names:
+        return ""
+    verb = "counts" if len(names) == 1 else "count"
+    return f" ({', '.join(f'{n}=None' for n in names)} {verb} as missing)"
+
+
+def _stem(message: str) -> str:
+    """A diagnosis message as the head of a longer one (``... or seg_lens.`` -> ``... or seg_lens``)."""
+    return message.rstrip(" .")
+
+
+def _top(name: str) -> str:
+    return name.split(".", 1)[0]
+
+
+def _code(node: cst.CSTNode) -> str:
+    if isinstance(node, (cst.Integer, cst.Float, cst.Name)):
+        return node.value
+    return cst.Module([]).code_for_node(node)
+
+
+def _literal_equal(node: cst.BaseExpression, literal: str) -> bool:
+    text = _code(node).strip()
+    try:
+        a, b = ast.literal_eval(text), ast.literal_eval(literal)
+        return type(a) is type(b) and a == b
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return text == literal.strip()
+
+
+class Checker:
+    def __init__(self, rules: RuleSet, collector: Collector, strict: bool = False):
+        self.rules = rules
+        self.c = collector
+        self.strict = strict
+        known = {*rules.by_callee, *rules.by_instance, *REPLACE_FUNCTIONS}
+        self.resolver = Resolver(collector.module, rules.by_instance, known)
+        # Only calls whose last name is one of these can reach a contract; the rest are not resolved.
+        names = {q.rsplit(".", 1)[-1] for q in known} | {"forward"}
+        self._attr_names: set[str] = set()
+        for scope_bindings in self._all_bindings():
+            names.update(n for n, bs in scope_bindings.items() if any(b.kind == "call" for b in bs))
+        self._names = names
+
+    def _all_bindings(self):
+        seen = set()
+        for _, scope, _, _ in self.c.sites:
+            s = scope
+            while s is not None and id(s) not in seen:
+                seen.add(id(s))
+                yield s.bindings
+                if isinstance(s.info, ClassInfo):
+                    self._attr_names.update(s.info.attrs)
+                s = s.parent
+
+    def run(self) -> list[RawFinding]:
+        out: list[RawFinding] = []
+        names = self._names
+        for node, scope, seq, func in self.c.sites:
+            f = node.func
+            last = f.attr.value if isinstance(f, cst.Attribute) else f.value if isinstance(f, cst.Name) else None
+            if last is not None and last not in names and last not in self._attr_names:
+                continue
+            ref = self.resolver.resolve(f, scope, seq)
+            if ref is None:
+                continue
+            if ref.kind == "qual":
+                if ref.qual in REPLACE_FUNCTIONS and self.rules.replace_contracts:
+                    self._check_replace(node, scope, seq, out)
+                contracts = self.rules.by_callee.get(ref.qual, ())
+                label = ref.qual.rsplit(".", 1)[-1] + "(...)"
+            elif ref.kind == "inst" and ref.method in ("", "forward"):
+                contracts = self.rules.by_instance.get(ref.qual, ())
+                short = ref.qual.rsplit(".", 1)[-1]
+                label = f"{short}.forward(...)" if ref.method else f"{short}(...)"
+            else:
+                continue
+            if not contracts:
+                continue
+            guarded = ref.guarded or self.resolver.inside_guarded(func)
+            for contract in contracts:
+                self._check(contract, node, scope, seq, label, guarded, out)
+        return out
+
+    def _check(self, c: Contract, node, scope, seq, label, guarded, out) -> None:
+        bound = bind_args(node, c.params)
+        diag = _stem(c.diagnosis.message)
+        if c.kind == "call":
+            if guarded:  # the guard derives what is missing at runtime
+                return
+            missing = self._missing(c, bound.present(), node, scope, seq)
+            if missing is None:
+                return
+            if bound.star or bound.double_star:
+                self._unknown(c, node, label, bound, out)
+                return
+            nones = [n for g in c.require for n in g if _top(n) in bound.explicit_none()]
+            out.append(RawFinding(node, c, f"{diag}: {label} {_alternatives(c.require)}"
+                                  f"{_none_note(list(dict.fromkeys(nones)))}", c.severity))
+        elif c.kind == "positional":
+            if bound.positional:
+                n = bound.positional
+                out.append(RawFinding(node, c, f"{diag}: {label} passes {n} positional argument"
+                                      f"{'s' if n != 1 else ''}", c.severity))
+            elif bound.star:
+                self._unknown(c, node, label, bound, out)
+        elif c.kind == "value":
+            for name, literal in c.forbidden_values:
+                value = bound.values.get(name)
+                if value is not None and _literal_equal(value, literal):
+                    arg = next(i for i, a in enumerate(node.args) if a.value is value)
+                    out.append(RawFinding(node, c, f"{diag}: {label} passes {name}={literal}", c.severity, arg))
+
+    def _missing(self, c: Contract, present: set[str], node, scope, seq):
+        items = {n for g in c.require for n in g if _top(n) in present}
+        missing = c.missing_groups(items)
+        if missing is not None and c.satisfied_by_later_assignment:
+            later = self._stored_later(node, scope, seq)
+            if later:
+                items |= {n for g in c.require for n in g if _top(n) in later}
+                missing = c.missing_groups(items)
+        return missing
+
+    def _stored_later(self, node, scope: Scope, seq: int) -> set[str]:
+        """Attributes set to a non-None value on the call's result, later in the same function."""
+        target = self.c.assigned.get(id(node))
+        if target is None:
+            return set()
+        return {attr for sq, obj, attr, none in scope.function_scope().attr_stores
+                if obj == target and sq > seq and not none}
+
+    def _unknown(self, c: Contract, node, label, bound: BoundArgs, out) -> None:
+        if self.strict:
+            out.append(RawFinding(node, c, f"{_stem(c.diagnosis.message)}: {label} could not be checked: "
+                                  f"it passes {bound.splat}", "warning"))
+
+    def _check_replace(self, node: cst.Call, scope, seq, out) -> None:
+        """``dataclasses.replace(obj, max_len=None, seg_lens=None)`` empties every group of a contract."""
+        if any(arg.star for arg in node.args):
+            return
+        nones = {arg.keyword.value for arg in node.args if arg.keyword is not None and is_none(arg.value)}
+        label = (dotted(node.func) or "replace").rsplit(".", 1)[-1] + "(...)"
+        for c in self.rules.replace_contracts:
+            if not c.require or not all(any(_top(n) in nones for n in g) for g in c.require):
+                continue
+            later = self._stored_later(node, scope, seq)
+            if later and c.missing_groups({n for g in c.require for n in g if _top(n) in later}) is None:
+                continue
+            named = list(dict.fromkeys(n for g in c.require for n in g if _top(n) in nones))
+            out.append(RawFinding(node, c, f"{_stem(c.diagnosis.message)}: {label} sets "
+                                  + " and ".join(f"{n}=None" for n in named), c.severity))
+
+
+# -- positions -------------------------------------------------------------------------------------
+def _ast_dotted(node: ast.AST) -> Optional[str]:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return None
+
+
+def _positions(module: cst.Module, tree: Optional[ast.AST], calls: list, raw: list, data: bytes):
+    """(line, column, end_line, end_column, call_line) of each finding: 1-based, end exclusive, columns
+    in characters; the range of the argument a finding is about, else of the call."""
+    if tree is not None:
+        found = _positions_from_ast(module, tree, calls, raw, data)
+        if found is not None:
+            return found
+    from libcst.metadata import MetadataWrapper, PositionProvider
+
+    positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
+    out = []
+    for r in raw:
+        call = positions[r.node]
+        p = call if r.arg is None else positions[r.node.args[r.arg]]
+        out.append((p.start.line, p.start.column + 1, p.end.line, p.end.column + 1, call.start.line))
+    return out
+
+
+def _positions_from_ast(module, tree, calls, raw, data):
+    # Pre-order of a tree whose children are in source order is the order of start positions,
+    # an enclosing call before the calls it starts with (``f(x)(y)``): sort CPython's calls so.
+    acalls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    if len(acalls) != len(calls):
+        return None
+    acalls.sort(key=lambda n: (n.lineno, n.col_offset, -n.end_lineno, -n.end_col_offset))
+    index = {id(n): i for i, n in enumerate(calls)}
+    lines = _NEWLINE.split(data.decode(module.encoding))
+    out = []
+    for r in raw:
+        a = acalls[index[id(r.node)]]
+        if _ast_dotted(a.func) != dotted(r.node.func):
+            return None
+        p = a
+        if r.arg is not None:
+            # CPython keeps positional and keyword arguments apart; in source order they are libcst's.
+            args = sorted([*a.args, *a.keywords], key=lambda n: (n.lineno, n.col_offset))
+            if len(args) != len(r.node.args):
+                return None
+            p = args[r.arg]
+        out.append((p.lineno, _column(lines, p.lineno, p.col_offset),
+                    p.end_lineno, _column(lines, p.end_lineno, p.end_col_offset), a.lineno))
+    return out
+
+
+def _column(lines: list[str], lineno: int, byte_offset: int) -> int:
+    """CPython counts columns in UTF-8 bytes; findings count characters."""
+    line = lines[lineno - 1] if 0 < lineno <= len(lines) else ""
+    if line.isascii():
+        return byte_offset + 1
+    return len(line.encode("utf-8")[:byte_offset].decode("utf-8", errors="ignore")) + 1
+
+
+# -- one file --------------------------------------------------------------------------------------
+def file_error(path: str, detail: str, line: Optional[int] = 1, column: Optional[int] = 1) -> FileResult:
+    c = _builtin_contract("GL000")
+    line = max(int(line or 1), 1)
+    column = max(int(column or 1), 1)
+    f = Finding(path, line, column, c.code, f"{c.diagnosis.message}: {detail}", c.name, c.severity,
+                line, column)
+    return FileResult(path, [f])
+
+
+def _too_nested(e: SyntaxError) -> bool:
+    msg = str(e.msg or "")
+    return "too many nested" in msg or "too complex" in msg or "too many statically nested" in msg
+
+
+def _pattern_visitor(contract: Contract, report: Callable):
+    module, cls = PATTERNS[contract.code].visitor.split(":")
+    return getattr(importlib.import_module(f"guardlint.lint.{module}"), cls)(contract, report)
+
+
+def check_source(data: bytes, path: str, rules: RuleSet, *, strict: bool = False,
+                 module_name: Optional[str] = None, is_package: bool = False,
+                 keep_module: bool = False) -> FileResult:
+    """Findings of one file's bytes (PEP 263 cookies and a UTF-8 BOM are honoured).
+
+    ``module_name`` (dotted, from the file's package) resolves relative imports and makes this
+    file's own module-level definitions targets when their qualified name is one. Never raises for
+    a problem of the file: those are GL000 findings.
+    """
+    try:
+        return _check_source(data, path, rules, strict, module_name, is_package, keep_module)
+    except RecursionError:
+        return file_error(path, "nested too deeply to check")
+    except MemoryError:
+        return file_error(path, "out of memory while checking")
+
+
+def _check_source(data, path, rules, strict, module_name, is_package, keep_module) -> FileResult:
+    if len(data) > MAX_BYTES:
+        return file_error(path, f"file too large to check ({len(data) / 1e6:.1f} MB; the limit is "
+                                f"{MAX_BYTES // (1024 * 1024)} MB)")
+    tree = None
+    syntax_error: Optional[SyntaxError] = None
+    try:
+        tree = ast.parse(data, filename=path)
+    except SyntaxError as e:
+        if _too_nested(e):
+            return file_error(path, e.msg, e.lineno, e.offset)
+        syntax_error = e
+    except (RecursionError, MemoryError):
+        return file_error(path, "nested too deeply to parse")
+    except ValueError as e:  # null bytes
+        return file_error(path, str(e))
+    try:
+        module = cst.parse_module(data)
+    except Exception as e:  # ParserSyntaxError, decoding errors, unknown encodings
+        if syntax_error is not None:
+            return file_error(path, syntax_error.msg, syntax_error.lineno, syntax_error.offset)
+        if isinstance(e, cst.ParserSyntaxError):
+            return file_error(path, e.message.strip().splitlines()[0], e.raw_line, e.raw_column + 1)
+        return file_error(path, f"{type(e).__name__}: {e}")
+
+    collector = Collector(module_name, is_package)
+    raw: list[RawFinding] = []
+    visitors: list[object] = [collector]
+    for contract in rules.patterns:
+        visitors.append(_pattern_visitor(
+            contract, lambda node, message, c=contract: raw.append(RawFinding(node, c, message, c.severity))))
+    Walker(visitors).walk(module)
+    raw.extend(Checker(rules, collector, strict).run())
+    result = FileResult(path, [], parsed=True, module=module if keep_module else None)
+    if not raw:
+        return result
+
+    positions = _positions(module, tree, collector.calls, raw, data)
+    table = suppress.suppressions(data) if suppress.may_suppress(data) else None
+    seen = set()
+    for r, (line, col, end_line, end_col, call_line) in sorted(zip(raw, positions), key=lambda x: x[1]):
+        code = r.contract.code
+        # A multi-line call is suppressed on its first line or on the finding's own lines.
+        if table and suppress.is_suppressed(table, code, (line, end_line, call_line)):
+            continue
+        key = (line, col, code, r.message)
+        if key in seen:
+            continue
+        seen.add(key)
+        result.findings.append(Finding(path, line, col, code, r.message, r.contract.name, r.severity,
+                                       end_line, end_col))
+        if keep_module:
+            result.nodes.append(r.node)
+    return result

@@ -1,0 +1,212 @@
+"""Scopes and bindings of one file: resolves a call's callee to a qualified import name.
+
+Why not libcst's ``QualifiedNameProvider``: it is exact but costs about 7x the parse (scope analysis
+of every name in the file; ``bench/lint_speed.py`` measures both on the same tree), while the contract
+targets only need the imports of a file (module- and function-level, aliases, relative and star
+imports), the names that shadow them (def, class, assignment, parameter, loop and with targets,
+``global``) and the instances made from targets (``attn = C()``, ``self.attn = C()``). This table is
+filled during the one walk that also finds the calls, and resolved lazily per call afterwards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import libcst as cst
+
+
+class FuncInfo:
+    """A ``def``: its decorators (resolved after the walk) and the enclosing function."""
+
+    __slots__ = ("name", "decorators", "def_scope", "def_seq", "parent", "qualname", "_guarded")
+
+    def __init__(self, name, decorators, def_scope, def_seq, parent, qualname):
+        self.name = name
+        self.decorators = decorators
+        self.def_scope = def_scope
+        self.def_seq = def_seq
+        self.parent: Optional[FuncInfo] = parent
+        self.qualname: Optional[str] = qualname
+        self._guarded: Optional[bool] = None
+
+
+class ClassInfo:
+    """A ``class``: what each ``self.<attr> = <call>`` stored, across all its methods."""
+
+    __slots__ = ("name", "qualname", "attrs")
+
+    def __init__(self, name: str, qualname: Optional[str]):
+        self.name = name
+        self.qualname = qualname
+        self.attrs: dict[str, list[tuple[cst.BaseExpression, "Scope", int]]] = {}
+
+
+@dataclass
+class Binding:
+    """``kind``: import (value: qualname), def (FuncInfo/ClassInfo), call (``x = f(...)``; value:
+    (callee expression, scope, seq)), self (the method's first parameter; value: ClassInfo), local."""
+
+    seq: int
+    kind: str
+    value: object = None
+
+
+@dataclass(eq=False)
+class Scope:
+    kind: str  # module | class | function | lambda | comp
+    parent: Optional["Scope"]
+    info: Union[FuncInfo, ClassInfo, None] = None
+    bindings: dict[str, list[Binding]] = field(default_factory=dict)
+    global_names: set[str] = field(default_factory=set)
+    nonlocal_names: set[str] = field(default_factory=set)
+    star_modules: list[str] = field(default_factory=list)
+    # (seq, dotted object, attribute, value is None) for ``obj.attr = value`` in this function.
+    attr_stores: list[tuple[int, str, str, bool]] = field(default_factory=list)
+
+    def function_scope(self) -> "Scope":
+        """The scope whose statements run together: comprehensions and lambdas belong to it."""
+        s = self
+        while s.kind in ("comp", "lambda") and s.parent is not None:
+            s = s.parent
+        return s
+
+
+@dataclass(frozen=True)
+class Ref:
+    """What a callee expression is: ``qual`` (an import or a module-level def of this file, with its
+    qualified name), ``inst`` (an instance of class ``qual``; ``method`` is the attribute called on
+    it, '' for the instance itself) or ``self`` (a method's self, of class ``cls``)."""
+
+    kind: str
+    qual: str = ""
+    method: str = ""
+    guarded: bool = False
+    cls: Optional[ClassInfo] = None
+
+
+def dotted(expr: cst.BaseExpression) -> Optional[str]:
+    """``a.b.c`` for a Name/Attribute chain, else None."""
+    parts = []
+    while isinstance(expr, cst.Attribute):
+        parts.append(expr.attr.value)
+        expr = expr.value
+    if isinstance(expr, cst.Name):
+        parts.append(expr.value)
+        return ".".join(reversed(parts))
+    return None
+
+
+def is_none(expr: Optional[cst.BaseExpression]) -> bool:
+    return isinstance(expr, cst.Name) and expr.value == "None"
+
+
+GUARD_PACKAGE = "guardlint.guard"
+_MAX_DEPTH = 8  # x = f(); y = x; ... chains longer than this are not followed
+
+
+class Resolver:
+    """Resolves callee expressions against the scopes filled by ``engine.Collector``."""
+
+    def __init__(self, module: Scope, instance_targets, known_targets):
+        self.module = module
+        self.instance_targets = instance_targets
+        self.known_targets = known_targets
+
+    # -- names ---------------------------------------------------------------------------------
+    def lookup(self, scope: Scope, name: str, seq: int) -> Optional[Binding]:
+        s: Optional[Scope] = scope
+        direct = True  # still in the scope (or comprehension) where the name is used
+        while s is not None:
+            if s.kind == "class" and not direct:
+                s = s.parent
+                continue
+            if name in s.global_names:
+                s, direct = self.module, False
+            elif name in s.nonlocal_names:
+                s, direct = s.parent, False
+                continue
+            binds = s.bindings.get(name)
+            if binds:
+                if direct:
+                    before = [b for b in binds if b.seq < seq]
+                    return before[-1] if before else binds[-1]
+                # A function body runs after its enclosing scope has finished binding.
+                return binds[-1]
+            if s.kind != "comp":
+                direct = False
+            s = s.parent
+        return None
+
+    def resolve(self, expr: cst.BaseExpression, scope: Scope, seq: int, depth: int = 0) -> Optional[Ref]:
+        if depth > _MAX_DEPTH:
+            return None
+        if isinstance(expr, cst.Name):
+            return self._resolve_name(expr.value, scope, seq, depth)
+        if isinstance(expr, cst.Attribute):
+            base = self.resolve(expr.value, scope, seq, depth + 1)
+            if base is None:
+                return None
+            attr = expr.attr.value
+            if base.kind == "qual":
+                return Ref("qual", f"{base.qual}.{attr}")
+            if base.kind == "inst" and not base.method:
+                return Ref("inst", base.qual, method=attr)
+            if base.kind == "self":
+                for value, s, sq in base.cls.attrs.get(attr, ()):
+                    made = self._instance_made_by(value, s, sq, depth + 1)
+                    if made is not None:
+                        return made
+            return None
+        if isinstance(expr, cst.Call):
+            return self._instance_made_by(expr.func, scope, seq, depth + 1)
+        return None
+
+    def _instance_made_by(self, callee, scope, seq, depth) -> Optional[Ref]:
+        ref = self.resolve(callee, scope, seq, depth)
+        if ref is not None and ref.kind == "qual" and ref.qual in self.instance_targets:
+            return Ref("inst", ref.qual)
+        return None
+
+    def _resolve_name(self, name: str, scope: Scope, seq: int, depth: int) -> Optional[Ref]:
+        b = self.lookup(scope, name, seq)
+        if b is None:
+            # ``from m import *``: the name may come from any of them; only a known target counts.
+            for m in self.module.star_modules:
+                q = f"{m}.{name}"
+                if q in self.known_targets:
+                    return Ref("qual", q)
+            return None
+        if b.kind == "import":
+            return Ref("qual", b.value)
+        if b.kind == "def":
+            info = b.value
+            if info.qualname is None:
+                return None
+            return Ref("qual", info.qualname, guarded=isinstance(info, FuncInfo) and self.guarded(info))
+        if b.kind == "call":
+            callee, s, sq = b.value
+            return self._instance_made_by(callee, s, sq, depth + 1)
+        if b.kind == "self":
+            return Ref("self", cls=b.value)
+        return None
+
+    # -- the guard --------------------------------------------------------------------------------
+    def guarded(self, info: FuncInfo) -> bool:
+        """True when ``info`` is decorated with a decorator from ``guardlint.guard``."""
+        if info._guarded is None:
+            info._guarded = False
+            for dec in info.decorators:
+                callee = dec.func if isinstance(dec, cst.Call) else dec
+                ref = self.resolve(callee, info.def_scope, info.def_seq)
+                if ref is not None and ref.kind == "qual" and (
+                        ref.qual == GUARD_PACKAGE or ref.qual.startswith(GUARD_PACKAGE + ".")):
+                    info._guarded = True
+                    break
+        return info._guarded
+
+    def inside_guarded(self, info: Optional[FuncInfo]) -> bool:
+        while info is not None:
+            if self.guarded(info):
+                return True
+            info = info.parent
+        return False

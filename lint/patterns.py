@@ -1,0 +1,48 @@
+"""Pattern rules: contracts of kind ``pattern`` are found by a dedicated visitor, registered here.
+
+Plain data (no libcst): the textual pre-filter reads the needles before anything is parsed, and the
+visitors (``host_sync``) read the vocabulary, so both agree on what can trigger a rule.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PatternSpec:
+    """``visitor`` is ``module:Class`` under ``guardlint.lint``. A file can only trigger the rule when
+    it contains one of ``needles`` and one of ``also`` (bytes, matched before parsing)."""
+
+    code: str
+    visitor: str
+    needles: tuple[bytes, ...]
+    also: tuple[bytes, ...] = ()
+
+
+# GL104 per-layer-host-sync. Names of host-read metadata: cu_seqlens, cu_seqlens_q, seq_lens,
+# extend_seq_lens, seqlens, seg_lens, seg_indptr ... Names ending in _cpu/_host/_list already live on
+# the host (sglang's seq_lens_cpu), so reading them back is no sync.
+SEQLEN_NAME = re.compile(
+    r"^(?:\w*_)?(?:cu_seqlens|seqlens|seq_lens|seg_lens|seg_indptr)(?:_\w+)?$")
+HOST_SUFFIXES = ("_cpu", "_host", "_list", "_np")
+# Calls that copy a device value to the host: t.item(), t.tolist(); int(t.max()) is matched apart.
+SYNC_METHODS = ("item", "tolist")
+# A forward of a class named like this runs once per layer.
+PER_LAYER_CLASS_SUFFIXES = ("block", "layer", "attention")
+# A loop over something named like this runs once per layer: self.blocks, layers, self.layers,
+# enumerate(self.blocks), range(num_layers), self.vision_blocks ...
+LAYER_LOOP_NAME = re.compile(r"(?:^|_)(?:layers?|blocks?)$", re.IGNORECASE)
+
+PATTERNS: dict[str, PatternSpec] = {
+    "GL104": PatternSpec(
+        code="GL104",
+        visitor="host_sync:PerLayerHostSync",
+        needles=(b"seqlens", b"seq_lens", b"seg_lens", b"seg_indptr"),
+        also=(b"item(", b"tolist(", b"max("),
+    ),
+}
+
+
+def is_seqlen_name(name: str) -> bool:
+    return bool(SEQLEN_NAME.match(name)) and not name.endswith(HOST_SUFFIXES)

@@ -1,0 +1,93 @@
+"""Lint rules generated from the contract catalog: which qualified names to watch and what each needs.
+
+Nothing here is specific to one contract: a new contract of kind call, positional or value is one
+catalog (or config) entry and needs no lint code. Plain data, no libcst; pickled to worker processes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from guardlint.contracts import Contract, all_contracts
+
+from .patterns import PATTERNS
+
+CALL_KINDS = ("call", "positional", "value")
+# dataclasses.replace(obj, field=None, ...) rebuilds a dataclass target: contracts with
+# satisfied_by_later_assignment (mutable batch-info records) are checked on it too.
+REPLACE_FUNCTIONS = ("dataclasses.replace",)
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    """Contracts indexed by the qualified names whose calls they constrain."""
+
+    contracts: tuple[Contract, ...]
+    # Function targets (direct call) and class targets (construction).
+    by_callee: dict[str, tuple[Contract, ...]] = field(default_factory=dict)
+    # Instance targets: calls of instances and of their .forward.
+    by_instance: dict[str, tuple[Contract, ...]] = field(default_factory=dict)
+    replace_contracts: tuple[Contract, ...] = ()
+    patterns: tuple[Contract, ...] = ()
+    # Textual pre-filter: a file is parsed only if it contains one of ``needles``, or one of a
+    # pattern's needle pairs.
+    needles: tuple[bytes, ...] = ()
+    pattern_needles: tuple[tuple[tuple[bytes, ...], tuple[bytes, ...]], ...] = ()
+
+    @property
+    def codes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(c.code for c in self.contracts))
+
+    def contract(self, code: str) -> Optional[Contract]:
+        for c in self.contracts:
+            if c.code == code:
+                return c
+        return None
+
+    def may_match(self, data: bytes) -> bool:
+        """False when ``data`` cannot contain anything these rules report (checked before parsing)."""
+        for n in self.needles:
+            if n in data:
+                return True
+        for needles, also in self.pattern_needles:
+            if any(n in data for n in needles) and (not also or any(a in data for a in also)):
+                return True
+        return False
+
+
+def build_rules(extra: Iterable[Contract] = (), *, builtin: Optional[Iterable[Contract]] = None) -> RuleSet:
+    """Rules for the built-in catalog plus ``extra`` (user contracts); runtime kinds are left out."""
+    contracts = tuple(c for c in (*(all_contracts() if builtin is None else builtin), *extra) if c.linted)
+    by_callee: dict[str, list[Contract]] = {}
+    by_instance: dict[str, list[Contract]] = {}
+    needles: dict[bytes, None] = {}
+    replace: list[Contract] = []
+    patterns: list[Contract] = []
+    pattern_needles = []
+    for c in contracts:
+        if c.kind in CALL_KINDS:
+            for t in c.targets:
+                index = by_instance if t.kind == "instance" else by_callee
+                index.setdefault(t.qualname, []).append(c)
+                needles[t.short_name.encode()] = None
+            if c.satisfied_by_later_assignment and c.kind == "call":
+                replace.append(c)
+                # replace(x, f=None, ...) must name the fields; one name per group is enough to look for.
+                for group in c.require:
+                    needles[group[0].split(".")[0].encode()] = None
+        elif c.kind == "pattern":
+            spec = PATTERNS.get(c.code)
+            if spec is None:
+                raise ValueError(f"contract {c.code} has kind 'pattern' but no visitor is registered "
+                                 f"in guardlint.lint.patterns.PATTERNS")
+            patterns.append(c)
+            pattern_needles.append((spec.needles, spec.also))
+    return RuleSet(
+        contracts=contracts,
+        by_callee={k: tuple(v) for k, v in by_callee.items()},
+        by_instance={k: tuple(v) for k, v in by_instance.items()},
+        replace_contracts=tuple(replace),
+        patterns=tuple(patterns),
+        needles=tuple(needles),
+        pattern_needles=tuple(pattern_needles),
+    )
