@@ -133,6 +133,17 @@ def guard_cudnn_vision(fn: Optional[Callable] = None, **rename: str):
     return _decorator(_build_cudnn, fn, rename)
 
 
+class _Packed:
+    """What planning needs of a ``(bsz, seq_len, H, D)`` q: the shape and device of its packed
+    ``(bsz * seq_len, H, D)`` view, without making one (a copy when q is not contiguous)."""
+
+    __slots__ = ("shape", "device")
+
+    def __init__(self, q: torch.Tensor) -> None:
+        self.shape = torch.Size((q.shape[0] * q.shape[1], *q.shape[2:]))
+        self.device = q.device
+
+
 def _build_cudnn(fn: Callable, **rename: str) -> Callable:
     function = qualified_name(fn)
     names = ("q", "cu_seqlens", "forward_metadata", "sequence_lengths", "max_seqlen")
@@ -142,6 +153,7 @@ def _build_cudnn(fn: Callable, **rename: str) -> Callable:
     derive_meta = DERIVERS[META_DERIVATION.name]
 
     def hook(mode: int, q: Any, cu: Any, fm: Any, seq: Any, mx: Any) -> tuple:
+        packed_q = _Packed(q) if getattr(q, "ndim", 3) == 4 else q
         if fm is None and (seq is None or mx is None):
             if cu is None:
                 code, name = (GL101, nS) if seq is None else (GL102, nX)
@@ -151,11 +163,12 @@ def _build_cudnn(fn: Callable, **rename: str) -> Callable:
                                  got="None, and cu_seqlens is None too", detail=code.diagnosis.message)
             fm = MISS
             if isinstance(cu, torch.Tensor) and not is_compiling():
-                fm = cache.get(cu, ("meta", "cudnn", True, getattr(q, "shape", None), getattr(q, "device", None)))
+                fm = cache.get(cu, ("meta", "cudnn", True, getattr(packed_q, "shape", None),
+                                    getattr(packed_q, "device", None)))
             fresh = False
             if fm is MISS:
                 before = _state.counters.host_reads
-                fm, fresh = derive_meta({"cu_seqlens": cu, "q": q}, META_DERIVATION, context)
+                fm, fresh = derive_meta({"cu_seqlens": cu, "q": packed_q}, META_DERIVATION, context)
             if fresh:
                 _state.note_derived(function, nF, META_DERIVATION.name, META_DERIVATION.sources, fresh=True,
                                     host_read=_state.counters.host_reads > before)
@@ -163,7 +176,7 @@ def _build_cudnn(fn: Callable, **rename: str) -> Callable:
                 _state.note_cached(META_DERIVATION.name)
         elif type(fm) is VarlenMetadata and fm.layout != "cudnn":
             # Prepared for token-offset kernels: re-plan from its host offsets (no read).
-            fm, fresh = prepare(fm.host_cu_seqlens, q, layout="cudnn", bucket=True, function=function,
+            fm, fresh = prepare(fm.host_cu_seqlens, packed_q, layout="cudnn", bucket=True, function=function,
                                 argument=nF)
             if fresh:
                 _state.note_derived(function, nF, META_DERIVATION.name, (nF,), fresh=True, host_read=False)
@@ -171,9 +184,9 @@ def _build_cudnn(fn: Callable, **rename: str) -> Callable:
                 _state.note_cached(META_DERIVATION.name)
         if mode == _state.STRICT:
             if fm is not None:
-                check_varlen(function, q=q, cu_seqlens=cu, metadata=fm, layout="cudnn")
+                check_varlen(function, q=packed_q, cu_seqlens=cu, metadata=fm, layout="cudnn")
             else:
-                check_varlen(function, q=q, cu_seqlens=cu, sequence_lengths=seq, max_seqlen=mx, layout="cudnn")
+                check_varlen(function, q=packed_q, cu_seqlens=cu, sequence_lengths=seq, max_seqlen=mx, layout="cudnn")
         return q, cu, fm, seq, mx
 
     fast = ("({forward_metadata} is not None and ({forward_metadata}.__class__ is not _guardlint_VM "

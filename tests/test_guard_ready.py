@@ -186,6 +186,15 @@ def test_guard_cudnn_vision_accepts_engine_packed_indptrs():
     assert meta.host_cu_seqlens == (0, 5, 12)
 
 
+def test_guard_cudnn_vision_plans_a_4d_q_by_its_packed_view():
+    q = torch.randn(2, 6, 2, 64)  # (bsz, seq_len, H, D): 12 tokens
+    cu = torch.tensor([0, 6, 12], dtype=torch.int32)
+    meta = cudnn_vision_attention(q, q, q, cu, 2, 6)["forward_metadata"]
+    assert meta.total_tokens == 12 and meta.elements_per_token == 128
+    with mode("strict"):
+        assert cudnn_vision_attention(q, q, q, cu, 2, 6, forward_metadata=meta)["forward_metadata"] is meta
+
+
 def test_guard_cudnn_vision_replans_token_layout_metadata_without_reads():
     q, cu = batch()
     tokens_meta = prepare_varlen_metadata(cu, q)

@@ -5,8 +5,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import guardlint.guard.metadata as plan_module
-from guardlint.guard import (GuardError, clear_cache, guard_lora, guard_varlen, mode, prepare_varlen_metadata,
-                             reset_stats, stats)
+from guardlint.guard import (GuardError, clear_cache, guard, guard_lora, guard_varlen, mode,
+                             prepare_varlen_metadata, reset_stats, stats)
 
 HEADS, HEAD_DIM, LAYERS = 2, 8, 32
 
@@ -178,6 +178,25 @@ def test_compile_fullgraph_lora_with_max_len(dynamo):
     info = Info(3)
     compiled = torch.compile(lambda x, w: shrink(x, w, info), fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(x, w), shrink(x, w, info))
+
+
+@torch.no_grad()
+def test_compile_fullgraph_generic_guard_and_strict_mode(dynamo):
+    @guard(["GL101", "GL102"])
+    def vision_attention(q, k, v, cu_seqlens, bsz, seq_len, softmax_scale=None, forward_metadata=None, **kwargs):
+        return q * forward_metadata.cudnn_max_seqlen + forward_metadata.cudnn_sequence_lengths.sum()
+
+    x, cu = images()
+    q = x.view(-1, HEADS, HEAD_DIM)
+    meta = prepare_varlen_metadata(cu, q, layout="cudnn", bucket=True)
+    call = lambda q, meta: vision_attention(q, q, q, meta.cu_seqlens, 4, 23, forward_metadata=meta)  # noqa: E731
+    torch.testing.assert_close(torch.compile(call, fullgraph=True, backend="eager")(q, meta), q * 4096 + 23)
+    torch._dynamo.reset()
+    with mode("strict"):
+        block = Block(HEADS * HEAD_DIM)
+        compiled = torch.compile(lambda x, meta: block(x, meta.cu_seqlens, meta), fullgraph=True, backend="eager")
+        tokens_meta = prepare_varlen_metadata(cu, x)
+        torch.testing.assert_close(compiled(x, tokens_meta), block(x, cu, tokens_meta))
 
 
 @torch.no_grad()
