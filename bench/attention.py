@@ -5,7 +5,7 @@ and 128, bfloat16, non-causal; plus a sweep of 8 images of 256..8192 tokens at h
 kernel, the SDPA loop and torch's varlen attention run here; each FlashInfer configuration and ``auto``
 run in their own subprocess (bench/_attention_worker.py), since a CUDA fault poisons the context.
 
-    python bench/attention.py [--write-dispatch] [--cases 6img,64x256,sweep] [--no-flashinfer] [--quick]
+    python bench/attention.py [--write-dispatch] [--cases 6img,64x256,sweep] [--no-flashinfer] [--quick] [--out DIR]
     python bench/attention.py --quick --cpu-smoke        # tiny shapes on the CPU: checks the script
 Writes bench/results/attention.{json,md,png} (attention_smoke.* for --cpu-smoke) and, with
 --write-dispatch, kernels/attention_dispatch.json, the table ``backend="auto"`` reads. Prints a table last.
@@ -247,6 +247,7 @@ def main() -> int:
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (interpreter, sdpa)")
     parser.add_argument("--write-dispatch", action="store_true",
                         help="write kernels/attention_dispatch.json from the measured best per case")
+    parser.add_argument("--out", type=Path, help="also copy the result files and dispatch table into this folder")
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--iters", type=int)
     args = parser.parse_args()
@@ -254,6 +255,8 @@ def main() -> int:
     args.iters = args.iters if args.iters is not None else (10 if args.quick else 50)
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is defined
+    # Triton keeps its autotune picks on disk, so the auto subprocess runs the config timed here.
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     sys.path.insert(0, str(HERE))
 
     import torch
@@ -317,7 +320,7 @@ def main() -> int:
     case_order = {c.name: i for i, c in enumerate(cases)}
     rows.sort(key=lambda r: (case_order.get(r.get("case"), 99), order.get(r.get("backend"), 99)))
     table_md = write_results(name, rows, columns, meta=meta,
-                             title="Varlen attention, bf16, 16 heads (time in us, median per call)")
+                             title=f"Varlen attention, bf16, {meta['heads']} heads (time in us, median per call)")
     md = HERE / "results" / f"{name}.md"
     extra = ["", "## Goals", *[f"- {'PASS' if ok else 'FAIL'}: {text}" for ok, text in outcome]]
     extra += ["", "## Anchors measured on an H200 (DESIGN.md), us",
@@ -329,6 +332,17 @@ def main() -> int:
     with md.open("a") as fh:
         fh.write("\n".join(extra) + "\n")
     log(plot(cases, rows, HERE / "results" / f"{name}.png"))
+    if args.out:
+        import shutil
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        copies = [HERE / "results" / f"{name}.{ext}" for ext in ("json", "md", "png")]
+        if args.write_dispatch:
+            copies.append(DISPATCH_OUT if cuda else HERE / "results" / "attention_smoke_dispatch.json")
+        for path in copies:
+            if path.exists():
+                shutil.copy2(path, args.out / path.name)
+        log(f"copied {len(copies)} files to {args.out}")
     wrong = [r for r in rows if str(r.get("note", "")).startswith("WRONG")]
     for e in errors:
         print(f"subprocess error: {e['error']}")

@@ -112,11 +112,12 @@ def _store_part(o_base, offs_m, stride_ot, col: tl.constexpr, width: tl.constexp
     tl.store(ptrs, (acc * inv_l[:, None]).to(o_base.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["length_class"])
 def _varlen_attention_fwd(
     Q, K, V, O, cu_seqlens,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     total_tokens, qk_scale,
+    length_class,  # autotune key only (short / long batches tune apart); unused by the kernel
     HEAD_DIM: tl.constexpr,  # autotune key only: the parts below carry the shape
     GROUP: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
@@ -206,8 +207,10 @@ def _varlen_attention_fwd(
 # - BLOCK_N=64 with 8 warps: fewer live scores (~180 regs at D=128) when 128 turns out register-bound.
 # - num_stages=3: three K/V tiles in flight hide HBM latency; at D=128, BLOCK_N=128 that is 224 KB of
 #   the 227 KB shared memory, so a 2-stage variant stays in the set.
-# - BLOCK_M=64, num_warps=4, 4 stages: more, smaller programs for batches of short sequences (64 x 256
-#   tokens) so that 132 SMs fill; one warpgroup per program.
+# - BLOCK_M=64, num_warps=4: one warpgroup per program and at most ~115 KB of shared memory, so two
+#   programs share an SM and one's softmax (exp2 on the SFUs) overlaps the other's wgmma; the CTA-wide
+#   barrier of the cp.async pipeline keeps two warpgroups of one program in lockstep instead. Also
+#   more, smaller programs for batches of short sequences (64 x 256 tokens).
 # - BLOCK_M=128, num_warps=4 (D <= 96 only): one warpgroup doing two row blocks per K/V tile, reusing it
 #   twice from shared memory; at D=128 it spills.
 # - Wide heads (D > 128): the accumulator takes up to 128 regs/thread, so BLOCK_N drops to 32-64.
@@ -216,9 +219,11 @@ _NARROW = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=2),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=3),
 ]
+_NARROW_96_ONLY = ((64, 128, 4), (128, 64, 4))  # (BLOCK_M, BLOCK_N, warps) that spill above D=96
 _WIDE = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=2),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 32}, num_warps=8, num_stages=3),
@@ -241,7 +246,8 @@ def configs_for(head_dim: int, elem: int) -> list:
     if elem == 4:
         family = _FP32[:1] if head_dim <= 96 else _FP32[1:]
     elif head_dim <= 128:
-        family = [c for c in _NARROW if head_dim <= 96 or c.num_warps == 8 or c.kwargs["BLOCK_M"] == 64]
+        family = [c for c in _NARROW if head_dim <= 96
+                  or (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) not in _NARROW_96_ONLY]
     else:
         family = _WIDE
     return [c for c in family if _shared_bytes(c, head_dim, elem) <= _SMEM_LIMIT]
@@ -252,18 +258,18 @@ def _prune_configs(configs, named_args, **kwargs):
     return configs_for(head_dim, named_args["Q"].element_size())
 
 
-# Two tuners over the same kernel (compiled binaries are shared): batches of short sequences and long
-# ones favour different tiles, so each length class keeps its own pick per (head dim, causal, GQA).
+# Batches of short sequences and of long ones favour different tiles, so the length class is part of
+# the tuning key (and of Triton's on-disk tuning cache key).
 SHORT_SEQLEN = 1024
-_TUNERS = {
-    length_class: triton.autotune(configs=_NARROW + _WIDE + _FP32, key=["HEAD_DIM", "CAUSAL", "GROUP"],
-                                  prune_configs_by={"early_config_prune": _prune_configs})(_varlen_attention_fwd)
-    for length_class in ("short", "long")
-}
+_varlen_attention_fwd_tuned = triton.autotune(
+    configs=_NARROW + _WIDE + _FP32, key=["HEAD_DIM", "CAUSAL", "GROUP", "length_class"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)(_varlen_attention_fwd)
 
 
-def length_class(max_seqlen: int) -> str:
-    return "short" if max_seqlen <= SHORT_SEQLEN else "long"
+def length_class(max_seqlen: int) -> int:
+    """0 for batches whose longest sequence is short (<= SHORT_SEQLEN), 1 otherwise."""
+    return 0 if max_seqlen <= SHORT_SEQLEN else 1
 
 
 def new_output(q: torch.Tensor) -> torch.Tensor:
@@ -300,14 +306,14 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     args = (q, k, v, out, cu_seqlens,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), total_tokens, float(softmax_scale) * LOG2E)
+            out.stride(0), out.stride(1), total_tokens, float(softmax_scale) * LOG2E, length_class(max_seqlen))
     meta = dict(HEAD_DIM=head_dim, GROUP=num_heads // num_kv_heads, D0=d0, D1=d1, D2=d2, D3=d3,
                 CAUSAL=bool(causal), UPCAST=upcast, PRECISION=precision)
     if config is None and INTERPRET:
         config = (*INTERPRET_BLOCKS, 4, 1)
     if config is None:
         grid = lambda cfg: (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), num_heads, batch)  # noqa: E731
-        _TUNERS[length_class(max_seqlen)][grid](*args, **meta)
+        _varlen_attention_fwd_tuned[grid](*args, **meta)
     else:
         block_m, block_n, num_warps, num_stages = config
         grid = (triton.cdiv(max_seqlen, block_m), num_heads, batch)
@@ -318,8 +324,8 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 def tuned_config(head_dim: int, causal: bool, max_seqlen: int, group: int = 1) -> Optional[str]:
     """The autotuner's pick for this key as text, once it has run on the GPU (None before)."""
-    for key, cfg in _TUNERS[length_class(max_seqlen)].cache.items():
-        if tuple(key[:3]) == (head_dim, causal, group):
+    for key, cfg in _varlen_attention_fwd_tuned.cache.items():
+        if tuple(key[:4]) == (head_dim, causal, group, length_class(max_seqlen)):
             kw = cfg.kwargs
             return f"BLOCK_M={kw['BLOCK_M']} BLOCK_N={kw['BLOCK_N']} warps={cfg.num_warps} stages={cfg.num_stages}"
     return None
