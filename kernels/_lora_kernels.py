@@ -241,11 +241,14 @@ _SHRINK_CONFIGS = [
     triton.Config({"BLOCK_S": 32, "BLOCK_K": 128}, num_warps=4, num_stages=4),
     triton.Config({"BLOCK_S": 64, "BLOCK_K": 128}, num_warps=4, num_stages=3),
 ]
-# Expand reads and writes out once; K (the rank) fits in one or two steps, so tiles are wide in N.
+# Expand reads and writes out once. Loads in flight live in registers, so bytes in flight per SM are
+# what the register file allows (about 32 KB for each tile below on sm_90); smaller tiles trade that for
+# more programs per SM, the 16 x 256 tile is for decode (one token per segment).
 _EXPAND_CONFIGS = [
     triton.Config({"BLOCK_S": 64, "BLOCK_N": 128}, num_warps=4, num_stages=2),
-    triton.Config({"BLOCK_S": 32, "BLOCK_N": 256}, num_warps=4, num_stages=2),
+    triton.Config({"BLOCK_S": 32, "BLOCK_N": 128}, num_warps=4, num_stages=2),
     triton.Config({"BLOCK_S": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_S": 16, "BLOCK_N": 256}, num_warps=4, num_stages=2),
 ]
 _shrink_tuned = triton.autotune(_SHRINK_CONFIGS, key=["K", "N", "max_rank", "split_k", "size_class"])(
     _lora_shrink_kernel)
@@ -348,7 +351,8 @@ def launch_expand(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
         return
     num_slots = w.shape[0]
     # Under the interpreter a rank chunk of 8 makes the rank loop run twice at the test ranks.
-    block_k = 8 if INTERPRET else _pow2_clamp(max_rank, 16, 64)
+    # On the GPU, rank chunks above 32 cost registers (and so occupancy) and save nothing: x and W are tiny.
+    block_k = 8 if INTERPRET else _pow2_clamp(max_rank, 16, 32)
     span = max(1, min(max_len, num_tokens))
     # A fresh output gets one more segment column, which zero-fills the rows no live segment covers.
     columns = num_segments if accumulate else num_segments + 1
