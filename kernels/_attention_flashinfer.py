@@ -53,8 +53,21 @@ def unavailable_reason(device: Optional[torch.device] = None) -> Optional[str]:
     return None
 
 
+_supported: dict = {}
+
+
 def supports(variant: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``variant`` runs this head dim / dtype on this device (FlashInfer itself importable)."""
+    """Whether ``variant`` runs this head dim / dtype on this device (FlashInfer itself importable).
+    Asked on every call, so the answer is memoised."""
+    key = (variant, head_dim, dtype, device.type, device.index)
+    known = _supported.get(key)
+    if known is None:
+        known = _supports(variant, head_dim, dtype, device)
+        _supported[key] = known
+    return known
+
+
+def _supports(variant: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     if device.type != "cuda" or unavailable_reason(device) is not None:
         return False
     major = torch.cuda.get_device_capability(device)[0]

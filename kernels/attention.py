@@ -398,7 +398,8 @@ def cudnn_vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         q, k, v: ``(total_tokens, num_heads, head_dim)`` packed (or ``(bsz, seq_len, H, D)``, flattened and
             restored like the engine does).
         cu_seqlens: token offsets ``(B+1,)`` or the engine's packed element indptrs ``(3(Bp+1),)``.
-        bsz, seq_len: the engine's arguments; when both are ints, ``bsz * seq_len`` must be the token count.
+        bsz, seq_len: the engine's arguments (batch and tokens per batch, or images and the longest image);
+            when both are ints, ``bsz * seq_len`` must cover the token count (equal q's leading dims if 4-D).
         softmax_scale: default ``head_dim ** -0.5``.
         forward_metadata: ``prepare_varlen_metadata(cu_seqlens, q, layout="cudnn")`` or the engine's
             metadata object (``packed_indptrs``, ``sequence_lengths``, ``flashinfer_max_seqlen``).
@@ -429,7 +430,17 @@ def cudnn_vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
             max_value = getattr(fm, "max_seqlen", None)
         max_seqlen = _int_max(max_value, "forward_metadata.max_seqlen", function)
         token_cu = getattr(fm, "cu_seqlens", None)
+        per_token = getattr(fm, "elements_per_token", None)
+        if per_token is not None and isinstance(q, torch.Tensor) and q.dim() == 3 and (
+                per_token != q.shape[1] * q.shape[2] or getattr(fm, "total_tokens", q.shape[0]) != q.shape[0]):
+            # A plan for other shapes would address q/k/v out of bounds on the cuDNN path.
+            raise GuardError("GL107", argument="forward_metadata", function=function,
+                             expected=f"metadata prepared for q: {q.shape[0]} tokens of H*D={q.shape[1] * q.shape[2]}",
+                             got=f"{getattr(fm, 'total_tokens', '?')} tokens of H*D={per_token} (a stale plan?)")
     else:
+        if kwargs.get("max_seqlen") is None:
+            raise GuardError("GL102", argument="max_seqlen", function=function,
+                             expected="a Python int, or forward_metadata", got="None")
         max_seqlen = _int_max(kwargs.get("max_seqlen"), "max_seqlen", function)
         if not isinstance(sequence_lengths, torch.Tensor):
             raise GuardError("GL101", argument="sequence_lengths", function=function,
@@ -449,9 +460,15 @@ def cudnn_vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         raise GuardError("GL107", argument="forward_metadata.packed_indptrs", function=function,
                          expected="packed element indptrs [qk | v | o] of shape (3(Bp+1),)",
                          got=describe(fm.packed_indptrs), detail="packed indptr numel mismatch")
-    if type(bsz) is int and type(seq_len) is int and bsz > 0 and seq_len > 0 and bsz * seq_len != q.shape[0]:
-        raise _bad("seq_len", f"bsz * seq_len == q's token count {q.shape[0]}", f"bsz={bsz}, seq_len={seq_len}",
-                   function)
+    if type(bsz) is int and type(seq_len) is int:
+        # Callers pass either (batch, tokens per batch) or (images, longest image): either way bsz * seq_len
+        # covers every token; a 4-D q fixes both exactly.
+        if reshaped and (bsz, seq_len) != tuple(batch_shape):
+            raise _bad("bsz", f"q's leading dims (bsz, seq_len) = {tuple(batch_shape)}", f"({bsz}, {seq_len})",
+                       function)
+        if bsz * seq_len < q.shape[0]:
+            raise _bad("seq_len", f"bsz * seq_len >= q's token count {q.shape[0]}", f"bsz={bsz}, seq_len={seq_len}",
+                       function)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
     if backend is not None and backend not in BACKENDS:
         raise _bad("backend", " / ".join(repr(b) for b in BACKENDS), describe(backend), function)

@@ -5,7 +5,6 @@ metadata (checked against hand-computed element offsets through an emulated cuDN
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -420,11 +419,23 @@ def test_cudnn_vision_attention_checks_bsz_seq_len_and_packed_size(vit_batch):
     q, k, v = vit_batch
     cu = torch.tensor(TOKEN_CU, dtype=torch.int32)
     with pytest.raises(GuardError) as err:
-        cudnn_vision_attention(q, k, v, cu, 2, 1200)
+        cudnn_vision_attention(q, k, v, cu, 1, 720)  # fewer tokens than q has
     assert err.value.code == "GL106" and err.value.argument == "seq_len"
+    with pytest.raises(GuardError) as err:
+        cudnn_vision_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), cu, 2, 600,
+                               sequence_lengths=cu[1:] - cu[:-1], max_seqlen=720)
+    assert err.value.code == "GL106" and err.value.argument == "bsz"
     lengths = torch.tensor(PADDED_LENGTHS, dtype=torch.int32)
     with pytest.raises(GuardError) as err:
         cudnn_vision_attention(q, k, v, torch.arange(12, dtype=torch.int32), 1, 1200, sequence_lengths=lengths,
                                max_seqlen=4096)
     assert err.value.code == "GL107" and err.value.argument == "cu_seqlens"
-    assert math.isfinite(float(q.sum()))  # inputs untouched
+
+
+def test_cudnn_vision_attention_rejects_a_plan_for_other_shapes(vit_batch):
+    q, k, v = vit_batch
+    cu = torch.tensor(TOKEN_CU, dtype=torch.int32)
+    plan = prepare_varlen_metadata(cu, q[:, :6], layout="cudnn")  # built for 6 heads, not 12
+    with pytest.raises(GuardError) as err:
+        cudnn_vision_attention(q, k, v, cu, 1, 1200, forward_metadata=plan)
+    assert err.value.code == "GL107" and err.value.argument == "forward_metadata"
