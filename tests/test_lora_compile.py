@@ -77,31 +77,34 @@ SCRIPT = textwrap.dedent(r'''
         prec = "ieee" if dtype == "fp32" else "tf32"
         base_s = dict(HAS_PERMUTATION=False, UPCAST=False, DOT_PRECISION=prec)
         base_e = dict(ACCUMULATE=True, HAS_PERMUTATION=False, SLICES=0, UPCAST=False, DOT_PRECISION=prec)
+        # Every tuning config in bf16 at rank 16; the other specializations with the first config.
         configs = K._SHRINK_CONFIGS if dtype == "bf16" else K._SHRINK_CONFIGS[:1]
         for i, cfg in enumerate(configs):
-            for R in ((16, 64) if dtype == "bf16" else (16,)):
-                out[f"shrink-{dtype}-r{R}-cfg{i}"] = build(K._lora_shrink_kernel, shrink(R, 1), ptr,
-                                                           dict(base_s, BLOCK_N=R), cfg)
-        cfg = K._SHRINK_CONFIGS[0]
-        out[f"shrink-{dtype}-splitk-permuted"] = build(K._lora_shrink_kernel, shrink(16, 4), dict(ptr, out_ptr="*fp32"),
-                                                       dict(base_s, BLOCK_N=16, HAS_PERMUTATION=True), cfg)
-        # MLA step A_q: 16 heads, x (S, 16, 128), W[s, h, n, k] = B[s, h * 256 + k, n]
-        out[f"shrink-{dtype}-mla"] = build(K._lora_shrink_kernel,
-                                           shrink(16, 1, heads=16, x_head=128, K=128, stride_xt=2048,
-                                                  stride_wh=256 * 16, stride_wn=1, stride_wk=16, stride_wl=4096 * 16),
-                                           ptr, dict(base_s, BLOCK_N=16), cfg)
+            out[f"shrink-{dtype}-r16-cfg{i}"] = build(K._lora_shrink_kernel, shrink(16, 1), ptr,
+                                                      dict(base_s, BLOCK_N=16), cfg)
         configs = K._EXPAND_CONFIGS if dtype == "bf16" else K._EXPAND_CONFIGS[:1]
         for i, cfg in enumerate(configs):
             out[f"expand-{dtype}-cfg{i}"] = build(K._lora_expand_kernel, expand(16), ptr, dict(base_e, BLOCK_K=16),
                                                   cfg)
+        if dtype != "bf16":
+            continue
+        cfg = K._SHRINK_CONFIGS[0]
+        out["shrink-r64"] = build(K._lora_shrink_kernel, shrink(64, 1), ptr, dict(base_s, BLOCK_N=64), cfg)
+        out["shrink-splitk-permuted"] = build(K._lora_shrink_kernel, shrink(16, 4), dict(ptr, out_ptr="*fp32"),
+                                              dict(base_s, BLOCK_N=16, HAS_PERMUTATION=True), cfg)
+        # MLA step A_q: 16 heads, x (S, 16, 128), W[s, h, n, k] = B[s, h * 256 + k, n]
+        out["shrink-mla"] = build(K._lora_shrink_kernel,
+                                  shrink(16, 1, heads=16, x_head=128, K=128, stride_xt=2048, stride_wh=256 * 16,
+                                         stride_wn=1, stride_wk=16, stride_wl=4096 * 16),
+                                  ptr, dict(base_s, BLOCK_N=16), cfg)
         cfg = K._EXPAND_CONFIGS[0]
-        out[f"expand-{dtype}-r64-fresh-permuted"] = build(
-            K._lora_expand_kernel, expand(64, tail_column=8), ptr,
-            dict(base_e, BLOCK_K=32, ACCUMULATE=False, HAS_PERMUTATION=True), cfg)
+        out["expand-r64-fresh-permuted"] = build(K._lora_expand_kernel, expand(64, tail_column=8), ptr,
+                                                 dict(base_e, BLOCK_K=32, ACCUMULATE=False, HAS_PERMUTATION=True),
+                                                 cfg)
         for slices in (1, 2):
-            out[f"expand-{dtype}-qkv-slices{slices}"] = build(
-                K._lora_expand_kernel, expand(16, N=6144, stride_xh=16, stride_xt=48), ptr,
-                dict(base_e, BLOCK_K=16, SLICES=slices), cfg)
+            out[f"expand-qkv-slices{slices}"] = build(K._lora_expand_kernel,
+                                                      expand(16, N=6144, stride_xh=16, stride_xt=48), ptr,
+                                                      dict(base_e, BLOCK_K=16, SLICES=slices), cfg)
     out["reduce"] = build(K._split_k_reduce_kernel, dict(numel=S * 16, split_k=4),
                           dict(ws_ptr="*fp32", out_ptr="*bf16"), dict(BLOCK=1024), triton.Config({}, num_warps=4))
     print("RESULT " + json.dumps(out))
@@ -118,7 +121,7 @@ def compiled():
 
 
 def test_lora_kernels_compile_for_sm90(compiled):
-    assert len(compiled) >= 20
+    assert len(compiled) >= 15
     assert all(r["shared"] <= 227 * 1024 for r in compiled.values()), compiled
 
 
