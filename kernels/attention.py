@@ -239,6 +239,7 @@ def _host_offsets(q: torch.Tensor, cu_seqlens: torch.Tensor, metadata: Any) -> t
 
 
 _MAX_CACHED = 8
+_MAX_GRID_YZ = 65535
 _element_offsets: "OrderedDict[tuple, tuple]" = OrderedDict()
 
 
@@ -279,6 +280,9 @@ def _run(name: str, q, k, v, cu_seqlens, sequence_lengths, max_seqlen: int, scal
     if q.shape[0] == 0 or cu_seqlens.shape[0] < 2:
         return torch.zeros_like(q)
     if name == "triton":
+        if cu_seqlens.shape[0] - 1 > _MAX_GRID_YZ or q.shape[1] > _MAX_GRID_YZ:
+            raise _bad("cu_seqlens", f"at most {_MAX_GRID_YZ} sequences and heads per launch (CUDA grid y/z)",
+                       describe(cu_seqlens), function)
         return _run_triton(_contiguous_last(q), _contiguous_last(k), _contiguous_last(v), cu_seqlens,
                            max_seqlen, scale, causal)
     if name == "sdpa":
