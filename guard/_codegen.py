@@ -50,10 +50,11 @@ def accesses(fn: Callable, params: dict) -> dict:
 
 
 def make_wrapper(fn: Callable, access: dict, names: Sequence[str], hook: Callable,
-                 fast: Optional[str] = None, env: Optional[dict] = None) -> Callable:
+                 fast: Optional[str] = None, env: Optional[dict] = None, presence: bool = False) -> Callable:
     """A wrapper of ``fn`` with its signature: mode off calls through; in derive mode, when ``fast``
     (a Python expression with ``{name}`` placeholders for contract arguments) is true, it calls through;
-    otherwise ``hook(mode, *values)`` returns the values of ``names`` to call with."""
+    otherwise ``hook(mode, *values)`` returns the values of ``names`` to call with. With ``presence``,
+    the hook also gets, second, a tuple saying which of the values are not None."""
     sig = inspect.signature(fn)
     for p in sig.parameters.values():
         if p.name.startswith(PREFIX) or keyword.iskeyword(p.name):
@@ -110,6 +111,9 @@ def make_wrapper(fn: Callable, access: dict, names: Sequence[str], hook: Callabl
         expr = fast.format(**{n: access[n].read for n in access})
         lines += [f"    if {PREFIX}mode == {_state.DERIVE} and ({expr}):",
                   f"        return {call_src}"]
+    if presence:
+        flags = "".join(f"{access[n].read} is not None, " for n in names)
+        reads = f"({flags}), {reads}"
     lines.append(f"    ({', '.join(targets)},) = {PREFIX}hook({PREFIX}mode, {reads})")
     lines += writes
     lines.append(f"    return {call_src}")

@@ -7,7 +7,6 @@ missing values derived (named derivations, cached) or a coded ``GuardError`` nam
 from __future__ import annotations
 
 import inspect
-import itertools
 import operator
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -18,9 +17,6 @@ from ._codegen import accesses, make_wrapper
 from .derive import Context, deriver
 from .errors import GuardError, describe
 from .validate import check_lora, check_varlen
-
-NONES = itertools.repeat(None)
-
 
 class Param:
     """Where one contract argument goes in the guarded function's signature."""
@@ -65,8 +61,6 @@ def bind(fn: Callable, names: Iterable[str], rename: dict, *, function: Optional
         p = sig.parameters.get(param)
         if p is None or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             out[name] = Param(name, param, var_kw)
-        elif p.kind is p.POSITIONAL_ONLY:
-            out[name] = Param(name, param, False)  # derived values are passed by keyword
         else:
             out[name] = Param(name, param, True)
     for name in must_accept:
@@ -169,29 +163,52 @@ class _Guard:
             "(" + " or ".join("(" + " and ".join(f"{{{n}}} is not None" for n in g) + ")" for g in groups) + ")"
             for groups in self.groups)
 
-    def hook(self, mode: int, *vals: Any) -> tuple:
-        key = tuple(map(operator.is_not, vals, NONES))  # which arguments are present
-        plan = self.plans.get(key)
-        if plan is None:
-            plan = self.plans[key] = self._plan(frozenset(n for n, p in zip(self.names, key) if p))
-        values = dict(zip(self.names, vals))
+    def make_hook(self) -> Callable:
+        """The slow path, as a closure over this guard's state (no attribute lookups per call)."""
+        plans, names, validators, function = self.plans, self.names, self.validators, self.function
+        counters, note_cached, note_derived, STRICT = _state.counters, _state.note_cached, _state.note_derived, \
+            _state.STRICT
+
+        def hook(mode: int, present: tuple, *vals: Any) -> Sequence:
+            """``present``: which of ``names`` were passed and not None (computed by the wrapper)."""
+            plan = plans.get(present)
+            if plan is None:
+                plan = plans[present] = self._steps(self._plan(frozenset(n for n, p in zip(names, present) if p)))
+            if type(plan) is int:
+                raise self._unmet_error(plan, dict(zip(names, vals)))
+            if plan:
+                vals = list(vals)
+                for index, d, impl, ctx, pick, q_index in plan:
+                    before = counters.host_reads
+                    value, fresh = impl(d, ctx, pick(vals), None if q_index is None else vals[q_index])
+                    if fresh:
+                        note_derived(function, self.params[d.target].param, d.name, d.sources, fresh=True,
+                                     host_read=counters.host_reads > before)
+                    else:
+                        note_cached(d.name)
+                    vals[index] = value
+            if mode == STRICT:
+                values = dict(zip(names, vals))
+                for check in validators:
+                    check(function, values)
+            return vals
+
+        return hook
+
+    def _steps(self, plan):
+        """A plan of names as ready-to-run steps: (slot, derivation, implementation, context, source
+        picker, slot of q)."""
         if type(plan) is int:
-            raise self._unmet_error(plan, values)
-        counters = _state.counters
+            return plan
+        slot = {n: i for i, n in enumerate(self.names)}
+        q_index = slot.get("q")
+        steps = []
         for name in plan:
             d, impl, ctx = self.derivations[name]
-            before = counters.host_reads
-            value, fresh = impl(values, d, ctx)
-            if fresh:
-                _state.note_derived(self.function, self.params[name].param, d.name, d.sources, fresh=True,
-                                    host_read=counters.host_reads > before)
-            else:
-                _state.note_cached(d.name)
-            values[name] = value
-        if mode == _state.STRICT:
-            for check in self.validators:
-                check(self.function, values)
-        return tuple(values.values())
+            idx = tuple(slot[s] for s in d.sources)
+            pick = operator.itemgetter(*idx) if len(idx) > 1 else (lambda v, i=idx[0]: (v[i],))
+            steps.append((slot[name], d, impl, ctx, pick, q_index))
+        return tuple(steps)
 
     def _plan(self, present: frozenset):
         """Names to derive, in order, so that every contract is met (preferring the group that meets the
@@ -255,7 +272,8 @@ def guard(contract: Union[str, Contract, Sequence[Union[str, Contract]]], **rena
 
     def decorate(fn: Callable) -> Callable:
         g = _Guard(fn, contracts, dict(rename))
-        wrapper = make_wrapper(fn, accesses(fn, g.params), g.names, g.hook, fast=g.fast_expression())
+        wrapper = make_wrapper(fn, accesses(fn, g.params), g.names, g.make_hook(), fast=g.fast_expression(),
+                               presence=True)
         wrapper.__guardlint__ = g
         return wrapper
 

@@ -1,7 +1,8 @@
 """The runtime side of the catalog's named derivations (``Derivation.name``).
 
-Each takes the call's bound values and returns the derived value and whether it was freshly computed
-(False: served from the cache). Host reads go through ``metadata.read_host``: one per tensor version.
+Each takes the derivation's source values (and the call's q, for devices and shapes) and returns the
+derived value and whether it was freshly computed (False: served from the cache). Host reads go
+through ``metadata.read_host``: one per tensor version.
 """
 from __future__ import annotations
 
@@ -43,23 +44,14 @@ class Context:
         return "cudnn" if self.code in ("GL101", "GL102") else "tokens"
 
 
-def _target_device(values: dict, source: Any) -> torch.device:
-    if isinstance(source, torch.Tensor):
-        return source.device
-    q = values.get("q")
-    return q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-
-
-def _host_offsets(values: dict, d: Derivation, ctx: Context) -> tuple:
+def _host_offsets(d: Derivation, ctx: Context, src: Any, q: Any) -> tuple:
     """Token offsets of the derivation's first source, on the host (one cached read for a tensor)."""
-    src = values[d.sources[0]]
     name = ctx.prefix + d.sources[0]
     if isinstance(src, torch.Tensor):
         check_index_tensor(src, name, ctx.function, code=ctx.invalid_code)
         host = read_host(src, name, ctx.function)
     else:
         host = host_sequence(src, name, ctx.function, code=ctx.invalid_code)
-    q = values.get("q")
     if ctx.code.startswith("GL1") and getattr(q, "shape", None) is not None and len(q.shape) >= 1:
         hd = 1
         for dim in q.shape[1:]:
@@ -69,23 +61,23 @@ def _host_offsets(values: dict, d: Derivation, ctx: Context) -> tuple:
     return host
 
 
-def diff(values: dict, d: Derivation, ctx: Context) -> tuple:
+def diff(d: Derivation, ctx: Context, src: tuple, q: Any) -> tuple:
     """``src[1:] - src[:-1]`` as int32, on the device; no host read."""
-    src = values[d.sources[0]]
+    offsets = src[0]
     name = ctx.prefix + d.sources[0]
     compiling = is_compiling()
-    if isinstance(src, torch.Tensor):
-        check_index_tensor(src, name, ctx.function, code=ctx.invalid_code)
+    if isinstance(offsets, torch.Tensor):
+        check_index_tensor(offsets, name, ctx.function, code=ctx.invalid_code)
         if not compiling:
-            hit = cache.get(src, "diff")
+            hit = cache.get(offsets, "diff")
             if hit is not MISS:
                 return hit, False
-        out = (src[1:] - src[:-1]).to(torch.int32)
+        out = (offsets[1:] - offsets[:-1]).to(torch.int32)
         if not compiling:
-            cache.put(src, "diff", out)
+            cache.put(offsets, "diff", out)
         return out, True
-    host = host_sequence(src, name, ctx.function, code=ctx.invalid_code)
-    device = _target_device(values, src)
+    host = host_sequence(offsets, name, ctx.function, code=ctx.invalid_code)
+    device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     key = ("diff", host, device)
     hit = cache.get_host(key)
     if hit is not MISS:
@@ -95,19 +87,18 @@ def diff(values: dict, d: Derivation, ctx: Context) -> tuple:
     return out, True
 
 
-def _memo(values: dict, d: Derivation, ctx: Context, tag: tuple, compute: Callable[[], Any]) -> tuple:
-    """``compute()`` once per version of the first source tensor (or per host contents)."""
-    src = values[d.sources[0]]
+def _memo(d: Derivation, ctx: Context, source: Any, tag: tuple, compute: Callable[[], Any]) -> tuple:
+    """``compute()`` once per version of the source tensor (or per host contents)."""
     if is_compiling():
         return compute(), True
-    if isinstance(src, torch.Tensor):
-        hit = cache.get(src, tag)
+    if isinstance(source, torch.Tensor):
+        hit = cache.get(source, tag)
         if hit is not MISS:
             return hit, False
         value = compute()
-        cache.put(src, tag, value)
+        cache.put(source, tag, value)
         return value, True
-    key = tag + (host_sequence(src, ctx.prefix + d.sources[0], ctx.function, code=ctx.invalid_code),)
+    key = tag + (host_sequence(source, ctx.prefix + d.sources[0], ctx.function, code=ctx.invalid_code),)
     hit = cache.get_host(key)
     if hit is not MISS:
         return hit, False
@@ -116,33 +107,29 @@ def _memo(values: dict, d: Derivation, ctx: Context, tag: tuple, compute: Callab
     return value, True
 
 
-def _q_shape(values: dict) -> tuple:
-    shape = getattr(values.get("q"), "shape", None)
-    return tuple(shape) if shape is not None else None
-
-
 def _longest(offsets: tuple, count: int) -> int:
     # max() without default=: torch.compile traces this when a compiled call derives.
     return max([offsets[i + 1] - offsets[i] for i in range(count)] or [0])
 
 
-def max_of_diff(values: dict, d: Derivation, ctx: Context) -> tuple:
+def max_of_diff(d: Derivation, ctx: Context, src: tuple, q: Any) -> tuple:
     """The longest sequence as a Python int: one host read per cu_seqlens version."""
     def compute() -> int:
-        offsets = _host_offsets(values, d, ctx)
+        offsets = _host_offsets(d, ctx, src[0], q)
         check_prefix_sums(offsets, ctx.prefix + d.sources[0], ctx.function, code=ctx.invalid_code)
         return _longest(offsets, len(offsets) - 1)
 
-    return _memo(values, d, ctx, ("max_of_diff", ctx.layout, _q_shape(values)), compute)
+    shape = getattr(q, "shape", None)
+    return _memo(d, ctx, src[0], ("max_of_diff", ctx.layout, None if shape is None else tuple(shape)), compute)
 
 
-def max_of_live_diff(values: dict, d: Derivation, ctx: Context) -> tuple:
+def max_of_live_diff(d: Derivation, ctx: Context, src: tuple, q: Any) -> tuple:
     """The longest live segment (the first ``num_segments``) as a Python int."""
     name = ctx.prefix + d.sources[0]
-    live = values.get(d.sources[1]) if len(d.sources) > 1 else None
+    live = src[1] if len(src) > 1 else None
 
     def compute() -> int:
-        host = _host_offsets(values, d, ctx)
+        host = _host_offsets(d, ctx, src[0], q)
         n = len(host) - 1 if live is None else live
         if type(n) is not int or not 0 <= n <= len(host) - 1:
             raise GuardError(ctx.invalid_code, argument=ctx.prefix + d.sources[1], function=ctx.function,
@@ -152,35 +139,36 @@ def max_of_live_diff(values: dict, d: Derivation, ctx: Context) -> tuple:
         check_prefix_sums(host, name, ctx.function, code=ctx.invalid_code)
         return _longest(host, n)
 
-    return _memo(values, d, ctx, ("max_of_live_diff", live if type(live) is int else None), compute)
+    return _memo(d, ctx, src[0], ("max_of_live_diff", live if type(live) is int else None), compute)
 
 
-def prepare_varlen_cudnn(values: dict, d: Derivation, ctx: Context) -> tuple:
+def prepare_varlen_cudnn(d: Derivation, ctx: Context, src: tuple, q: Any) -> tuple:
     """The engine's cuDNN plan: packed element indptrs, padded lengths, bucketed max (cached)."""
-    cu, q = values[d.sources[0]], values.get(d.sources[1])
+    cu, q = src
     if isinstance(cu, torch.Tensor) and not is_compiling():
         # prepare()'s own cache lookup, without its call and argument checks
         hit = cache.get(cu, ("meta", "cudnn", True, getattr(q, "shape", None), getattr(q, "device", None)))
         if hit is not MISS:
             return hit, False
-    return prepare(values[d.sources[0]], values.get(d.sources[1]), layout="cudnn", bucket=True,
-                   function=ctx.function, argument=d.sources[0])
+    return prepare(cu, q, layout="cudnn", bucket=True, function=ctx.function, argument=ctx.prefix + d.sources[0])
 
 
-def compile_template(d: Derivation) -> Callable[[dict, Derivation, Context], tuple]:
+def compile_template(d: Derivation) -> Callable:
     """A user contract's ``derive`` template, evaluated as the Python expression it is (it comes from the
     project's own configuration, like the code it guards). Not cached: its cost is unknown."""
     source = d.template.format(**{s: s for s in d.sources})
     code = compile(source, f"<guardlint derive {d.target}>", "eval")
     scope = {"torch": torch, "__builtins__": builtins}
 
-    def template(values: dict, d: Derivation, ctx: Context) -> tuple:
-        return eval(code, scope, {s: values[s] for s in d.sources}), True
+    def template(d: Derivation, ctx: Context, src: tuple, q: Any) -> tuple:
+        return eval(code, scope, dict(zip(d.sources, src))), True
 
     return template
 
 
-DERIVERS: dict[str, Callable[[dict, Derivation, Context], tuple]] = {
+# Each takes (derivation, context, source values in ``d.sources`` order, the call's q or None) and
+# returns (value, freshly computed?).
+DERIVERS: dict[str, Callable[[Derivation, Context, tuple, Any], tuple]] = {
     "diff": diff,
     "max_of_diff": max_of_diff,
     "max_of_live_diff": max_of_live_diff,
@@ -188,7 +176,7 @@ DERIVERS: dict[str, Callable[[dict, Derivation, Context], tuple]] = {
 }
 
 
-def deriver(d: Derivation) -> Optional[Callable[[dict, Derivation, Context], tuple]]:
+def deriver(d: Derivation) -> Optional[Callable[[Derivation, Context, tuple, Any], tuple]]:
     if d.name == "template":
         return compile_template(d)
     return DERIVERS.get(d.name)

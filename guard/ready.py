@@ -168,7 +168,7 @@ def _build_cudnn(fn: Callable, **rename: str) -> Callable:
             fresh = False
             if fm is MISS:
                 before = _state.counters.host_reads
-                fm, fresh = derive_meta({"cu_seqlens": cu, "q": packed_q}, META_DERIVATION, context)
+                fm, fresh = derive_meta(META_DERIVATION, context, (cu, packed_q), packed_q)
             if fresh:
                 _state.note_derived(function, nF, META_DERIVATION.name, META_DERIVATION.sources, fresh=True,
                                     host_read=_state.counters.host_reads > before)
@@ -351,7 +351,7 @@ def _build_lora(fn: Callable, *, batch_info: str, x: Optional[str], weights: Opt
                 steps.insert(0, (SEG_LENS_DERIVATION, derive_seg_lens))
             for d, impl in steps:
                 before = _state.counters.host_reads
-                value, fresh = impl(values, d, context)
+                value, fresh = impl(d, context, tuple(values[s] for s in d.sources), None)
                 if fresh:
                     _state.note_derived(function, f"{nB}.{d.target}", d.name, d.sources, fresh=True,
                                         host_read=_state.counters.host_reads > before)

@@ -156,15 +156,16 @@ def check_varlen(function: Optional[str], *, q: Any, cu_seqlens: Any = None, seq
     if "cu_seqlens" in got:
         host_cu = got["cu_seqlens"]
     if host_cu is not None:
-        from_cu = token_offsets(host_cu, layout=layout, total_tokens=T, elements_per_token=HD,
-                                function=function)
+        # Without q there is no token count to tell element offsets from token offsets by.
+        from_cu = token_offsets(host_cu, layout=layout if T is not None else "tokens", total_tokens=T,
+                                elements_per_token=HD, function=function)
         if offsets is not None and from_cu != offsets:
             bad = _first_difference(from_cu, offsets)
             raise GuardError("GL103", argument="cu_seqlens", function=function,
                              expected="the offsets the metadata was prepared from",
                              got=f"different offsets (first difference at index {bad})")
         offsets = from_cu
-    if "packed_indptrs" in got:
+    if "packed_indptrs" in got and T is not None:
         values = got["packed_indptrs"]
         from_packed = token_offsets(values, layout="cudnn", total_tokens=T, elements_per_token=HD,
                                     argument="forward_metadata.packed_indptrs", function=function)

@@ -249,3 +249,18 @@ def test_mode_from_environment_variable():
     assert done.returncode == 0 and done.stdout.strip() == "strict"
     done = run_with_env("verbose", "import guardlint.guard")
     assert done.returncode != 0 and "GUARDLINT_MODE" in done.stderr and "'verbose'" in done.stderr
+
+
+def test_guard_strict_without_q_checks_what_it_can():
+    @guard(["GL101", "GL102"])
+    def attn(cu_seqlens, sequence_lengths=None, max_seqlen=None):
+        return sequence_lengths, max_seqlen
+
+    cu = torch.tensor([0, 4, 9])
+    with mode("strict"):
+        assert attn(cu, cu[1:] - cu[:-1], 5)[1] == 5
+        with pytest.raises(GuardError) as info:
+            attn(cu, cu[1:] - cu[:-1], 4)
+        assert (info.value.code, info.value.argument) == ("GL103", "max_seqlen")
+        lens, longest = attn(cu)
+        assert lens.tolist() == [4, 5] and longest == 5
