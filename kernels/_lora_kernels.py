@@ -21,22 +21,25 @@ a last column that zero-fills rows no live segment covers when the output is fre
 steps) or the q/k/v slices of ``qkv_lora_b``. Segments with an out-of-range slot or rank are written as
 NaN instead of being read out of bounds (``GUARDLINT_MODE=strict`` reports them as GL204 before launch).
 
-=========== ============================ ============ ================= ======================================
-kernel      K (reduced)                  N (written)  blocks (GPU)      why
-=========== ============================ ============ ================= ======================================
-sgemm_a     hidden (4096)                stack * R    S 16-64, K 128-256 bound by reading x once; split-K
-                                                      N <= 128          when token tiles alone leave SMs idle
-sgemm_b     R (16-128)                   N (4096)     S 32-128,         bound by base read+write; big
-                                                      N 128-256, K <=64 S x N tiles keep stores wide
-qkv_b       R per slice                  N_q, N_kv    as sgemm_b        three slices on grid axis 2
-step_a_q    qk_nope (128)                R            as sgemm_a        per head; K too short to split
-step_b_q    R                            kv_lora_rank as sgemm_b        per head; output 512 wide
-step_a_v    kv_lora_rank (512)           R            as sgemm_a        per head
-step_b_v    R                            v_head (128) as sgemm_b        per head
-=========== ============================ ============ ================= ======================================
+========= ================== ============ ====================== ==========================================
+kernel    K (reduced)        N (written)  blocks on the GPU      why
+========= ================== ============ ====================== ==========================================
+sgemm_a   hidden (4096)      stack * R    S 16-64, K 128-256,    bound by reading x once: cp.async pipeline
+                                          N = R (<= 128)         over K; split-K when token tiles leave SMs
+                                                                 idle (K >= 1024 per two splits)
+sgemm_b   R (16-128)         N (4096)     S 16-128, N 128-256,   bound by reading and writing base; tiles
+                                          K chunk 16-32          sized so 2-4 programs fit an SM (loads in
+                                                                 flight live in registers)
+qkv_b     R per slice        N_q, N_kv    as sgemm_b             q/k/v slices on grid axis 2
+step_a_q  qk_nope (128)      R            as sgemm_a             per head (axis 2); K too short to split
+step_b_q  R                  kv_lora_rank as sgemm_b             per head; A shared by the heads
+step_a_v  kv_lora_rank (512) R            as sgemm_a             per head; K too short to split
+step_b_v  R                  v_head (128) as sgemm_b             per head
+========= ================== ============ ====================== ==========================================
 
-On the GPU the block sizes come from a three-entry ``triton.autotune`` set per kernel, keyed on (K, N, R,
-a token-count class); under ``TRITON_INTERPRET=1`` fixed small blocks are used and tiles are upcast to
+On the GPU the block sizes come from a small ``triton.autotune`` set per kernel (3 shrink, 4 expand
+configs) keyed on (K, N, R, split, a token-count class); the split-K factor is chosen on the host
+(``choose_split_k``). Under ``TRITON_INTERPRET=1`` fixed small blocks are used and tiles are upcast to
 float32 after loading (the interpreter's bfloat16 arithmetic is wrong).
 """
 from __future__ import annotations
@@ -277,11 +280,15 @@ def new_workspace(shape, device: torch.device) -> torch.Tensor:
 
 
 def choose_split_k(num_tokens: int, num_segments: int, K: int, heads: int, device: torch.device) -> int:
-    """Split K (powers of two, at most ``MAX_SPLIT_K``) until 64-token tiles fill two waves of SMs,
-    keeping at least 512 K per split."""
+    """Split K (powers of two, at most ``MAX_SPLIT_K``) until the smallest token tiles of the tuning set
+    (one more per segment for its ragged end) fill two waves of SMs, keeping at least 512 K per split.
+
+    A split costs a float32 workspace round trip and a second launch, so prefill batches (many tiles)
+    stay unsplit and decode batches (one token per segment) split."""
     if device.type != "cuda":
         return 1
-    tiles = (triton.cdiv(num_tokens, 64) + num_segments) * heads
+    smallest = min(cfg.kwargs["BLOCK_S"] for cfg in _SHRINK_CONFIGS)
+    tiles = (triton.cdiv(num_tokens, smallest) + num_segments) * heads
     target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     split = 1
     while split < MAX_SPLIT_K and tiles * split < target and K // (2 * split) >= 512:

@@ -317,3 +317,15 @@ def test_torch_backend_is_the_reference(fn):
         got, ref = sgemm_lora_b(x, w, info, backend="torch"), sgemm_lora_b_reference(x, w, info)
     assert torch.equal(got, ref)
     check(getattr(lora, fn)(x, w, info, backend="triton"), ref, ref.double())
+
+
+def test_choose_split_k_splits_decode_not_prefill(monkeypatch):
+    monkeypatch.setattr(_lora_kernels, "_sm_count", lambda index: 132)  # an H100/H200
+    gpu = torch.device("cuda", 0)
+    # 4096 tokens in 8 segments already give ~260 programs of 16 tokens: no split.
+    assert _lora_kernels.choose_split_k(4096, 8, 4096, 1, gpu) == 1
+    # 64 one-token segments: 68 programs; split K until two waves, keeping >= 512 K per split.
+    assert _lora_kernels.choose_split_k(64, 64, 4096, 1, gpu) == 4
+    assert _lora_kernels.choose_split_k(16, 1, 4096, 1, gpu) == _lora_kernels.MAX_SPLIT_K
+    assert _lora_kernels.choose_split_k(16, 1, 512, 1, gpu) == 1  # K too short to split
+    assert _lora_kernels.choose_split_k(16, 1, 4096, 1, torch.device("cpu")) == 1
