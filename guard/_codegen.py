@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-import keyword
 from typing import Callable, Optional, Sequence
 
 from . import _state
+from .errors import GuardError
 
 PREFIX = "_guardlint_"
 
@@ -57,8 +57,10 @@ def make_wrapper(fn: Callable, access: dict, names: Sequence[str], hook: Callabl
     the hook also gets, second, a tuple saying which of the values are not None."""
     sig = inspect.signature(fn)
     for p in sig.parameters.values():
-        if p.name.startswith(PREFIX) or keyword.iskeyword(p.name):
-            raise ValueError(f"cannot guard a function with a parameter named {p.name!r}")
+        if p.name.startswith(PREFIX):
+            raise GuardError("GL001", argument=p.name, function=getattr(fn, "__qualname__", None),
+                             expected=f"parameter names that do not start with {PREFIX!r}",
+                             got=f"a parameter named {p.name!r}", fix="rename the parameter")
     ns: dict = {f"{PREFIX}fn": fn, f"{PREFIX}state": _state, f"{PREFIX}hook": hook}
     ns.update({f"{PREFIX}{k}": v for k, v in (env or {}).items()})
     head, call = [], []

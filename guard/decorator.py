@@ -16,7 +16,7 @@ from . import _state
 from ._codegen import accesses, make_wrapper
 from .derive import Context, deriver
 from .errors import GuardError, describe
-from .validate import check_lora, check_varlen
+from .validate import check_lora, check_varlen, prefetch
 
 class Param:
     """Where one contract argument goes in the guarded function's signature."""
@@ -178,6 +178,8 @@ class _Guard:
                 raise self._unmet_error(plan, dict(zip(names, vals)))
             if plan:
                 vals = list(vals)
+                if mode == STRICT:
+                    prefetch(*vals)
                 for index, d, impl, ctx, pick, q_index in plan:
                     before = counters.host_reads
                     value, fresh = impl(d, ctx, pick(vals), None if q_index is None else vals[q_index])

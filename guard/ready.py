@@ -23,7 +23,7 @@ from .decorator import bind, qualified_name
 from .derive import Context, DERIVERS
 from .errors import GuardError, describe
 from .metadata import VarlenMetadata, check_index_tensor, is_compiling, prepare, read_host
-from .validate import check_lora, check_varlen
+from .validate import check_lora, check_varlen, prefetch
 
 GL101, GL102, GL201 = get_contract("GL101"), get_contract("GL102"), get_contract("GL201")
 # Derivation names for stats and events come from the catalog, not from here.
@@ -87,6 +87,8 @@ def _build_varlen(fn: Callable, **rename: str) -> Callable:
                                           getattr(q, "device", None)))
                 fresh = False
                 if plan is MISS:
+                    if mode == _state.STRICT:
+                        prefetch(cu, seq)
                     before = _state.counters.host_reads
                     plan, fresh = prepare(cu, q, layout="tokens", function=function, argument=nC)
                 if fresh:
@@ -167,6 +169,8 @@ def _build_cudnn(fn: Callable, **rename: str) -> Callable:
                                     getattr(packed_q, "device", None)))
             fresh = False
             if fm is MISS:
+                if mode == _state.STRICT:
+                    prefetch(cu, seq)
                 before = _state.counters.host_reads
                 fm, fresh = derive_meta(META_DERIVATION, context, (cu, packed_q), packed_q)
             if fresh:
@@ -389,6 +393,8 @@ def _build_lora(fn: Callable, *, batch_info: str, x: Optional[str], weights: Opt
                 else:
                     _state.note_cached(MAX_LEN_DERIVATION.name)
             else:
+                if mode == _state.STRICT:
+                    prefetch(info.seg_indptr, info.weight_indices, getattr(info, "lora_ranks", None), info.seg_lens)
                 snapshot = _snapshot(info) if memo else None
                 new = complete(info, x_value, mode)
                 if new is not info and memo:

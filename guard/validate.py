@@ -47,6 +47,16 @@ def read_together(tensors: Sequence[torch.Tensor]) -> Optional[list]:
     return out
 
 
+def prefetch(*values: Any) -> None:
+    """Strict mode, before deriving: read all of a call's integer metadata tensors in one go, so that
+    the derivation and the checks after it find their host copies cached (one read per call)."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor) and not (
+        v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool)]
+    if len(tensors) > 1:
+        device = tensors[0].device
+        read_together([t for t in tensors if t.device == device])
+
+
 def _skipped() -> None:
     _state.counters.checks_skipped += 1
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from guardlint.contracts import contract_from_config
 from guardlint.guard import (GuardError, VarlenMetadata, clear_cache, get_mode, guard, mode, on_derive,
-                             prepare_varlen_metadata, reset_stats, set_mode, stats)
+                             reset_stats, set_mode, stats)
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from guardlint.guard import (GuardError, VarlenMetadata, bucket_batch_size, bucket_max_seqlen, clear_cache,
+from guardlint.guard import (GuardError, bucket_batch_size, bucket_max_seqlen, clear_cache,
                              prepare_varlen_metadata, reset_stats, stats)
 
 

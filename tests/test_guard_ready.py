@@ -5,8 +5,8 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from guardlint.guard import (GuardError, VarlenMetadata, clear_cache, guard_cudnn_vision, guard_lora,
-                             guard_varlen, mode, prepare_varlen_metadata, reset_stats, stats)
+from guardlint.guard import (GuardError, clear_cache, guard_cudnn_vision, guard_lora, guard_varlen, mode,
+                             prepare_varlen_metadata, reset_stats, stats)
 
 
 @pytest.fixture(autouse=True)
@@ -136,6 +136,13 @@ def test_guard_varlen_strict_checks_with_one_read():
             ("GL103", "sequence_lengths")
         assert code_of(lambda: varlen_attention(q, q, q, cu, sequence_lengths=lens[:1], max_seqlen=7)) == \
             ("GL103", "sequence_lengths")
+
+
+def test_guard_varlen_strict_derivation_and_checks_share_one_read():
+    q, cu = batch()
+    with mode("strict"):
+        assert varlen_attention(q, q, q, cu, sequence_lengths=cu[1:] - cu[:-1])["max_seqlen"] == 7
+    assert stats()["host_reads"] == 1
 
 
 def test_guard_varlen_strict_metadata_against_q_and_cu():
@@ -344,7 +351,7 @@ def test_guard_lora_strict_accepts_a_valid_batch_with_one_read():
     x, w, info = lora_batch((3, 4), padded_to=5, seg_lens=torch.tensor([3, 4, 0, 0, 0], dtype=torch.int32))
     with mode("strict"):
         assert sgemm_lora_a(x, w, info).max_len == 4
-    assert stats()["host_reads"] == 2  # the derivation of max_len, then one packed check read
+    assert stats()["host_reads"] == 1  # one packed read serves the derivation and the checks
 
 
 @pytest.mark.parametrize("changes, lengths, argument", [

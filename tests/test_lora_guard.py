@@ -15,7 +15,7 @@ from guardlint.kernels import lora
 from guardlint.kernels.lora import (LoRABatchInfo, qkv_lora_b, sgemm_lora_a, sgemm_lora_a_reference, sgemm_lora_b,
                                     sgemm_lora_b_reference, step_a_q, step_a_q_reference, step_a_v, step_b_q,
                                     step_b_v)
-from test_lora import SLOTS, check, layout, make_batch, rand
+from test_lora import SLOTS, check, layout, rand
 
 MLA = dict(qk_nope_head_dim=8, v_head_dim=4)
 
