@@ -67,7 +67,7 @@ def _segment(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, num_segments, n
     is_tail = seg == tail_column
     start = tl.load(seg_indptr_ptr + tl.minimum(seg, num_segments)).to(tl.int32)
     stop = tl.load(seg_indptr_ptr + seg + 1, mask=live, other=0).to(tl.int32)
-    # The tail column covers the rows after the last live segment; padding columns cover nothing.
+    # The tail column (fresh outputs only) covers the sorted positions after the last live segment.
     stop = tl.where(live, stop, tl.where(is_tail, num_tokens, start))
     # Clamp so that a corrupt seg_indptr can skip tokens but never address memory outside x.
     start = tl.minimum(tl.maximum(start, 0), num_tokens)
@@ -100,7 +100,7 @@ def _lora_shrink_kernel(
     stride_xt, stride_xh, stride_xk,
     stride_wl, stride_wh, stride_wn, stride_wk,
     stride_os, stride_ot, stride_oh, stride_on,
-    size_class,
+    size_class,  # read by the autotuner's key only
     HAS_PERMUTATION: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -154,7 +154,7 @@ def _lora_expand_kernel(
     stride_xt, stride_xh, stride_xk,
     stride_wl, stride_wh, stride_wn, stride_wk,
     stride_ot, stride_oh, stride_on,
-    size_class,
+    size_class,  # read by the autotuner's key only
     ACCUMULATE: tl.constexpr, HAS_PERMUTATION: tl.constexpr, SLICES: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -78,9 +78,9 @@ def _check_data(function: str, name: str, t, ndim: int, device: Optional[torch.d
     if dtype is None and t.dtype not in _FLOATS:
         raise _bad(function, name, "dtype float16, bfloat16 or float32", t)
     if dtype is not None and t.dtype != dtype:
-        raise _bad(function, name, f"dtype {dtype} (that of x)", t)
+        raise _bad(function, name, f"dtype {dtype} (the input's)", t)
     if device is not None and t.device != device:
-        raise _bad(function, name, f"a tensor on {device} (the device of x)", t)
+        raise _bad(function, name, f"a tensor on {device} (the input's device)", t)
 
 
 def _check_output(function: str, out, shape: tuple, x: Tensor) -> None:
@@ -99,7 +99,7 @@ def _check_meta(function: str, name: str, t, device: torch.device, min_len: int,
     if (t.dtype not in _FLOATS + (torch.float64,)) if floating else (t.dtype not in _INTS):
         raise _bad(function, f"batch_info.{name}", f"a 1-D {kind} tensor", t)
     if t.device != device:
-        raise _bad(function, f"batch_info.{name}", f"a tensor on {device} (the device of x)", t)
+        raise _bad(function, f"batch_info.{name}", f"a tensor on {device} (the input's device)", t)
     if t.shape[0] < min_len:
         raise _bad(function, f"batch_info.{name}", f"at least {min_len} entries", t)
     # The kernels index these buffers with unit stride.
@@ -461,13 +461,13 @@ def _check_int(function: str, name: str, value, lo: int, hi: Optional[int] = Non
 # ---------------------------------------------------------------------------------------------------------
 # Public functions.
 
-_DEVICE_DOC = "CUDA (CPU under TRITON_INTERPRET=1 or with backend='torch')"
-
 
 @guard_lora(rank_dim=1)
 def sgemm_lora_a(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, stack_num: int = 1, *,
                  split_k: Optional[int] = None, backend: Optional[str] = None) -> Tensor:
-    """Segmented LoRA shrink: ``x @ A[slot].T`` per segment, for ``stack_num`` stacked adapters
+    """``sgemm_lora_a(x, weights, batch_info, stack_num=1, *, split_k=None, backend=None) -> (S, stack_num * R)``
+
+    Segmented LoRA shrink: ``x @ A[slot].T`` per segment, for ``stack_num`` stacked adapters
     (q/k/v or gate/up share one x).
 
     Parameters
@@ -512,7 +512,9 @@ def sgemm_lora_a(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, stack_nu
 @guard_lora(rank_dim=2)
 def sgemm_lora_b(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, base_output: Optional[Tensor] = None, *,
                  backend: Optional[str] = None) -> Tensor:
-    """Segmented LoRA expand: ``out += scaling * x[:, :r] @ B[slot][:, :r].T`` per segment.
+    """``sgemm_lora_b(x, weights, batch_info, base_output=None, *, backend=None) -> (S, N)``
+
+    Segmented LoRA expand: ``out += scaling * x[:, :r] @ B[slot][:, :r].T`` per segment.
 
     Parameters
     ----------
@@ -575,7 +577,9 @@ def _slice_starts(fn: str, output_offset, n_total: int, x: Tensor):
 @guard_lora(rank_dim=2)
 def qkv_lora_b(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, output_offset: Union[Sequence[int], Tensor],
                base_output: Optional[Tensor] = None, *, backend: Optional[str] = None) -> Tensor:
-    """Segmented LoRA expand of the fused q/k/v projection: slice ``i`` of the output, columns
+    """``qkv_lora_b(x, weights, batch_info, output_offset, base_output=None, *, backend=None) -> (S, N_q + 2 N_kv)``
+
+    Segmented LoRA expand of the fused q/k/v projection: slice ``i`` of the output, columns
     ``[off[i], off[i+1])``, gets ``scaling * x[:, iR : iR + r] @ B[slot][off[i]:off[i+1], :r].T``.
 
     Parameters
@@ -629,7 +633,9 @@ def qkv_lora_b(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, output_off
 @guard_lora(weights="lora_b", rank_dim=2)
 def step_a_q(q_nope: Tensor, lora_b: Tensor, batch_info: LoRABatchInfo, *, qk_nope_head_dim: int, v_head_dim: int,
              backend: Optional[str] = None) -> Tensor:
-    """MLA absorbed ``kv_b_proj``, q path, step A: ``q_nope`` through the transposed k_nope rows of the
+    """``step_a_q(q_nope, lora_b, batch_info, *, qk_nope_head_dim, v_head_dim, backend=None) -> (S, H, R)``
+
+    MLA absorbed ``kv_b_proj``, q path, step A: ``q_nope`` through the transposed k_nope rows of the
     LoRA B matrix, per head ``h``: ``y[:, h, :r] = q_nope[:, h] @ B[s, h*(qk_nope+v) : h*(qk_nope+v) +
     qk_nope, :r]``.
 
@@ -673,7 +679,9 @@ def step_a_q(q_nope: Tensor, lora_b: Tensor, batch_info: LoRABatchInfo, *, qk_no
 @guard_lora(weights="lora_a", rank_dim=1)
 def step_b_q(lora_q: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, base_output: Optional[Tensor] = None, *,
              backend: Optional[str] = None) -> Tensor:
-    """MLA absorbed ``kv_b_proj``, q path, step B: per head ``out[:, h] += scaling * y[:, h, :r] @
+    """``step_b_q(lora_q, lora_a, batch_info, base_output=None, *, backend=None) -> (S, H, kv_lora_rank)``
+
+    MLA absorbed ``kv_b_proj``, q path, step B: per head ``out[:, h] += scaling * y[:, h, :r] @
     A[s, :r, :]`` into the latent q.
 
     Parameters
@@ -717,7 +725,9 @@ def step_b_q(lora_q: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, base_out
 @guard_lora(weights="lora_a", rank_dim=1)
 def step_a_v(attn_latent: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, *,
              backend: Optional[str] = None) -> Tensor:
-    """MLA absorbed ``kv_b_proj``, v path, step A: per head ``y[:, h, :r] = x[:, h] @ A[s, :r, :].T``.
+    """``step_a_v(attn_latent, lora_a, batch_info, *, backend=None) -> (S, H, R)``
+
+    MLA absorbed ``kv_b_proj``, v path, step A: per head ``y[:, h, :r] = x[:, h] @ A[s, :r, :].T``.
 
     Parameters
     ----------
@@ -753,7 +763,10 @@ def step_a_v(attn_latent: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, *,
 @guard_lora(weights="lora_b", rank_dim=2)
 def step_b_v(lora_v: Tensor, lora_b: Tensor, batch_info: LoRABatchInfo, base_output: Optional[Tensor] = None, *,
              qk_nope_head_dim: int, v_head_dim: int, backend: Optional[str] = None) -> Tensor:
-    """MLA absorbed ``kv_b_proj``, v path, step B: per head ``out[:, h] += scaling * y[:, h, :r] @
+    """``step_b_v(lora_v, lora_b, batch_info, base_output=None, *, qk_nope_head_dim, v_head_dim, backend=None)
+    -> (S, H, v_head_dim)``
+
+    MLA absorbed ``kv_b_proj``, v path, step B: per head ``out[:, h] += scaling * y[:, h, :r] @
     B[s, h*(qk_nope+v) + qk_nope : (h+1)*(qk_nope+v), :r].T``.
 
     Parameters
