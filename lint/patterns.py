@@ -12,12 +12,24 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class PatternSpec:
     """``visitor`` is ``module:Class`` under ``guardlint.lint``. A file can only trigger the rule when
-    it contains one of ``needles`` and one of ``also`` (bytes, matched before parsing)."""
+    it contains one of ``needles``, all of one group of ``also`` and, lower-cased, one of ``context``
+    (bytes, matched before parsing)."""
 
     code: str
     visitor: str
     needles: tuple[bytes, ...]
-    also: tuple[bytes, ...] = ()
+    also: tuple[tuple[bytes, ...], ...] = ()
+    context: tuple[bytes, ...] = ()
+
+    def may_match(self, data: bytes) -> bool:
+        if not any(n in data for n in self.needles):
+            return False
+        if self.also and not any(all(n in data for n in group) for group in self.also):
+            return False
+        if self.context:
+            lower = data.lower()
+            return any(n in lower for n in self.context)
+        return True
 
 
 # GL104 per-layer-host-sync. Names of host-read metadata: cu_seqlens, cu_seqlens_q, seq_lens,
@@ -39,7 +51,9 @@ PATTERNS: dict[str, PatternSpec] = {
         code="GL104",
         visitor="host_sync:PerLayerHostSync",
         needles=(b"seqlens", b"seq_lens", b"seg_lens", b"seg_indptr"),
-        also=(b"item(", b"tolist(", b"max("),
+        also=((b".item(",), (b".tolist(",), (b"int(", b".max(")),
+        # A per-layer place: class *Block/*Layer/*Attention, or a loop over layers/blocks.
+        context=(b"block", b"layer", b"attention"),
     ),
 }
 

@@ -5,12 +5,15 @@ catalog (or config) entry and needs no lint code. Plain data, no libcst; pickled
 """
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from guardlint.contracts import Contract, all_contracts
 
-from .patterns import PATTERNS
+from .patterns import PATTERNS, PatternSpec
 
 CALL_KINDS = ("call", "positional", "value")
 # dataclasses.replace(obj, field=None, ...) rebuilds a dataclass target: contracts with
@@ -29,10 +32,10 @@ class RuleSet:
     by_instance: dict[str, tuple[Contract, ...]] = field(default_factory=dict)
     replace_contracts: tuple[Contract, ...] = ()
     patterns: tuple[Contract, ...] = ()
-    # Textual pre-filter: a file is parsed only if it contains one of ``needles``, or one of a
-    # pattern's needle pairs.
+    # Textual pre-filter: a file is parsed only if it contains one of ``needles`` (target names),
+    # or what one of the pattern rules needs.
     needles: tuple[bytes, ...] = ()
-    pattern_needles: tuple[tuple[tuple[bytes, ...], tuple[bytes, ...]], ...] = ()
+    pattern_specs: tuple[PatternSpec, ...] = ()
 
     @property
     def codes(self) -> tuple[str, ...]:
@@ -49,10 +52,49 @@ class RuleSet:
         for n in self.needles:
             if n in data:
                 return True
-        for needles, also in self.pattern_needles:
-            if any(n in data for n in needles) and (not also or any(a in data for a in also)):
-                return True
-        return False
+        return any(spec.may_match(data) for spec in self.pattern_specs)
+
+
+KERNELS_PACKAGE = "guardlint.kernels"
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_exports() -> dict[str, str]:
+    """``guardlint.kernels``' lazy re-exports (name -> submodule), read from its source: the linter
+    does not execute the package it lints for (its submodules import torch)."""
+    try:
+        spec = importlib.util.find_spec(KERNELS_PACKAGE)
+        if spec is None or spec.origin is None:
+            return {}
+        with open(spec.origin, "rb") as f:
+            tree = ast.parse(f.read())
+    except (ImportError, OSError, SyntaxError, ValueError):
+        return {}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in targets) and node.value is not None:
+                try:
+                    value = ast.literal_eval(node.value)
+                except ValueError:
+                    return {}
+                return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str)}
+    return {}
+
+
+def aliases(qualname: str) -> tuple[str, ...]:
+    """Other qualified names of the same object: ``guardlint.kernels.X`` is re-exported from
+    ``guardlint.kernels.<submodule>.X`` (and the other way round)."""
+    prefix = KERNELS_PACKAGE + "."
+    if not qualname.startswith(prefix):
+        return ()
+    rest = qualname[len(prefix):]
+    exports = _kernel_exports()
+    if "." in rest:
+        sub, name = rest.rsplit(".", 1)
+        return (prefix + name,) if exports.get(name) == sub else ()
+    sub = exports.get(rest)
+    return (f"{prefix}{sub}.{rest}",) if sub else ()
 
 
 def build_rules(extra: Iterable[Contract] = (), *, builtin: Optional[Iterable[Contract]] = None) -> RuleSet:
@@ -63,12 +105,14 @@ def build_rules(extra: Iterable[Contract] = (), *, builtin: Optional[Iterable[Co
     needles: dict[bytes, None] = {}
     replace: list[Contract] = []
     patterns: list[Contract] = []
-    pattern_needles = []
+    specs = []
     for c in contracts:
         if c.kind in CALL_KINDS:
             for t in c.targets:
                 index = by_instance if t.kind == "instance" else by_callee
-                index.setdefault(t.qualname, []).append(c)
+                for name in (t.qualname, *aliases(t.qualname)):
+                    if c not in index.setdefault(name, []):
+                        index[name].append(c)
                 needles[t.short_name.encode()] = None
             if c.satisfied_by_later_assignment and c.kind == "call":
                 replace.append(c)
@@ -81,7 +125,7 @@ def build_rules(extra: Iterable[Contract] = (), *, builtin: Optional[Iterable[Co
                 raise ValueError(f"contract {c.code} has kind 'pattern' but no visitor is registered "
                                  f"in guardlint.lint.patterns.PATTERNS")
             patterns.append(c)
-            pattern_needles.append((spec.needles, spec.also))
+            specs.append(spec)
     return RuleSet(
         contracts=contracts,
         by_callee={k: tuple(v) for k, v in by_callee.items()},
@@ -89,5 +133,5 @@ def build_rules(extra: Iterable[Contract] = (), *, builtin: Optional[Iterable[Co
         replace_contracts=tuple(replace),
         patterns=tuple(patterns),
         needles=tuple(needles),
-        pattern_needles=tuple(pattern_needles),
+        pattern_specs=tuple(specs),
     )

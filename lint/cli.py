@@ -1,0 +1,87 @@
+"""The ``guardlint`` command line: ``check`` (the default command), ``explain``, ``rules``.
+
+Commands stay thin: the work is in ``commands.py``. Only click is imported at start-up so that
+``guardlint --version`` stays fast; libcst loads when a file is actually checked.
+"""
+from __future__ import annotations
+
+import click
+
+from guardlint._version import __version__
+
+FORMATS = ("text", "json", "sarif", "github")
+
+
+class DefaultCommandGroup(click.Group):
+    """A group that runs ``check`` when the first argument is not one of its commands, so that
+    ``guardlint src/`` means ``guardlint check src/``."""
+
+    default_command = "check"
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or (args[0] not in self.commands and args[0] not in ("--help", "-h", "--version")):
+            args = [self.default_command, *args]
+        return super().parse_args(ctx, args)
+
+
+def _emit(outcome) -> None:
+    if outcome.stdout:
+        click.echo(outcome.stdout, nl=False)
+    if outcome.stderr:
+        click.echo(outcome.stderr, nl=False, err=True)
+    click.get_current_context().exit(outcome.exit_code)
+
+
+@click.group(cls=DefaultCommandGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="guardlint", message="%(prog)s %(version)s")
+def main() -> None:
+    """Lint calls of varlen attention and segmented LoRA kernels for metadata they need.
+
+    `guardlint PATHS...` is `guardlint check PATHS...`.
+    """
+
+
+@main.command()
+@click.argument("paths", nargs=-1, type=click.Path())
+@click.option("--select", multiple=True, metavar="CODES", help="Only these codes or prefixes (comma list).")
+@click.option("--ignore", multiple=True, metavar="CODES", help="Also ignore these codes or prefixes.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True,
+              help="Output format.")
+@click.option("--statistics", is_flag=True, help="Counts per code instead of the findings.")
+@click.option("--exit-zero", is_flag=True, help="Exit with 0 even when there are findings.")
+@click.option("--strict", is_flag=True, help="Also report calls that cannot be checked (*args/**kwargs).")
+@click.option("--config", type=click.Path(dir_okay=False), help="Read settings from this file.")
+@click.option("--exclude", multiple=True, metavar="PATTERN", help="Also exclude these globs (comma list).")
+@click.option("--stdin-filename", metavar="PATH", help="The file name to report for `-` (stdin).")
+def check(paths, select, ignore, fmt, statistics, exit_zero, strict, config, exclude, stdin_filename) -> None:
+    """Check PATHS (files, folders, or - for stdin); the default command."""
+    from .commands import run_check
+
+    stdin = click.get_binary_stream("stdin").read() if "-" in paths else None
+    _emit(run_check(paths, select=select, ignore=ignore, exclude=exclude, fmt=fmt, statistics=statistics,
+                    exit_zero=exit_zero, strict=strict, config=config, stdin=stdin,
+                    stdin_filename=stdin_filename))
+
+
+@main.command()
+@click.argument("code")
+@click.option("--config", type=click.Path(dir_okay=False), help="Read user contracts from this file.")
+def explain(code, config) -> None:
+    """Explain a rule: what it checks, why, how to fix it, with examples."""
+    from .commands import run_explain
+
+    _emit(run_explain(code, config=config))
+
+
+@main.command()
+@click.option("--format", "fmt", type=click.Choice(("text", "json")), default="text", show_default=True)
+@click.option("--config", type=click.Path(dir_okay=False), help="Read user contracts from this file.")
+def rules(fmt, config) -> None:
+    """List the rule catalog (code, name, kind, summary)."""
+    from .commands import run_rules
+
+    _emit(run_rules(fmt=fmt, config=config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Output formats: text (``path:line:col: CODE message``), JSON, SARIF 2.1.0 and GitHub annotations.
+
+Findings go to stdout in every format so it stays parseable; the summary line goes to stderr.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import PurePath
+from typing import Iterable, Sequence
+
+from guardlint._version import __version__
+from guardlint.contracts import Contract, get as builtin_contract
+
+from .findings import Finding
+
+FORMATS = ("text", "json", "sarif", "github")
+SARIF_SCHEMA = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
+
+
+def text(findings: Sequence[Finding]) -> str:
+    return "".join(f"{f.path}:{f.line}:{f.column}: {f.code} {f.message}\n" for f in findings)
+
+
+def summary(findings: Sequence[Finding]) -> str:
+    if not findings:
+        return "All checks passed."
+    n = len(findings)
+    return f"Found {n} finding{'s' if n != 1 else ''}."
+
+
+def as_json(findings: Sequence[Finding]) -> str:
+    return json.dumps([f.to_dict() for f in findings], indent=2) + "\n"
+
+
+def statistics(findings: Sequence[Finding]) -> list[dict]:
+    """Counts per code, most frequent first."""
+    counts = Counter(f.code for f in findings)
+    names = {f.code: f.name for f in findings}
+    return [{"code": code, "name": names[code], "count": n}
+            for code, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+
+
+def statistics_text(findings: Sequence[Finding]) -> str:
+    rows = statistics(findings)
+    if not rows:
+        return ""
+    width = max(len(str(r["count"])) for r in rows)
+    return "".join(f"{r['count']:>{width}}\t{r['code']}\t{r['name']}\n" for r in rows)
+
+
+# -- GitHub workflow commands -----------------------------------------------------------------------
+def _gh_data(s: str) -> str:
+    return s.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def _gh_property(s: str) -> str:
+    return _gh_data(s).replace(":", "%3A").replace(",", "%2C")
+
+
+def github(findings: Sequence[Finding]) -> str:
+    out = []
+    for f in findings:
+        level = "error" if f.severity == "error" else "warning"
+        props = [f"file={_gh_property(f.path)}", f"line={f.line}", f"col={f.column}"]
+        if f.end_line:
+            props += [f"endLine={f.end_line}", f"endColumn={f.end_column}"]
+        props.append(f"title={_gh_property(f.code)}")
+        out.append(f"::{level} {','.join(props)}::{_gh_data(f.message)}\n")
+    return "".join(out)
+
+
+# -- SARIF 2.1.0 ----------------------------------------------------------------------------------------
+def _rule(c: Contract) -> dict:
+    d = c.diagnosis
+    help_text = "Solutions:\n" + "\n".join(f"- {s}" for s in d.solutions) if d.solutions else d.message
+    return {
+        "id": c.code,
+        "name": c.name,
+        "shortDescription": {"text": c.summary},
+        "fullDescription": {"text": f"{d.what_it_means} {d.when_it_happens}".strip()},
+        "help": {"text": help_text, "markdown": help_text},
+        "defaultConfiguration": {"level": "error" if c.severity == "error" else "warning"},
+        "properties": {"kind": c.kind, "fixSafety": c.fix_safety},
+    }
+
+
+def _uri(path: str) -> str:
+    p = PurePath(path)
+    if p.is_absolute():
+        from pathlib import Path
+
+        return Path(path).as_uri()
+    return p.as_posix()
+
+
+def sarif(findings: Sequence[Finding], contracts: Iterable[Contract]) -> str:
+    rules: dict[str, Contract] = {"GL000": builtin_contract("GL000")}
+    for c in contracts:
+        rules.setdefault(c.code, c)
+    for f in findings:  # a finding always has its rule
+        if f.code not in rules:
+            rules[f.code] = builtin_contract(f.code)
+    ordered = sorted(rules.values(), key=lambda c: c.code)
+    index = {c.code: i for i, c in enumerate(ordered)}
+    results = []
+    for f in findings:
+        region = {"startLine": f.line, "startColumn": f.column}
+        if f.end_line:
+            region.update(endLine=f.end_line, endColumn=max(f.end_column, 1))
+        results.append({
+            "ruleId": f.code,
+            "ruleIndex": index[f.code],
+            "level": "error" if f.severity == "error" else "warning",
+            "message": {"text": f.message},
+            "locations": [{"physicalLocation": {
+                "artifactLocation": {"uri": _uri(f.path)},
+                "region": region,
+            }}],
+        })
+    log = {
+        "$schema": SARIF_SCHEMA,
+        "version": "2.1.0",
+        "runs": [{
+            "tool": {"driver": {
+                "name": "guardlint",
+                "version": __version__,
+                "semanticVersion": __version__,
+                "rules": [_rule(c) for c in ordered],
+            }},
+            "columnKind": "unicodeCodePoints",
+            "results": results,
+        }],
+    }
+    return json.dumps(log, indent=2) + "\n"
