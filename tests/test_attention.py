@@ -439,3 +439,80 @@ def test_cudnn_vision_attention_rejects_a_plan_for_other_shapes(vit_batch):
     with pytest.raises(GuardError) as err:
         cudnn_vision_attention(q, k, v, cu, 1, 1200, forward_metadata=plan)
     assert err.value.code == "GL107" and err.value.argument == "forward_metadata"
+
+
+# -- FlashInfer call contracts, against stand-ins with FlashInfer 0.7's signatures ------------------
+
+class FakeRaggedWrapper:
+    """``BatchPrefillWithRaggedKVCacheWrapper``'s constructor, ``plan`` and ``run`` signatures; ``run``
+    computes attention from the *planned* indptr, so a wrong plan gives a wrong answer."""
+
+    plans = []
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
+                 kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None,
+                 jit_kwargs=None):
+        assert kv_layout == "NHD" and backend in ("fa2", "fa3")
+        self.backend = backend
+
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None,
+             custom_mask=None, packed_custom_mask=None, causal=False, pos_encoding_mode="NONE",
+             use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
+             rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking=True,
+             prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len=0, max_item_len_ptr=None,
+             fixed_split_size=None, disable_split_kv=False):
+        assert qo_indptr.device.type == "cpu" and qo_indptr.dtype == torch.int32
+        self.indptr, self.heads, self.causal, self.scale = qo_indptr.tolist(), (num_qo_heads, num_kv_heads), causal, sm_scale
+        FakeRaggedWrapper.plans.append((self.backend, tuple(self.indptr), num_qo_heads, num_kv_heads, head_dim_qk,
+                                        q_data_type, kv_data_type))
+
+    def run(self, q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, o_scale=None, out=None, lse=None,
+            return_lse=False, enable_pdl=None):
+        assert (q.shape[1], k.shape[1]) == self.heads
+        return sdpa_varlen(q, k, v, self.indptr, self.scale, self.causal)
+
+
+class FakeFlashInfer:
+    BatchPrefillWithRaggedKVCacheWrapper = FakeRaggedWrapper
+
+
+def test_flashinfer_ragged_plans_once_per_layout_and_drops_empty_sequences(monkeypatch):
+    monkeypatch.setattr(fi, "_module", FakeFlashInfer)
+    monkeypatch.setattr(fi, "_plans", type(fi._plans)())
+    monkeypatch.setattr(fi, "_by_identity", type(fi._by_identity)())
+    FakeRaggedWrapper.plans = []
+    q, k, v, cu, offsets = make_batch([7, 0, 12, 0], heads=4, kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    plan = prepare_varlen_metadata(cu, q)
+    for _layer in range(4):
+        out = fi.ragged(q, k, v, plan.host_cu_seqlens, 0.125, True, "fa3")
+    assert FakeRaggedWrapper.plans == [("fa3", (0, 7, 19), 4, 2, 64, torch.bfloat16, torch.bfloat16)]
+    assert_close_to_reference(out, q, k, v, offsets, True, scale=0.125)
+    fi.ragged(q, k, v, tuple(offsets), 0.125, True, "fa3")  # equal offsets, another object: same plan
+    fi.ragged(q, k, v, plan.host_cu_seqlens, 0.125, False, "fa3")  # another mask: a new plan
+    assert len(FakeRaggedWrapper.plans) == 2
+
+
+def test_flashinfer_cudnn_call_matches_its_signature(monkeypatch):
+    seen = {}
+
+    def cudnn_batch_prefill_with_kv_cache(q, k_cache, v_cache, scale, workspace_buffer, *, max_token_per_sequence,
+                                          max_sequence_kv, actual_seq_lens_q, actual_seq_lens_kv, block_tables=None,
+                                          causal, return_lse, batch_offsets_q=None, batch_offsets_o=None,
+                                          batch_offsets_k=None, batch_offsets_v=None, batch_offsets_stats=None,
+                                          out=None, lse=None, is_cuda_graph_compatible=False, backend=None):
+        seen.update(max_token_per_sequence=max_token_per_sequence, lengths=actual_seq_lens_q.shape,
+                    q_off=batch_offsets_q.view(-1).tolist(), k_off=batch_offsets_k.view(-1).tolist(), causal=causal)
+        return torch.zeros_like(q), None
+
+    class FakeCudnn:
+        pass
+
+    FakeCudnn.cudnn_batch_prefill_with_kv_cache = staticmethod(cudnn_batch_prefill_with_kv_cache)
+    monkeypatch.setattr(fi, "_module", FakeCudnn)
+    monkeypatch.setattr(fi, "_workspace", lambda device, purpose: torch.empty(0, dtype=torch.uint8))
+    q, k, v, cu, _ = make_batch([3, 5], heads=4, kv_heads=2, head_dim=128, dtype=torch.bfloat16)
+    qo, kv, lengths = fi.cudnn_offsets(q, k, cu, cu[1:] - cu[:-1])
+    out = fi.cudnn_prefill(q, k, v, qo, kv, lengths, 5, 0.1, False)
+    assert out.shape == q.shape
+    assert seen == dict(max_token_per_sequence=5, lengths=(2, 1, 1, 1), q_off=[0, 3 * 512, 8 * 512],
+                        k_off=[0, 3 * 256, 8 * 256], causal=False)
