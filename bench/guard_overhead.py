@@ -1,8 +1,9 @@
 """CPU cost the guard adds to a call: metadata passed, derived values served from the cache, mode off.
 
-Thread CPU time (``time.thread_time_ns``) of batches of calls, median over many batches, minus the same
-for the undecorated function in the same run (batches interleaved, so drift hits both alike).
-Run: ``.venv/bin/python bench/guard_overhead.py [--batches 300 --calls 2000]``.
+Thread CPU time (``time.thread_time_ns``) of batches of calls against the undecorated function in the
+same run: batches alternate, and the added cost is the median over many adjacent pairs of the
+difference, so load changes on a shared machine hit both sides of each pair alike.
+Run: ``.venv/bin/python bench/guard_overhead.py [--batches 400 --calls 1000]``.
 """
 from __future__ import annotations
 
@@ -62,16 +63,21 @@ def per_call_ns(fn, calls: int) -> float:
 
 
 def added_us(guarded_call, raw_call, batches: int, calls: int) -> tuple[float, float, float]:
-    """(added µs, guarded µs, raw µs): medians of per-call thread time over interleaved batches."""
+    """(added µs, guarded µs, raw µs) per call. Batches alternate guarded / undecorated; the added cost is
+    the median of the differences of adjacent pairs, which ran under the same machine load."""
     for _ in range(3):
         per_call_ns(guarded_call, calls)
         per_call_ns(raw_call, calls)
     g, r = [], []
-    for _ in range(batches):
-        g.append(per_call_ns(guarded_call, calls))
-        r.append(per_call_ns(raw_call, calls))
-    gm, rm = statistics.median(g), statistics.median(r)
-    return (gm - rm) / 1e3, gm / 1e3, rm / 1e3
+    for i in range(batches):
+        if i % 2:  # alternate which goes first, so neither always runs on a warmer cache
+            r.append(per_call_ns(raw_call, calls))
+            g.append(per_call_ns(guarded_call, calls))
+        else:
+            g.append(per_call_ns(guarded_call, calls))
+            r.append(per_call_ns(raw_call, calls))
+    added = statistics.median(a - b for a, b in zip(g, r))
+    return added / 1e3, statistics.median(g) / 1e3, statistics.median(r) / 1e3
 
 
 def cases():
@@ -129,8 +135,8 @@ def cases():
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", type=int, default=300)
-    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--batches", type=int, default=400)
+    ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--out-dir", default=None, help="where to write guard_overhead.json/.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

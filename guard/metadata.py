@@ -86,8 +86,8 @@ class VarlenMetadata:
 
 # -- host copies ------------------------------------------------------------------------------------
 
-def is_compiling() -> bool:
-    return torch.compiler.is_compiling()
+# Dynamo folds this call to True while tracing; the guard then skips its cache (weakrefs, ids).
+is_compiling = torch.compiler.is_compiling
 
 
 def capturing(device: torch.device) -> bool:
