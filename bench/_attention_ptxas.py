@@ -1,0 +1,79 @@
+"""Registers, spills and shared memory of every autotune candidate of the attention kernel, from ptxas
+for sm_90a (Hopper). Needs no GPU: Triton compiles to PTX and its bundled ptxas reports the resources.
+
+    python bench/_attention_ptxas.py          # writes bench/results/attention_ptxas.{json,md}
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real, not for the interpreter
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _util import env_meta, write_results  # noqa: E402
+
+from guardlint.kernels import _attention_triton as kernel  # noqa: E402
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+REGISTERS_PER_SM = 65536
+SHARED_PER_SM = 228 * 1024
+INT_ARGS = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot", "stride_oh",
+            "total_tokens", "length_class")
+ALIGNED = ("Q", "K", "V", "O", "cu_seqlens") + INT_ARGS[:-2]
+
+
+def resources(head_dim: int, dtype: str, cfg) -> dict:
+    fn = kernel._varlen_attention_fwd
+    signature = {name: "constexpr" for name in fn.arg_names}
+    signature.update({name: "*" + dtype for name in "QKVO"}, cu_seqlens="*i32", qk_scale="fp32")
+    signature.update({name: "i32" for name in INT_ARGS})
+    d0, d1, d2, d3 = kernel.head_dim_parts(head_dim)
+    constants = dict(HEAD_DIM=head_dim, GROUP=1, D0=d0, D1=d1, D2=d2, D3=d3, CAUSAL=False, UPCAST=False,
+                     PRECISION="ieee" if dtype == "fp32" else "tf32", **cfg.kwargs)
+    # Packed (T, H, D) tensors: 16-byte aligned pointers and strides that are multiples of 16.
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
+        fh.write(compiled.asm["ptx"])
+    report = subprocess.run([str(PTXAS), "-v", "--gpu-name", "sm_90a", fh.name, "-o", os.devnull],
+                            capture_output=True, text=True).stderr
+    os.unlink(fh.name)
+    regs = int(re.search(r"Used (\d+) registers", report).group(1))
+    spill = re.search(r"(\d+) bytes spill stores", report)
+    shared = compiled.metadata.shared
+    threads = 32 * cfg.num_warps
+    per_sm = min(REGISTERS_PER_SM // (regs * threads), SHARED_PER_SM // (shared + 1024))
+    return {"head_dim": head_dim, "dtype": dtype, "BLOCK_M": cfg.kwargs["BLOCK_M"], "BLOCK_N": cfg.kwargs["BLOCK_N"],
+            "warps": cfg.num_warps, "stages": cfg.num_stages, "registers": regs,
+            "spill_bytes": int(spill.group(1)) if spill else 0, "shared_kb": round(shared / 1024, 1),
+            "programs_per_sm": per_sm}
+
+
+def main() -> int:
+    rows = []
+    for dtype, elem, head_dims in (("bf16", 2, (64, 80, 96, 128, 192, 256)), ("fp32", 4, (80, 128))):
+        for head_dim in head_dims:
+            for cfg in kernel.configs_for(head_dim, elem):
+                rows.append(resources(head_dim, dtype, cfg))
+                print(rows[-1], flush=True)
+    meta = env_meta()
+    meta["target"] = "sm_90a via Triton's bundled ptxas (no GPU)"
+    table = write_results("attention_ptxas", rows, list(rows[0]), meta=meta,
+                          title="Attention kernel: resources per autotune candidate (ptxas, sm_90a)")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
