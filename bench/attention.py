@@ -1,15 +1,14 @@
 """Varlen attention on one GPU: correctness against float64, then median times of every backend.
 
-Cases: 6 images of 1024/4096/256/2304/576/8192 tokens and 64 images of 256 tokens, 16 heads, head dim 80
-and 128, bfloat16, non-causal; plus a sweep of 8 images of 256..8192 tokens at head dim 80. Our Triton
-kernel, the SDPA loop and torch's varlen attention run here; each FlashInfer configuration and ``auto``
-run in their own subprocess (bench/_attention_worker.py), since a CUDA fault poisons the context.
-
     python bench/attention.py [--write-dispatch] [--cases 6img,64x256,sweep] [--no-flashinfer] [--quick] [--out DIR]
     python bench/attention.py --quick --cpu-smoke        # tiny shapes on the CPU: checks the script
-Writes bench/results/attention.{json,md,png} (attention_smoke.* for --cpu-smoke) and, with
---write-dispatch, kernels/attention_dispatch.json, the table ``backend="auto"`` reads. Prints a table last.
 """
+# Cases: 6 images of 1024/4096/256/2304/576/8192 tokens and 64 images of 256 tokens, 16 heads, head dim 80
+# and 128, bfloat16, non-causal; plus a sweep of 8 images of 256..8192 tokens at head dim 80. Our Triton
+# kernel, the SDPA loop and torch's varlen attention run in this process; each FlashInfer configuration
+# and ``auto`` run in their own subprocess (bench/_attention_worker.py): a CUDA fault poisons the context.
+# Writes bench/results/attention.{json,md,png} (attention_smoke.* for --cpu-smoke) and, with
+# --write-dispatch, kernels/attention_dispatch.json, the table ``backend="auto"`` reads. Prints a table last.
 from __future__ import annotations
 
 import argparse

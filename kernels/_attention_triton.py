@@ -1,13 +1,14 @@
 """Varlen attention forward in Triton (FlashAttention-2 style), with native odd head dims.
 
-Math, per sequence b (tokens cu_seqlens[b]:cu_seqlens[b+1]) and query head h (kv head h // (H / H_kv)):
-    O[i] = sum_j softmax_j(scale * q[i] . k[j]) v[j]      over j < L_b (and j <= i when causal),
-with an online softmax in fp32 (running max m, running sum l; exp2 with log2(e) folded into the scale).
-Grid: (cdiv(max_seqlen, BLOCK_M), H, B): one program per (query tile, head, sequence); programs past
-their sequence's length exit at once. A head dim that is not a power of two is split into power-of-two
-parts (80 = 64 + 16, 96 = 64 + 32, 240 = 128 + 64 + 32 + 16): QK^T is the sum of one tl.dot per part and
-PV keeps one accumulator per part, so q/k/v are read in place, never copied into padded buffers.
+One program per (query tile, head, sequence); head dims that are not powers of two run as power-of-two
+parts, so q/k/v are read in place and never copied into padded buffers. Kernel, launcher, autotune set.
 """
+# Math, per sequence b (tokens cu_seqlens[b]:cu_seqlens[b+1]) and query head h (kv head h // (H / H_kv)):
+#     O[i] = sum_j softmax_j(scale * q[i] . k[j]) v[j]      over j < L_b (and j <= i when causal),
+# with an online softmax in fp32 (running max m, running sum l; exp2 with log2(e) folded into the scale).
+# Grid: (cdiv(max_seqlen, BLOCK_M), H, B); programs past their sequence's length exit at once.
+# Head-dim split: 80 = 64 + 16, 96 = 64 + 32, 240 = 128 + 64 + 32 + 16: QK^T is the sum of one tl.dot
+# per part, and PV keeps one accumulator per part.
 from __future__ import annotations
 
 import os

@@ -1,10 +1,7 @@
-"""Varlen (packed) attention: ``varlen_attention`` over four backends, and ``cudnn_vision_attention``,
-a drop-in for the engine's flashinfer_cudnn vision backend.
-
-Backends: ``triton`` (our kernel, native odd head dims), ``flashinfer`` (ragged FA2/FA3 prefill and the
-cuDNN batch prefill, where installed), ``sdpa`` (a torch loop; the CPU default), ``torch-varlen``
-(torch's flash varlen attention, where this torch has it) and ``auto`` (fastest measured; see
-``_attention_dispatch.RULE``). Both entry points are guarded: missing metadata is derived once.
+"""Varlen (packed) attention: ``varlen_attention`` over several backends, and ``cudnn_vision_attention``,
+a drop-in for the engine's flashinfer_cudnn vision backend. Both are guarded: missing metadata is derived
+once. Backends: ``triton`` (ours, native odd head dims), ``flashinfer`` (ragged FA2/FA3, cuDNN prefill),
+``sdpa`` (torch loop, the CPU default), ``torch-varlen`` and ``auto`` (fastest measured).
 """
 from __future__ import annotations
 
