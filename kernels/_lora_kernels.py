@@ -50,6 +50,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 # Triton decides at decoration time whether a kernel is interpreted; read the switch the same way.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -93,7 +94,12 @@ def _token_rows(permutation_ptr, pos, stop, num_tokens, HAS_PERMUTATION: tl.cons
     return rows, in_segment
 
 
-@triton.jit
+# Batch-shape scalars change every step; specializing on them (== 1, divisible by 16) would only
+# multiply compilations (and the autotuning behind each).
+_BATCH_SCALARS = ["num_segments", "num_tokens", "num_slots", "tail_column", "size_class"]
+
+
+@triton.jit(do_not_specialize=_BATCH_SCALARS)
 def _lora_shrink_kernel(
     x_ptr, w_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, permutation_ptr,
     num_segments, num_tokens, num_slots, tail_column, split_k, K, N, max_rank,
@@ -146,7 +152,7 @@ def _lora_shrink_kernel(
                  mask=t_in[:, None] & n_in[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BATCH_SCALARS)
 def _lora_expand_kernel(
     x_ptr, w_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, permutation_ptr,
     slice_offsets_ptr, slice_1, slice_2, slice_3,
@@ -253,11 +259,19 @@ _EXPAND_CONFIGS = [
     triton.Config({"BLOCK_S": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
     triton.Config({"BLOCK_S": 16, "BLOCK_N": 256}, num_warps=4, num_stages=2),
 ]
-_shrink_tuned = triton.autotune(_SHRINK_CONFIGS, key=["K", "N", "max_rank", "split_k", "size_class"])(
-    _lora_shrink_kernel)
+
+
+def _tuning_bench(kernel_call, quantiles):
+    """Autotuning trials: 5 ms warm-up and 25 ms of runs per config (Triton's default is 25 + 100) keep
+    first calls short; the kernels take microseconds, so that is still hundreds of runs."""
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+
+
+_shrink_tuned = triton.autotune(_SHRINK_CONFIGS, key=["K", "N", "max_rank", "split_k", "size_class"],
+                                do_bench=_tuning_bench)(_lora_shrink_kernel)
 # Accumulating launches run in place: autotuning must restore out after each trial.
-_expand_tuned = triton.autotune(_EXPAND_CONFIGS, key=["N", "max_rank", "size_class"],
-                                restore_value=["out_ptr"])(_lora_expand_kernel)
+_expand_tuned = triton.autotune(_EXPAND_CONFIGS, key=["N", "max_rank", "size_class"], restore_value=["out_ptr"],
+                                do_bench=_tuning_bench)(_lora_expand_kernel)
 
 # Interpreter blocks: small, and below the problem sizes of the CPU tests so that every loop runs twice.
 _INTERPRET_SHRINK = {"BLOCK_S": 16, "BLOCK_K": 16}

@@ -1,8 +1,8 @@
 """The LoRA kernels compile for an H100/H200 (sm_90) on this CPU-only machine: Triton's own ptxas builds
 the cubin, so GPU-only compile errors, lost software pipelining and register spills show up in CI.
 
-Specializations mirror real launches (ints equal to 1 become constants, multiples of 16 are marked), as
-Triton's launcher would do for contiguous bf16/fp32 tensors of the benchmark's shapes.
+Specializations mirror real launches (ints equal to 1 become constants, multiples of 16 are marked, except
+the kernels' do_not_specialize scalars), as Triton's launcher does for the benchmark's bf16/fp32 tensors.
 """
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ SCRIPT = textwrap.dedent(r'''
             elif name.endswith("_ptr"):
                 sig[name] = ptrs.get(name, "*i32")
                 attrs[(i,)] = [["tt.divisibility", 16]]
+            elif name in fn.do_not_specialize:
+                sig[name] = "i32"
             elif values[name] == 1:
                 sig[name] = "constexpr"
                 consts[name] = 1
