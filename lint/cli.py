@@ -57,7 +57,10 @@ def check(paths, select, ignore, fmt, statistics, exit_zero, strict, config, exc
     """Check PATHS (files, folders, or - for stdin); the default command."""
     from .commands import run_check
 
-    stdin = click.get_binary_stream("stdin").read() if "-" in paths else None
+    stdin = None
+    if "-" in paths:
+        with click.open_file("-", "rb") as f:
+            stdin = f.read()
     _emit(run_check(paths, select=select, ignore=ignore, exclude=exclude, fmt=fmt, statistics=statistics,
                     exit_zero=exit_zero, strict=strict, config=config, stdin=stdin,
                     stdin_filename=stdin_filename))

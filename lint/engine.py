@@ -372,7 +372,8 @@ class Checker:
         names = {q.rsplit(".", 1)[-1] for q in known} | {"forward"}
         self._attr_names: set[str] = set()
         for scope_bindings in self._all_bindings():
-            names.update(n for n, bs in scope_bindings.items() if any(b.kind == "call" for b in bs))
+            names.update(n for n, bs in scope_bindings.items()
+                         if any(b.kind == "call" or (b.kind == "import" and b.value in known) for b in bs))
         self._names = names
 
     def _all_bindings(self):
