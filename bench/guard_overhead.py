@@ -140,6 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", default=None, help="where to write guard_overhead.json/.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    load_before = os.getloadavg()[0]
     rows = []
     reset_stats()
     for name, goal_key, m, guarded_call, raw_call in cases():
@@ -153,7 +154,9 @@ def main(argv=None) -> int:
     s = stats()
     meta = env_meta()
     meta.update({"cpu": _cpu_name(), "batches": args.batches, "calls_per_batch": args.calls,
-                 "host_reads_during_run": s["host_reads"], "timer": "time.thread_time_ns"})
+                 "host_reads_during_run": s["host_reads"], "timer": "time.thread_time_ns",
+                 "load_average_1min": f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after",
+                 "cpus": os.cpu_count()})
     table = write_results("guard_overhead", rows, ["case", "mode", "added_us", "guarded_us", "undecorated_us",
                                                    "goal_us", "meets_goal"],
                           meta=meta, title="Guard overhead per call (CPU thread time, µs)",
