@@ -90,7 +90,8 @@ class Block(nn.Module):
 
     def forward(self, x, cu_seqlens, metadata=None):
         T, dim = x.shape
-        q, k, v = self.qkv(self.norm(x)).view(T, 3, self.heads, dim // self.heads).unbind(1)
+        # contiguous: flash kernels want dense (T, H, D) inputs; the copies cost every variant alike
+        q, k, v = (t.contiguous() for t in self.qkv(self.norm(x)).view(T, 3, self.heads, dim // self.heads).unbind(1))
         if metadata is not None:
             out = self.attention(q, k, v, cu_seqlens, metadata=metadata)
         else:
@@ -217,6 +218,7 @@ def main(argv=None) -> int:
         print("no CUDA device: run with --cpu-smoke", file=sys.stderr)
         return 2
     if args.cpu_smoke:
+        torch.set_num_threads(1)  # tiny ops: thread hand-offs would dominate the wall clock
         args.layers, args.heads, args.head_dim, args.warmup, args.iters = 4, 2, 8, 1, 3
         lengths, device, dtype = SMOKE_LENGTHS, torch.device("cpu"), torch.float32
         out_dir = args.out_dir or tempfile.mkdtemp(prefix="guard_sync_")
