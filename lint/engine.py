@@ -584,6 +584,9 @@ def check_source(data: bytes, path: str, rules: RuleSet, *, strict: bool = False
         return file_error(path, "nested too deeply to check")
     except MemoryError:
         return file_error(path, "out of memory while checking")
+    except Exception as e:  # a bug of ours must not end the run for every other file
+        return file_error(path, f"internal error while checking ({type(e).__name__}: {e}); "
+                                f"the file was not checked")
 
 
 def _check_source(data, path, rules, strict, module_name, is_package, keep_module) -> FileResult:

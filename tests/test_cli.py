@@ -286,3 +286,10 @@ def test_commands_are_plain_functions(tmp_path):
     assert run_check([str(tmp_path / "missing")]).exit_code == 2
     assert run_explain("GL104").stdout.startswith("# GL104 per-layer-host-sync")
     assert run_rules(fmt="json").exit_code == 0
+
+
+def test_no_arguments_checks_the_current_folder(tmp_path, monkeypatch):
+    (tmp_path / "m.py").write_text("from sglang.srt.lora.utils import LoRABatchInfo\nLoRABatchInfo(bs=1)\n")
+    monkeypatch.chdir(tmp_path)
+    r = invoke()
+    assert r.exit_code == 1 and r.stdout.startswith("m.py:2:1: GL201 ")

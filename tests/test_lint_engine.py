@@ -503,3 +503,25 @@ def test_every_pattern_contract_has_a_visitor():
         if c.kind == "pattern":
             assert c.code in PATTERNS
             engine._pattern_visitor(c, lambda *a: None)
+
+
+def test_an_internal_error_is_reported_for_the_file_not_raised(monkeypatch):
+    def broken(*args, **kwargs):
+        raise AttributeError("boom")
+
+    monkeypatch.setattr(engine.Checker, "run", broken)
+    (f,) = lint(LORA + "LoRABatchInfo(bs=1)\n")
+    assert f.code == "GL000" and "internal error" in f.message and "boom" in f.message
+
+
+def test_modules_and_nodes_are_kept_for_a_fixer(tmp_path):
+    from guardlint.lint import lint_paths
+    from guardlint.lint.config import Settings
+
+    (tmp_path / "m.py").write_text(LORA + "info = LoRABatchInfo(bs=1)\n")
+    report = lint_paths([str(tmp_path)], Settings(root=tmp_path), keep_modules=True)
+    (result,) = report.results
+    (finding,) = result.findings
+    assert isinstance(result.module, cst.Module) and len(result.nodes) == 1
+    assert result.module.code_for_node(result.nodes[0]) == "LoRABatchInfo(bs=1)"
+    assert finding.fix is None
