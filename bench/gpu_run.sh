@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One call on the offline H200 machine: install guardlint, unpack the FlashInfer bundle (.gpu-deps, made by
+# ../shared/gpu/make_flashinfer_bundle.sh), then run the named steps and pack results + logs into $OUT.
+#   bash bench/gpu_run.sh tests lora guard attention-quick attention
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT" /tmp/logs
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation . >/tmp/logs/install.log 2>&1 || { cat /tmp/logs/install.log; exit 1; }
+if [ -d .gpu-deps ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .gpu-deps/wheels/*.whl >/dev/null 2>&1
+  python3 -c "import tarfile; tarfile.open('.gpu-deps/flashinfer.tar.xz').extractall('/tmp/site')"
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-} FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=12
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+rc=0
+step() { name=$1; shift; echo "=== $name: $*"; start=$(date +%s); timeout "${STEP_TIMEOUT:-300}" "$@" 2>&1 | tee "/tmp/logs/$name.log"; r=${PIPESTATUS[0]}; echo "=== $name: exit $r in $(( $(date +%s) - start )) s"; [ "$r" = 0 ] || rc=1; }
+for s in "$@"; do
+  case $s in
+    tests) step tests python3 -m pytest -q -m gpu -x -p no:cacheprovider tests ;;
+    lora) step lora python3 bench/lora.py ;;
+    guard) step guard python3 bench/guard_sync.py ;;
+    attention-quick) step attention-quick python3 bench/attention.py --quick --no-flashinfer --budget 200 ;;
+    attention) step attention python3 bench/attention.py --write-dispatch --budget "${ATTN_BUDGET:-420}" ;;
+    *) echo "unknown step $s"; rc=1 ;;
+  esac
+done
+tar czf "$OUT/results.tgz" bench/results kernels/attention_dispatch.json /tmp/logs 2>/dev/null || tar czf "$OUT/results.tgz" bench/results /tmp/logs
+exit $rc
