@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -45,7 +46,7 @@ def run_check(paths: Sequence[str], *, select: Sequence[str] = (), ignore: Seque
     findings = report.findings
     code = EXIT_FINDINGS if findings and not exit_zero else EXIT_CLEAN
     if fmt == "json":
-        out = (output.json.dumps(output.statistics(findings), indent=2) + "\n") if statistics \
+        out = (json.dumps(output.statistics(findings), indent=2) + "\n") if statistics \
             else output.as_json(findings)
     elif fmt == "sarif":
         out = output.sarif(findings, rules_for(settings).contracts)

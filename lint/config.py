@@ -14,7 +14,7 @@ from guardlint.contracts import ConfigError, Contract, all_contracts, contract_f
 
 KEYS = ("select", "ignore", "exclude", "per-file-ignores", "contracts")
 DEFAULT_EXCLUDE = (".git", ".venv", "venv", "__pycache__", "build", "dist", "node_modules", ".tox", ".eggs")
-_SELECTOR = re.compile(r"^GL\d{0,3}$")
+SELECTOR = re.compile(r"^GL\d{0,3}$")
 
 
 class UsageError(ValueError):
@@ -195,7 +195,7 @@ def _codes(value: Any, key: str) -> tuple[str, ...]:
     out = []
     for v in value:
         v = v.strip().upper()
-        if not _SELECTOR.match(v):
+        if not SELECTOR.match(v):
             raise ConfigError(f"{key}: {v!r} is not a rule code or prefix (like 'GL101' or 'GL1')")
         out.append(v)
     return tuple(out)

@@ -1,10 +1,11 @@
 """The lint engine for one file: parse with libcst, walk once, resolve callees, check the contracts.
 
-Files are parsed by CPython's ``ast`` first: it is ~6x cheaper than libcst, gives CPython's own
-syntax-error messages, refuses the deeply nested input that crashes libcst's native parser (a
-segfault would take the whole run down), and its call positions spare libcst's PositionProvider,
-which costs about 2.5x the parse.
+Returns findings with positions and suppressions applied; a problem of the file is a GL000 finding.
 """
+# Files are parsed by CPython's ``ast`` first: it is ~6-10x cheaper than libcst, gives CPython's own
+# syntax-error messages, refuses the deeply nested input that crashes libcst's native parser (a
+# segfault would end the whole run), and its call positions spare libcst's PositionProvider, which
+# costs ~2.5x the parse (positions agree exactly: 27k calls of 127 site-packages files compared).
 from __future__ import annotations
 
 import ast
@@ -19,7 +20,7 @@ from guardlint.contracts import Contract, get as _builtin_contract
 
 from . import suppress
 from .findings import Finding
-from .names import ClassInfo, FuncInfo, Ref, Resolver, Scope, Binding, dotted, is_none
+from .names import Binding, ClassInfo, FuncInfo, Resolver, Scope, dotted, is_none
 from .patterns import PATTERNS
 from .rules import REPLACE_FUNCTIONS, RuleSet
 from .walk import Walker

@@ -14,7 +14,6 @@ from guardlint.contracts import Contract, get as builtin_contract
 
 from .findings import Finding
 
-FORMATS = ("text", "json", "sarif", "github")
 SARIF_SCHEMA = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
 
 

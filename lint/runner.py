@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 from guardlint.contracts import all_contracts
 
-from .config import PathMatcher, Settings, UsageError, check_codes, relative_to_root
+from .config import SELECTOR, PathMatcher, Settings, UsageError, check_codes, relative_to_root
 from .findings import Finding
 from .rules import RuleSet, build_rules
 
@@ -60,7 +60,7 @@ def with_options(settings: Settings, select: Sequence[str] = (), ignore: Sequenc
     ignore = tuple(s.strip().upper() for s in ignore if s.strip())
     for key, codes in (("--select", select), ("--ignore", ignore)):
         for code in codes:
-            if not (code.startswith("GL") and code[2:].isdigit() and len(code) <= 5) and code != "GL":
+            if not SELECTOR.match(code):
                 raise UsageError(f"{key}: {code!r} is not a rule code or prefix (like 'GL101' or 'GL1')")
         check_codes(settings, codes, key, error=UsageError)
     exclude = tuple(e.strip() for e in exclude if e.strip())
