@@ -18,7 +18,7 @@ rc=0
 step() { name=$1; shift; echo "=== $name: $*"; start=$(date +%s); timeout "${STEP_TIMEOUT:-300}" "$@" 2>&1 | tee "/tmp/logs/$name.log"; r=${PIPESTATUS[0]}; echo "=== $name: exit $r in $(( $(date +%s) - start )) s"; [ "$r" = 0 ] || rc=1; }
 for s in "$@"; do
   case $s in
-    tests) step tests python3 -m pytest -q -m gpu -x -p no:cacheprovider tests ;;
+    tests) step tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_gpu.py tests/test_guard_vit.py ;;
     lora) step lora python3 bench/lora.py ;;
     guard) step guard python3 bench/guard_sync.py ;;
     attention-quick) step attention-quick python3 bench/attention.py --quick --no-flashinfer --budget 200 ;;
