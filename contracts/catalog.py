@@ -381,8 +381,10 @@ GL107 = Contract(
 
 _LORA_BAD = '''\
 import torch
-from guardlint.kernels.lora import LoRABatchInfo
+from guardlint.kernels.lora import LoRABatchInfo, sgemm_lora_a
 
+x = torch.randn(7, 16)
+lora_a = torch.randn(2, 4, 16)
 seg_indptr = torch.tensor([0, 3, 7], dtype=torch.int32)
 info = LoRABatchInfo(  # expect: GL201
     use_cuda_graph=False,
@@ -394,12 +396,15 @@ info = LoRABatchInfo(  # expect: GL201
     scalings=torch.tensor([1.0, 0.5]),
     permutation=None,
 )
+shrunk = sgemm_lora_a(x, lora_a, info)
 '''
 
 _LORA_FIXED = '''\
 import torch
-from guardlint.kernels.lora import LoRABatchInfo
+from guardlint.kernels.lora import LoRABatchInfo, sgemm_lora_a
 
+x = torch.randn(7, 16)
+lora_a = torch.randn(2, 4, 16)
 seg_indptr = torch.tensor([0, 3, 7], dtype=torch.int32)
 info = LoRABatchInfo(
     use_cuda_graph=False,
@@ -411,6 +416,7 @@ info = LoRABatchInfo(
     scalings=torch.tensor([1.0, 0.5]),
     permutation=None, seg_lens=seg_indptr[1:] - seg_indptr[:-1],
 )
+shrunk = sgemm_lora_a(x, lora_a, info)
 '''
 
 GL201 = Contract(
