@@ -565,6 +565,15 @@ def build(seg_indptr, weight_indices, ranks, scalings, seg_lens):
                          weight_indices=weight_indices, lora_ranks=ranks, scalings=scalings,
                          max_len=0, seg_lens=seg_lens, permutation=None)  # expect: GL203
 '''),
+        Example("good", '''\
+from sglang.srt.lora.utils import LoRABatchInfo
+
+
+def build(seg_indptr, weight_indices, ranks, scalings, seg_lens):
+    return LoRABatchInfo(use_cuda_graph=False, bs=2, num_segments=2, seg_indptr=seg_indptr,
+                         weight_indices=weight_indices, lora_ranks=ranks, scalings=scalings,
+                         max_len=None, seg_lens=seg_lens, permutation=None)
+'''),
     ),
 )
 
