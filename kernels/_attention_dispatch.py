@@ -2,7 +2,8 @@
 
 The table ``attention_dispatch.json`` (shipped beside this module, or the file named by
 ``GUARDLINT_ATTENTION_DISPATCH``) is written by ``bench/attention.py --write-dispatch``: one entry per
-benchmarked case with every backend's median time. It is read once, on the first CUDA call.
+benchmarked case with every backend's median time. It is read once, on the first CUDA call, and each
+call shape's choice is remembered: ``reset()`` makes the next call read the table (and choose) again.
 """
 from __future__ import annotations
 
@@ -32,6 +33,15 @@ _table: Optional[list] = None
 _table_source: Optional[str] = None
 _memo: dict = {}
 _MEMO_LIMIT = 4096
+# Caches elsewhere that hold choices made from the table (the attention module's per-call plans):
+# emptied whenever the table is (re)loaded or reset.
+dependent_caches: list = []
+
+
+def _forget_choices() -> None:
+    _memo.clear()
+    for cache in dependent_caches:
+        cache.clear()
 
 
 def table_path() -> Path:
@@ -53,7 +63,7 @@ def load_table(path: Optional[Path] = None) -> list:
     except (OSError, ValueError):
         entries = []
     _table, _table_source = entries, str(path)
-    _memo.clear()
+    _forget_choices()
     return entries
 
 
@@ -62,7 +72,7 @@ def reset() -> None:
     global _table, _table_source
     _table = None
     _table_source = None
-    _memo.clear()
+    _forget_choices()
 
 
 def _valid_entry(e) -> bool:

@@ -269,7 +269,7 @@ _varlen_attention_fwd_tuned = triton.autotune(
 
 
 def length_class(max_seqlen: int) -> int:
-    """0 for batches whose longest sequence is short (<= SHORT_SEQLEN), 1 otherwise."""
+    """0 for batches whose longest sequence is short (<= SHORT_SEQLEN), 1 otherwise (inlined in the launcher)."""
     return 0 if max_seqlen <= SHORT_SEQLEN else 1
 
 
@@ -284,37 +284,58 @@ def new_output(q: torch.Tensor) -> torch.Tensor:
 INTERPRET_BLOCKS = (16, 16)
 
 
+# Per (head_dim, group, causal, length class, dtype, index dtype): BLOCK_M and every keyword the jit
+# kernel takes, once the autotuner has picked for that key. Later calls launch the jit kernel with them
+# directly: the autotuner's own per-call work (argument dicts, key building) costs more host time than
+# everything else on the path (bench/results/attention_overhead.md).
+_launches: dict = {}
+
+
 def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                             max_seqlen: int, softmax_scale: float, causal: bool, *,
                             out: Optional[torch.Tensor] = None,
                             config: Optional[Tuple[int, int, int, int]] = None) -> torch.Tensor:
     """Launch the kernel. Inputs are already validated by the caller.
 
-    q ``(total_tokens, num_heads, head_dim)``, k/v ``(total_tokens, num_kv_heads, head_dim)`` with unit
-    stride on the last dim; cu_seqlens ``(batch + 1,)`` int32/int64 on q's device; ``max_seqlen`` a host
+    q ``(total_tokens, num_heads, head_dim)``, k/v ``(total_tokens, num_kv_heads, head_dim)`` (copied when
+    the last dim is strided); cu_seqlens ``(batch + 1,)`` int32/int64 on q's device; ``max_seqlen`` a host
     int >= every sequence length (it sizes the grid). ``config`` = (BLOCK_M, BLOCK_N, num_warps,
     num_stages) skips autotuning (benchmarks, the interpreter).
     """
     total_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
     batch = cu_seqlens.shape[0] - 1
     if out is None:
         out = new_output(q)
     if total_tokens == 0 or batch <= 0 or max_seqlen <= 0:
         return out
+    sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
+    if sq[2] != 1 or sk[2] != 1 or sv[2] != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        sq, sk, sv = q.stride(), k.stride(), v.stride()
+    size_class = 0 if max_seqlen <= SHORT_SEQLEN else 1
+    args = (q, k, v, out, cu_seqlens, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1], total_tokens,
+            softmax_scale * LOG2E, size_class)
+    key = (head_dim, num_heads // k.shape[1], causal, size_class, q.dtype, cu_seqlens.dtype)
+    launch = _launches.get(key) if config is None else None
+    if launch is not None:
+        block_m, kwargs = launch
+        _varlen_attention_fwd[(-(-max_seqlen // block_m), num_heads, batch)](*args, **kwargs)
+        return out
     d0, d1, d2, d3 = head_dim_parts(head_dim)
-    upcast = INTERPRET and q.dtype == torch.bfloat16
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    args = (q, k, v, out, cu_seqlens,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), total_tokens, float(softmax_scale) * LOG2E, length_class(max_seqlen))
-    meta = dict(HEAD_DIM=head_dim, GROUP=num_heads // num_kv_heads, D0=d0, D1=d1, D2=d2, D3=d3,
-                CAUSAL=bool(causal), UPCAST=upcast, PRECISION=precision)
+    meta = dict(HEAD_DIM=head_dim, GROUP=key[1], D0=d0, D1=d1, D2=d2, D3=d3, CAUSAL=bool(causal),
+                UPCAST=INTERPRET and q.dtype == torch.bfloat16,
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     if config is None and INTERPRET:
-        config = (*INTERPRET_BLOCKS, 4, 1)
+        block_m, block_n = INTERPRET_BLOCKS
+        _launches[key] = (block_m, dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1))
+        return varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, out=out)
     if config is None:
         grid = lambda cfg: (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), num_heads, batch)  # noqa: E731
         _varlen_attention_fwd_tuned[grid](*args, **meta)
+        # The autotuner just ran this key's pick; without that attribute, every call goes through it.
+        best = getattr(_varlen_attention_fwd_tuned, "best_config", None)
+        if best is not None:
+            _launches[key] = (best.kwargs["BLOCK_M"], dict(meta, **best.all_kwargs()))
     else:
         block_m, block_n, num_warps, num_stages = config
         grid = (triton.cdiv(max_seqlen, block_m), num_heads, batch)

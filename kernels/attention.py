@@ -46,7 +46,8 @@ def _(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal):
 def _run_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal):
     if torch.compiler.is_compiling():
         return varlen_attention_triton_op(q, k, v, cu_seqlens, max_seqlen, scale, causal)
-    # Eager calls skip the op dispatcher: several microseconds per call, measurable on short batches.
+    # Eager calls skip the op dispatcher: it costs more than the rest of the host path together
+    # (bench/results/attention_overhead.md).
     return triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal)
 
 
@@ -138,10 +139,6 @@ def _check_call(function: str, max_seqlen: Any, softmax_scale: Any, causal: Any,
         raise _bad("causal", "a bool", describe(causal), function)
     if backend not in BACKENDS:
         raise _bad("backend", " / ".join(repr(b) for b in BACKENDS), describe(backend), function)
-
-
-def _contiguous_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 # -- backend choice ---------------------------------------------------------------------------------
@@ -272,32 +269,79 @@ def _run_cudnn_tokens(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, 
     return fi.cudnn_prefill(q, k, v, qo_off, kv_off, lengths, max_seqlen, scale, causal)
 
 
-def _run(name: str, q, k, v, cu_seqlens, sequence_lengths, max_seqlen: int, scale: float, causal: bool,
-         metadata, function: str) -> torch.Tensor:
-    if q.shape[0] == 0 or cu_seqlens.shape[0] < 2:
-        return torch.zeros_like(q)
-    if name == "triton":
-        if cu_seqlens.shape[0] - 1 > _MAX_GRID_YZ or q.shape[1] > _MAX_GRID_YZ:
-            raise _bad("cu_seqlens", f"at most {_MAX_GRID_YZ} sequences and heads per launch (CUDA grid y/z)",
-                       describe(cu_seqlens), function)
-        return _run_triton(_contiguous_last(q), _contiguous_last(k), _contiguous_last(v), cu_seqlens,
-                           max_seqlen, scale, causal)
-    if name == "sdpa":
-        return torch_paths.sdpa_varlen(q, k, v, _host_offsets(q, cu_seqlens, metadata), scale, causal)
-    if name == "torch-varlen":
-        return torch_paths.torch_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, max_seqlen,
-                                        scale, causal)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if name == "flashinfer-cudnn":
-        if sequence_lengths is None:
-            sequence_lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        return _run_cudnn_tokens(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata)
+def _run_triton_backend(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function):
+    return _run_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+
+
+def _run_sdpa(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function):
+    return torch_paths.sdpa_varlen(q, k, v, _host_offsets(q, cu_seqlens, metadata), scale, causal)
+
+
+def _run_torch_varlen(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function):
+    return torch_paths.torch_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, max_seqlen, scale,
+                                    causal)
+
+
+def _run_cudnn(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function):
+    if sequence_lengths is None:
+        sequence_lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return _run_cudnn_tokens(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, sequence_lengths,
+                             max_seqlen, scale, causal, metadata)
+
+
+def _run_ragged(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function, variant):
     offsets = _host_offsets(q, cu_seqlens, metadata)
     if offsets[0] != 0 or offsets[-1] != q.shape[0]:
         raise GuardError("GL103", argument="cu_seqlens", function=function,
                          expected=f"token offsets from 0 to q's token count {q.shape[0]}",
                          got=f"offsets from {offsets[0]} to {offsets[-1]}")
-    return fi.ragged(q, k, v, offsets, scale, causal, name[len("flashinfer-"):])
+    return fi.ragged(q.contiguous(), k.contiguous(), v.contiguous(), offsets, scale, causal, variant)
+
+
+def _run_empty(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function):
+    return torch.zeros_like(q)
+
+
+_RUNNERS = {
+    "triton": _run_triton_backend, "sdpa": _run_sdpa, "torch-varlen": _run_torch_varlen,
+    "flashinfer-cudnn": _run_cudnn,
+    "flashinfer-fa2": lambda *a: _run_ragged(*a, variant="fa2"),
+    "flashinfer-fa3": lambda *a: _run_ragged(*a, variant="fa3"),
+}
+
+
+def _runner(name: str, q, cu_seqlens, function: str):
+    """The function that runs backend ``name`` on inputs of these shapes (checked here, once per shape)."""
+    if q.shape[0] == 0 or cu_seqlens.shape[0] < 2:
+        return _run_empty
+    if name == "triton" and (cu_seqlens.shape[0] - 1 > _MAX_GRID_YZ or q.shape[1] > _MAX_GRID_YZ):
+        raise _bad("cu_seqlens", f"at most {_MAX_GRID_YZ} sequences and heads per launch (CUDA grid y/z)",
+                   describe(cu_seqlens), function)
+    return _RUNNERS[name]
+
+
+def _run(name: str, q, k, v, cu_seqlens, sequence_lengths, max_seqlen: int, scale: float, causal: bool,
+         metadata, function: str) -> torch.Tensor:
+    return _runner(name, q, cu_seqlens, function)(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal,
+                                                  metadata, function)
+
+
+# Per call signature (backend, shapes, dtypes, devices, max_seqlen, scale, causal): the validated,
+# resolved (runner, scale). A hit skips validation and the backend choice, which depend on nothing else
+# (exact tensor types and scalar types are checked before the lookup, so 7.0 or True never hit 7 or 1).
+# Emptied with the dispatch table (``_attention_dispatch.reset()``); not used while torch.compile traces.
+_calls: dict = {}
+_MAX_CALLS = 4096
+_SCALE_TYPES = (type(None), float, int)
+dispatch.dependent_caches.append(_calls)
+
+
+def _plan_call(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend) -> tuple:
+    _check_inputs(function, q, k, v, cu_seqlens)
+    _check_call(function, max_seqlen, softmax_scale, causal, backend)
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
+    name = _resolve(backend, q, k, cu_seqlens, max_seqlen, scale, causal, function)
+    return _runner(name, q, cu_seqlens, function), scale
 
 
 # -- public entry points ----------------------------------------------------------------------------
@@ -317,6 +361,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             sequences are allowed.
         sequence_lengths, max_seqlen, metadata: derived by the guard when missing; pass
             ``metadata=prepare_varlen_metadata(cu_seqlens, q)`` once per forward to skip all host work.
+            Checks and the backend choice are made once per call signature (shapes, dtypes, devices,
+            max_seqlen, scale, causal, backend) and remembered, so later layers go straight to the launch.
         softmax_scale: default ``head_dim ** -0.5``.
         causal: mask keys after the query within each sequence.
         backend: ``"auto"`` (fastest measured), ``"triton"``, ``"sdpa"``, ``"torch-varlen"``,
@@ -327,15 +373,30 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     no backend takes (or a backend that cannot run them), GL103 for inconsistent metadata.
     """
     function = "varlen_attention"
-    _check_inputs(function, q, k, v, cu_seqlens)
-    _check_call(function, max_seqlen, softmax_scale, causal, backend)
-    if metadata is not None and getattr(metadata, "total_tokens", q.shape[0]) != q.shape[0]:
-        raise GuardError("GL103", argument="metadata", function=function,
-                         expected=f"metadata prepared for q's token count {q.shape[0]}",
-                         got=f"metadata for {metadata.total_tokens} tokens (a stale plan?)")
-    scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
-    name = _resolve(backend, q, k, cu_seqlens, max_seqlen, scale, causal, function)
-    return _run(name, q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function)
+    Tensor = torch.Tensor
+    signature = None
+    if (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and type(cu_seqlens) is Tensor
+            and type(max_seqlen) is int and type(causal) is bool and type(backend) is str
+            and type(softmax_scale) in _SCALE_TYPES and not torch.compiler.is_compiling()):
+        signature = (backend, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, cu_seqlens.dtype, q.device,
+                     k.device, v.device, cu_seqlens.device, cu_seqlens.shape, max_seqlen, softmax_scale, causal)
+        planned = _calls.get(signature)
+    else:
+        planned = None
+    if planned is None:
+        planned = _plan_call(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend)
+        if signature is not None:
+            if len(_calls) >= _MAX_CALLS:
+                _calls.clear()
+            _calls[signature] = planned
+    if metadata is not None:
+        total = q.shape[0]
+        if getattr(metadata, "total_tokens", total) != total:
+            raise GuardError("GL103", argument="metadata", function=function,
+                             expected=f"metadata prepared for q's token count {total}",
+                             got=f"metadata for {metadata.total_tokens} tokens (a stale plan?)")
+    run, scale = planned
+    return run(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function)
 
 
 def _token_view(q, fm, cu_seqlens, sequence_lengths, max_seqlen, function):

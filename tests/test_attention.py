@@ -279,6 +279,108 @@ def test_shipped_dispatch_table_comes_from_the_benchmark():
         assert set(entry["times_us"]) <= set(attention.CONCRETE)
 
 
+# -- per-call host work: checks and the backend choice once per call signature ---------------------
+
+@pytest.fixture
+def counted_planning(monkeypatch):
+    """Counts input checks and backend resolutions, starting from an empty plan cache."""
+    counts = {"checks": 0, "resolves": 0}
+    real_check, real_resolve = attention._check_inputs, attention._resolve
+
+    def check(*args):
+        counts["checks"] += 1
+        return real_check(*args)
+
+    def resolve(*args):
+        counts["resolves"] += 1
+        return real_resolve(*args)
+
+    monkeypatch.setattr(attention, "_check_inputs", check)
+    monkeypatch.setattr(attention, "_resolve", resolve)
+    dispatch.reset()
+    yield counts
+    dispatch.reset()
+
+
+def test_varlen_attention_plans_once_per_call_signature(counted_planning):
+    q, k, v, cu, offsets = make_batch([9, 0, 14], head_dim=80)
+    plan = prepare_varlen_metadata(cu, q)
+    first = varlen_attention(q, k, v, cu, metadata=plan, backend="auto")
+    for _layer in range(3):
+        assert torch.equal(varlen_attention(q, k, v, cu, metadata=plan, backend="auto"), first)
+    assert counted_planning == {"checks": 1, "resolves": 1}
+    assert_close_to_reference(first, q, k, v, offsets, False)
+    # Anything the checks or the choice depend on makes a new plan: max_seqlen, scale, causal, backend.
+    varlen_attention(q, k, v, cu, max_seqlen=20, sequence_lengths=plan.sequence_lengths, backend="auto")
+    varlen_attention(q, k, v, cu, metadata=plan, softmax_scale=0.5, backend="auto")
+    varlen_attention(q, k, v, cu, metadata=plan, causal=True, backend="auto")
+    varlen_attention(q, k, v, cu, metadata=plan, backend="sdpa")
+    assert counted_planning == {"checks": 5, "resolves": 5}
+
+
+def test_varlen_attention_planned_signature_still_rejects_bad_arguments(counted_planning):
+    q, k, v, cu, _ = make_batch([5, 7], head_dim=64)
+    plan = prepare_varlen_metadata(cu, q)
+    varlen_attention(q, k, v, cu, metadata=plan, softmax_scale=1.0, causal=True)
+    lengths = plan.sequence_lengths
+    bad = [
+        (dict(metadata=plan, softmax_scale=1.0, causal=1), "GL106", "causal"),  # 1 == True, same hash
+        (dict(metadata=plan, softmax_scale=True, causal=True), "GL106", "softmax_scale"),  # True == 1.0
+        (dict(max_seqlen=7.0, sequence_lengths=lengths, softmax_scale=1.0, causal=True), "GL103", "max_seqlen"),
+        (dict(metadata=plan, backend=["sdpa"]), "GL106", "backend"),
+    ]
+    for kwargs, code, argument in bad:
+        with pytest.raises(GuardError) as err:
+            varlen_attention(q, k, v, cu, **kwargs)
+        assert (err.value.code, err.value.argument) == (code, argument), kwargs
+    with pytest.raises(GuardError) as err:  # same shapes, another dtype: another signature
+        varlen_attention(q, k.half(), v, cu, metadata=plan, softmax_scale=1.0, causal=True)
+    assert err.value.argument == "k"
+
+
+def test_dispatch_reset_forgets_planned_calls():
+    q, k, v, cu, _ = make_batch([5, 7], head_dim=64)
+    varlen_attention(q, k, v, cu, backend="sdpa")
+    assert attention._calls
+    dispatch.reset()
+    assert not attention._calls
+
+
+def test_varlen_attention_triton_eager_calls_skip_the_custom_op(monkeypatch):
+    q, k, v, cu, _ = make_batch([6, 11], heads=2, kv_heads=1, head_dim=80)
+    via_op = torch.ops.guardlint.varlen_attention_triton(q, k, v, cu, 11, 80 ** -0.5, False)
+
+    def dispatcher(*args):
+        raise AssertionError("an eager call went through the op dispatcher")
+
+    monkeypatch.setattr(attention, "varlen_attention_triton_op", dispatcher)
+    eager = varlen_attention(q, k, v, cu, backend="triton")
+    assert torch.equal(eager, via_op)
+
+
+def test_triton_launcher_reuses_launch_settings_per_key(monkeypatch):
+    q, k, v, cu, offsets = make_batch([21, 3], heads=2, kv_heads=2, head_dim=96)
+    monkeypatch.setattr(triton_path, "_launches", {})
+    first = triton_path.varlen_attention_triton(q, k, v, cu, 21, 0.1, False)
+    key = (96, 1, False, 0, torch.float32, torch.int32)
+    assert list(triton_path._launches) == [key]
+    block_m, kwargs = triton_path._launches[key]
+    assert (block_m, kwargs["BLOCK_N"], kwargs["D0"], kwargs["D1"]) == (16, 16, 64, 32)
+    again = triton_path.varlen_attention_triton(q, k, v, cu, 21, 0.1, False)
+    explicit = triton_path.varlen_attention_triton(q, k, v, cu, 21, 0.1, False, config=(16, 16, 4, 1))
+    assert torch.equal(first, again) and torch.equal(first, explicit)
+    assert_close_to_reference(first, q, k, v, offsets, False, scale=0.1)
+
+
+def test_varlen_attention_triton_strided_head_dim(poisoned_output):
+    # Every other element of a wider buffer: the launcher copies to unit stride before launching.
+    q, k, v, cu, offsets = make_batch([13, 30], heads=2, kv_heads=2, head_dim=128)
+    q, k, v = (t[..., ::2] for t in (q, k, v))
+    assert q.stride(-1) == 2
+    out = varlen_attention(q, k, v, cu, backend="triton")
+    assert_close_to_reference(out, q, k, v, offsets, False)
+
+
 # -- the op torch.compile sees ----------------------------------------------------------------------
 
 def test_triton_custom_op_registration():

@@ -92,6 +92,21 @@ def test_triton_under_torch_compile():
     assert_matches(out - 1, q, k, v, offsets, False)
 
 
+def test_triton_launches_without_the_autotuner_after_its_first_pick(monkeypatch):
+    q, k, v, cu, offsets = make_batch([300, 0, 77, 1000], 8, 8, 80, torch.bfloat16, seed=5)
+    first = varlen_attention(q, k, v, cu, backend="triton")  # tunes this key (or reuses an earlier pick)
+    key = (80, 1, False, 0, torch.bfloat16, torch.int32)
+    assert key in triton_path._launches
+
+    def tuner(*args, **kwargs):
+        raise AssertionError("the autotuner ran for a key it has already picked a config for")
+
+    monkeypatch.setattr(triton_path._varlen_attention_fwd_tuned, "run", tuner)
+    again = varlen_attention(q, k, v, cu, backend="triton")
+    assert torch.equal(first, again)
+    assert_matches(again, q, k, v, offsets, False)
+
+
 def test_auto_without_a_table_runs_triton_on_cuda(tmp_path, monkeypatch):
     monkeypatch.setenv(dispatch.TABLE_ENV, str(tmp_path / "none.json"))
     dispatch.reset()
