@@ -283,6 +283,14 @@ GL104 = Contract(
         ),
         fix_safety="No automatic fix: moving the computation out of the layer changes the call graph "
         "(new parameters on every block), which needs a person.",
+        # Code, not an error text: a host read of device lengths in a frame a traceback quotes (names
+        # ending in _cpu/_host/_list/_np already live on the host).
+        patterns=(
+            r"\b\w*(?:cu_seqlens|seqlens|seq_lens|seg_lens|seg_indptr)(?!\w*_(?:cpu|host|list|np)\b)\w*\b"
+            r"[^\n]*\.(?:item|tolist)\(\)",
+            r"\bint\(\(?\w*(?:cu_seqlens|seqlens|seq_lens|seg_lens|seg_indptr)(?!\w*_(?:cpu|host|list|np)\b)"
+            r"[^\n]*\.max\(\)",
+        ),
     ),
     examples=(
         Example("bad", '''\
@@ -330,6 +338,7 @@ GL105 = Contract(
             r"operation not permitted when stream is capturing",
             r"cudaErrorStreamCaptureUnsupported",
             r"CUDA error: operation not permitted when stream is capturing",
+            r"Cannot copy between CPU and CUDA tensors during CUDA graph capture",
         ),
     ),
 )

@@ -1,4 +1,4 @@
-"""The ``guardlint`` command line: ``check`` (the default command), ``explain``, ``rules``.
+"""The ``guardlint`` command line: ``check`` (the default command), ``explain``, ``rules``, ``diagnose``.
 
 Commands stay thin: the work is in ``commands.py``. Only click is imported at start-up so that
 ``guardlint --version`` stays fast; libcst loads when a file is actually checked.
@@ -84,6 +84,18 @@ def rules(fmt, config) -> None:
     from .commands import run_rules
 
     _emit(run_rules(fmt=fmt, config=config))
+
+
+@main.command()
+@click.argument("file", type=click.File("rb"), default="-", required=False)
+@click.option("--format", "fmt", type=click.Choice(("text", "json")), default="text", show_default=True)
+def diagnose(file, fmt) -> None:
+    """Match an error message or traceback (FILE, or - or nothing for stdin) to its rule and fix."""
+    from .diagnose import run_diagnose
+
+    if file.isatty():
+        click.echo("Paste the error or traceback, then press Ctrl-D.", err=True)
+    _emit(run_diagnose(file.read(), fmt=fmt))
 
 
 if __name__ == "__main__":

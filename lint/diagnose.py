@@ -1,0 +1,760 @@
+"""``guardlint diagnose``: from an error message or a pasted traceback to the rule it matches, its diagnosis,
+the frame in the user's own code where it happened, and the command that finds the same pattern elsewhere.
+
+Tracebacks are read loosely (chained, pytest, IPython, log lines with timestamps). Rules are recognised by the
+catalog's ``Diagnosis.patterns`` and by a ``GuardError``'s ``[GLxxx]`` code; nothing here knows an error text.
+"""
+from __future__ import annotations
+
+import codecs
+import json
+import re
+import shlex
+import sysconfig
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath, PureWindowsPath
+from typing import Iterable, Optional, Sequence, Union
+
+from guardlint.contracts import Contract, all_contracts
+
+from .commands import EXIT_CLEAN, EXIT_FINDINGS, Outcome
+
+# -- reading ---------------------------------------------------------------------------------------------
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+_TS = r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2})?(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2}| ?UTC)?"
+# Only a line that *starts* with a timestamp loses its prefix: `[2025-06-12 10:41:07 TP0] `, docker's
+# `2025-06-12T10:41:07.123Z `, CRI's `<ts> stderr F `, `<ts> ERROR `, `<ts> | `. What follows keeps its
+# indentation, which is how frames, source lines and the exception line are told apart.
+_LOG_PREFIX = re.compile(
+    rf"^\s*(?:\[{_TS}[^\]\n]*\]|{_TS})"
+    r"(?: (?:stdout|stderr) [FP])?"
+    r"(?:\s*[|:-]?\s*(?:\[[^\]\n]*\]|DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)(?![\w.]))*"
+    r"(?:\s*[|:-](?=\s))? ?"
+)
+_SYSLOG_PREFIX = re.compile(r"^[A-Z][a-z]{2} [ \d]\d \d{2}:\d{2}:\d{2} \S+ [\w./-]+(?:\[\d+\])?: ")
+
+
+def decode(data: Union[bytes, str]) -> str:
+    """Text from whatever was pasted or piped: UTF-8 (with or without BOM) or UTF-16 (PowerShell's ``>``),
+    undecodable bytes replaced, never an exception."""
+    if isinstance(data, str):
+        return data
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return data.decode("utf-16", errors="replace")
+    # UTF-16 without a BOM: every other byte is NUL in ASCII text.
+    if len(data) >= 8 and data[1::2].count(0) > 0.9 * (len(data) // 2):
+        return data.decode("utf-16-le", errors="replace")
+    return data.decode("utf-8-sig", errors="replace")
+
+
+def normalize_lines(text: str) -> list[str]:
+    """Lines without colour codes, control characters or leading log timestamps."""
+    text = _ANSI.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
+    out = []
+    for line in text.split("\n"):
+        line = _CONTROL.sub("", line).rstrip()
+        m = _LOG_PREFIX.match(line) or _SYSLOG_PREFIX.match(line)
+        out.append(line[m.end():] if m else line)
+    return out
+
+
+# -- traceback structure --------------------------------------------------------------------------------
+
+@dataclass
+class Frame:
+    """One frame of a traceback: ``file`` as printed, 1-based ``line``, ``function`` when shown."""
+
+    file: str
+    line: int
+    function: Optional[str] = None
+    source: Optional[str] = None
+
+    def as_dict(self) -> dict:
+        return {"file": self.file, "line": self.line, "function": self.function, "source": self.source}
+
+    def location(self) -> str:
+        return f"{self.file}:{self.line}" + (f", in {self.function}" if self.function else "")
+
+
+@dataclass
+class ErrorBlock:
+    """One exception of the input (one link of a chain): frames outermost first, the exception line
+    (``Type: message``) and the message's further lines. ``style``: python, pytest, ipython or bare."""
+
+    style: str
+    start: int
+    end: int = -1
+    frames: list = field(default_factory=list)
+    exception: Optional[str] = None
+    exception_index: Optional[int] = None
+    message: list = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "\n".join([self.exception or "", *self.message])
+
+    @property
+    def exception_type(self) -> Optional[str]:
+        m = _EXCEPTION_LINE.match(self.exception or "")
+        return m.group("type") if m else None
+
+
+_TB_START = re.compile(r"Traceback \(most recent call last\)")
+_CHAIN = re.compile(r"During handling of the above exception, another exception occurred|"
+                    r"The above exception was the direct cause of the following exception")
+_PY_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)(?:, in (?P<function>.+))?$')
+_IPY_FRAME = re.compile(r"^File (?P<file>\S.*?):(?P<line>\d+)(?:, in (?P<function>[^\s(]+))?")
+_IPY_CELL = re.compile(r"^Cell (?P<file>In ?\[\d+\]), line (?P<line>\d+)(?:, in (?P<function>[^\s(]+))?")
+_IPY_ARROW = re.compile(r"^\s*-*>\s*\d+\s(?P<source>.*)$")
+_IPY_SKIP = re.compile(r"^\s*\[\.\.\. skipping")
+_MARKERS = re.compile(r"^[\^~\s]+$")
+_PYTEST_HEADER = re.compile(r"^_{3,} (?P<test>.+?) _{3,}$")
+_PYTEST_RULE = re.compile(r"^(?:={3,}.*|(?:_ )+_?)$")
+_PYTEST_LOC = re.compile(r"^(?P<file>(?:[A-Za-z]:)?[^\s:][^:]*?\.pyw?):(?P<line>\d+):"
+                         r"(?: in (?P<function>\S+)| (?P<rest>.*))?$")
+_PYTEST_E = re.compile(r"^E(?:\s+(?P<text>.*))?$")
+_PYTEST_ARROW = re.compile(r"^>\s+(?P<source>.*)$")
+_DEF = re.compile(r"^\s*(?:async\s+)?def\s+(?P<name>\w+)\s*\(")
+_EXCEPTION_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*)(?::(?: (?P<message>.*))?)?$")
+_EXCEPTION_NAME = re.compile(r"(?:Error|Exception|Exit|Interrupt|Warning|Fault|Failure|Failed|Iteration)$")
+
+
+def _looks_like_exception(line: str) -> bool:
+    m = _EXCEPTION_LINE.match(line)
+    return bool(m and m.group("message") is not None
+                and _EXCEPTION_NAME.search(m.group("type").rsplit(".", 1)[-1]))
+
+
+def _prefix_template(prefix: str) -> Optional[re.Pattern]:
+    """A per-line prefix seen before ``Traceback`` (``app-1  | ``), digits generalised, so that the same
+    prefix with another timestamp or counter is stripped from the following lines."""
+    if not prefix.strip():
+        return None
+    return re.compile("".join(r"\d+" if part.isdigit() else re.escape(part)
+                              for part in re.split(r"(\d+)", prefix)))
+
+
+class _Reader:
+    """A line-by-line state machine: python / IPython tracebacks, pytest's report styles, bare lines.
+    Besides the blocks it records which lines quote a frame's code (``code_of``: line index -> frame)."""
+
+    def __init__(self, lines: Sequence[str]):
+        self.lines = lines
+        self.blocks: list[ErrorBlock] = []
+        self.code_of: dict[int, Frame] = {}
+        self.block: Optional[ErrorBlock] = None
+        self.state = ""  # frames | message | pytest
+        self.template: Optional[re.Pattern] = None
+        self.pending_def: Optional[str] = None
+        self.pending_source: Optional[str] = None
+        self.pending_lines: list[int] = []
+        self.want_source = False
+
+    def read(self) -> list[ErrorBlock]:
+        for i, line in enumerate(self.lines):
+            if self.template is not None:
+                m = self.template.match(line)
+                if m:
+                    line = line[m.end():]
+            self._line(i, line)
+        self._close(len(self.lines) - 1)
+        return self.blocks
+
+    def _open(self, style: str, i: int) -> ErrorBlock:
+        self._close(i - 1)
+        self.block = ErrorBlock(style, start=i)
+        self.blocks.append(self.block)
+        self.pending_def = self.pending_source = None
+        self.pending_lines = []
+        self.want_source = False
+        return self.block
+
+    def _close(self, i: int) -> None:
+        if self.block is not None:
+            self.block.end = max(i, self.block.start)
+        self.block, self.state = None, ""
+
+    def _line(self, i: int, line: str) -> None:
+        tb = _TB_START.search(line)
+        if tb:
+            prefix = line[:tb.start()]
+            # IPython's header: `RuntimeError      Traceback (most recent call last)`, no colon.
+            ipython = (bool(prefix.strip()) and _EXCEPTION_LINE.match(prefix.strip()) is not None
+                       and not line.rstrip().endswith(":"))
+            self._open("ipython" if ipython else "python", i)
+            if not ipython:
+                self.template = _prefix_template(prefix)
+            self.state = "frames"
+            return
+        if _CHAIN.search(line):
+            pytest = self.block is not None and self.block.style == "pytest"
+            self._close(i - 1)
+            if pytest:  # pytest prints the next link's source before its location lines
+                self._open("pytest", i + 1)
+                self.state = "pytest"
+            return
+        if self.state == "frames":
+            self._frame_line(i, line)
+        elif self.state == "message":
+            if line.strip():
+                self.block.message.append(line)
+            else:
+                self._close(i - 1)
+        else:
+            self._outside_line(i, line)
+
+    def _frame_line(self, i: int, line: str) -> None:
+        block = self.block
+        m = _PY_FRAME.match(line) or _IPY_FRAME.match(line) or _IPY_CELL.match(line)
+        if m:
+            function = m.group("function")
+            block.frames.append(Frame(m.group("file"), int(m.group("line")),
+                                      function.strip() if function else None))
+            return
+        stripped = line.strip()
+        if not stripped or _IPY_SKIP.match(line) or stripped.startswith("[Previous line repeated"):
+            return
+        arrow = _IPY_ARROW.match(line) if block.style == "ipython" else None
+        if arrow or line[0].isspace():
+            if block.frames:
+                self.code_of[i] = block.frames[-1]
+                if arrow:
+                    block.frames[-1].source = arrow.group("source").strip()
+                elif (block.style == "python" and block.frames[-1].source is None
+                      and not _MARKERS.match(stripped)):
+                    block.frames[-1].source = stripped
+            return
+        block.exception, block.exception_index = stripped, i
+        self.state = "message"
+
+    def _pytest_block(self, i: int) -> ErrorBlock:
+        if self.block is None or self.block.style != "pytest":
+            self._open("pytest", i)
+            self.state = "pytest"
+        return self.block
+
+    def _outside_line(self, i: int, line: str) -> None:
+        header = _PYTEST_HEADER.match(line)
+        if header:
+            self._open("pytest", i)
+            self.state = "pytest"
+            return
+        e = _PYTEST_E.match(line)
+        if e:
+            block = self._pytest_block(i)
+            text = (e.group("text") or "").strip()
+            if block.exception is None and text:
+                block.exception, block.exception_index = text, i
+            elif text:
+                block.message.append(text)
+            return
+        loc = _PYTEST_LOC.match(line)
+        if loc:
+            block = self._pytest_block(i)
+            frame = Frame(loc.group("file"), int(loc.group("line")), loc.group("function") or self.pending_def,
+                          self.pending_source)
+            block.frames.append(frame)
+            # --tb=long/auto print a frame's code before its location line.
+            self.code_of.update((j, frame) for j in self.pending_lines)
+            rest = (loc.group("rest") or "").strip()
+            if block.exception is None and _looks_like_exception(rest):  # --tb=line
+                block.exception, block.exception_index = rest, i
+            self.want_source = loc.group("function") is not None  # --tb=short: the code follows
+            self.pending_def = self.pending_source = None
+            self.pending_lines = []
+            return
+        if self.state == "pytest":
+            if _PYTEST_RULE.match(line):
+                if line.startswith("="):
+                    self._close(i - 1)
+                return
+            if not line.strip():
+                return
+            if self.want_source and line[:1].isspace() and self.block.frames:
+                frame = self.block.frames[-1]
+                self.code_of[i] = frame
+                if frame.source is None and not _MARKERS.match(line.strip()):
+                    frame.source = line.strip()
+                return
+            self.want_source = False
+            self.pending_lines.append(i)
+            arrow = _PYTEST_ARROW.match(line)
+            if arrow:
+                self.pending_source = arrow.group("source").strip()
+                return
+            d = _DEF.match(line)
+            if d:
+                self.pending_def = d.group("name")
+            return
+        if _looks_like_exception(line.strip()) and not line[:1].isspace():
+            block = self._open("bare", i)
+            block.exception, block.exception_index = line.strip(), i
+            self.state = "message"
+
+
+@dataclass
+class Parsed:
+    """The input as ``diagnose`` sees it: normalised lines, exceptions in input order (a chain's cause
+    first) and the lines that quote a frame's code."""
+
+    lines: list
+    blocks: list
+    code_of: dict
+
+
+def parse(text: str) -> Parsed:
+    lines = normalize_lines(text)
+    reader = _Reader(lines)
+    blocks = reader.read()
+    return Parsed(lines, blocks, reader.code_of)
+
+
+# -- the user's frame -------------------------------------------------------------------------------------
+
+# Frames in these packages (a path component of this name) are never the user's code.
+LIBRARY_PARTS = frozenset({"torch", "triton", "flashinfer", "sglang", "site-packages", "dist-packages",
+                           "importlib", "_guardlint"})
+_GUARDLINT_SUBPACKAGES = ("guard", "kernels", "lint", "contracts")
+_USER_PSEUDO_FILE = re.compile(r"^(?:<stdin>|<string>|<console>|<input>|<ipython-input-[^>]*>|In ?\[\d+\])$")
+_STDLIB = re.compile(r"[\\/]lib(?:64)?[\\/]python\d+(?:\.\d+)?t?[\\/]|(?i:[\\/]python\d*[\\/]lib[\\/])")
+
+
+def _local_roots() -> tuple[str, ...]:
+    """This interpreter's stdlib and guardlint's own folders (an editable install has them outside
+    site-packages), as path prefixes."""
+    roots = []
+    for key in ("stdlib", "platstdlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            roots.append(path.rstrip("/\\") + "/")
+    from importlib.util import find_spec
+
+    for sub in _GUARDLINT_SUBPACKAGES:
+        try:
+            spec = find_spec(f"guardlint.{sub}")
+        except (ImportError, ValueError):
+            spec = None
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            roots.append(str(location).rstrip("/\\") + "/")
+    return tuple(dict.fromkeys(roots))
+
+
+_ROOTS: Optional[tuple[str, ...]] = None
+
+
+def is_library_frame(file: str) -> bool:
+    """Is this frame's file part of torch, triton, flashinfer, the serving engine, an installed package,
+    the Python standard library or guardlint itself (rather than the user's code)?"""
+    global _ROOTS
+    if file.startswith("<") or file.startswith("Cell "):
+        return _USER_PSEUDO_FILE.match(file) is None
+    if _USER_PSEUDO_FILE.match(file):
+        return False
+    parts = [p for p in re.split(r"[\\/]+", file) if p]
+    if LIBRARY_PARTS.intersection(parts):
+        return True
+    if any(a == "guardlint" and b in _GUARDLINT_SUBPACKAGES for a, b in zip(parts, parts[1:])):
+        return True
+    if _STDLIB.search(file):
+        return True
+    if _ROOTS is None:
+        _ROOTS = _local_roots()
+    posix = file.replace("\\", "/")
+    return any(posix.startswith(root) for root in _ROOTS)
+
+
+def user_frame(frames: Iterable[Frame]) -> Optional[Frame]:
+    """The innermost frame outside library code: where the user's code made the failing call."""
+    found = None
+    for frame in frames:
+        if not is_library_frame(frame.file):
+            found = frame
+    return found
+
+
+# -- matching -------------------------------------------------------------------------------------------
+
+# Not a suppression comment (`# guardlint: ignore[GL101]`) in a quoted source line.
+_GUARD_CODE = re.compile(r"(?<!ignore)\[(?P<code>GL\d{3})(?:\s+[a-z0-9][a-z0-9-]*)?\]")
+_GUARD_FIX = re.compile(r"^\s*fix: (?P<fix>.+)$", re.M)
+# Evidence, strongest first: a GuardError's own code on an exception line; a pattern on an exception
+# line; a GuardError code elsewhere (a log line); a pattern elsewhere; a code pattern in the code that a
+# traceback quotes from the user's own frames (a hint about the cause, never a diagnosis by itself).
+# Code quoted from library frames is no evidence at all: the engine's source spells out its own errors.
+GUARD_CODE_IN_EXCEPTION, PATTERN_IN_EXCEPTION, GUARD_CODE_IN_TEXT, PATTERN_IN_TEXT, PATTERN_IN_USER_CODE = 4, 3, 2, 1, 0
+EVIDENCE = {4: "guard-error-code", 3: "exception-line", 2: "guard-code-in-text", 1: "text", 0: "user-code"}
+
+
+@dataclass(frozen=True)
+class _Hit:
+    tier: int
+    position: int
+    span: int
+    contract: Contract
+    line: str
+    block: Optional[ErrorBlock]
+
+    @property
+    def rank(self) -> tuple:
+        return (self.tier, self.position, self.span)
+
+
+def _longest_match(contract: Contract, text: str) -> int:
+    best = 0
+    for pattern in (rf"\b{re.escape(contract.code)}\b", *contract.diagnosis.patterns):
+        for m in re.finditer(pattern, text):
+            best = max(best, m.end() - m.start())
+    return best
+
+
+def _line_of(text: str, at: int) -> str:
+    start = text.rfind("\n", 0, at) + 1
+    end = text.find("\n", at)
+    return text[start:end if end >= 0 else len(text)].strip()
+
+
+def _hits(parsed: Parsed, contracts: Sequence[Contract]) -> list[_Hit]:
+    by_code = {c.code: c for c in contracts}
+    lines, blocks = parsed.lines, parsed.blocks
+    joined = "\n".join(lines)
+    # Only contracts that match somewhere are looked for line by line: a long log stays linear.
+    candidates = [c for c in contracts if c.matches_error(joined)]
+    hits: list[_Hit] = []
+    for position, block in enumerate(blocks):
+        if block.exception is None:
+            continue
+        text = block.text
+        for m in _GUARD_CODE.finditer(text):
+            contract = by_code.get(m.group("code"))
+            if contract is not None:
+                hits.append(_Hit(GUARD_CODE_IN_EXCEPTION, position, m.end() - m.start(), contract,
+                                 _line_of(text, m.start()), block))
+        for contract in candidates:
+            span = _longest_match(contract, text)
+            if span:
+                hits.append(_Hit(PATTERN_IN_EXCEPTION, position, span, contract, block.exception, block))
+    matched_somewhere = set()
+    for i, line in enumerate(lines):
+        spans = [(c, span) for c in candidates for span in [_longest_match(c, line)] if span]
+        matched_somewhere.update(c.code for c, _ in spans)
+        frame = parsed.code_of.get(i)
+        if frame is not None:
+            # Quoted code is matched against code patterns only (kind "pattern", e.g. a host read of
+            # cu_seqlens); an error text that a test or the engine's source spells out is no evidence.
+            if not is_library_frame(frame.file):
+                block = next((b for b in blocks if frame in b.frames), None)
+                hits += [_Hit(PATTERN_IN_USER_CODE, i, span, c, line.strip(), block)
+                         for c, span in spans if c.kind == "pattern"]
+            continue
+        found = [(GUARD_CODE_IN_TEXT, m.end() - m.start(), by_code[m.group("code")])
+                 for m in _GUARD_CODE.finditer(line) if m.group("code") in by_code]
+        found += [(PATTERN_IN_TEXT, span, c) for c, span in spans]
+        if found:
+            block = next((b for b in blocks if b.start <= i <= b.end), None)
+            hits += [_Hit(tier, i, span, contract, line.strip(), block) for tier, span, contract in found]
+    # A pattern that only matches across lines still counts, as text.
+    for contract in candidates:
+        if contract.code not in matched_somewhere and not any(h.contract is contract for h in hits):
+            hits.append(_Hit(PATTERN_IN_TEXT, -1, 0, contract, "", None))
+    return hits
+
+
+# -- the answer -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DiagnoseResult:
+    """What ``guardlint diagnose`` answers. ``contract`` is None when no rule matches the error itself;
+    ``related`` are codes matched only by code quoted from the user's frames (hints for the command)."""
+
+    contract: Optional[Contract]
+    message: Optional[str]
+    frame: Optional[Frame]
+    matches: tuple = ()
+    related: tuple = ()
+    evidence: Optional[str] = None
+    exception_type: Optional[str] = None
+    guard_fix: Optional[str] = None
+    program: Optional[str] = None
+    files: tuple = ()
+
+    @property
+    def code(self) -> Optional[str]:
+        return self.contract.code if self.contract else None
+
+    @property
+    def fix(self) -> Optional[str]:
+        if self.contract is None:
+            return None
+        if self.guard_fix:
+            return self.guard_fix
+        solutions = self.contract.diagnosis.solutions
+        return solutions[0] if solutions else None
+
+    @property
+    def lint_command(self) -> Optional[str]:
+        codes = lint_codes(self.contract) if self.contract else []
+        codes += [code for code in self.related if code not in codes and _linted(code)]
+        if not codes:
+            return None
+        return f"guardlint --select {','.join(codes)} {_quote(search_dir(self.frame))}"
+
+    @property
+    def command(self) -> Optional[str]:
+        """The lint run that finds the same pattern elsewhere; for a runtime-only code without one, the
+        run that catches it early; ``guardlint rules`` when nothing matched."""
+        if self.contract is None:
+            return self.lint_command or "guardlint rules"
+        return self.lint_command or run_command(self.contract, self.program)
+
+    @property
+    def prevention(self) -> Optional[str]:
+        if self.contract is None or self.contract.linted:
+            return None
+        return prevention(self.contract, self.program)
+
+
+def _linted(code: str) -> bool:
+    return any(c.code == code and c.linted for c in all_contracts())
+
+
+def lint_codes(contract: Contract, contracts: Sequence[Contract] = ()) -> list[str]:
+    """The rule codes that find ``contract``'s pattern statically: itself and its linted twins (the same
+    kind of check on a shared target, e.g. GL101 and GL102). Empty for runtime-only codes."""
+    if not contract.linted:
+        return []
+    shared = set(contract.targets)
+    return [c.code for c in (contracts or all_contracts())
+            if c.code == contract.code or (shared and c.linted and c.kind == contract.kind
+                                           and shared.intersection(c.targets))]
+
+
+def search_dir(frame: Optional[Frame]) -> str:
+    """The folder of the user's frame (where the same mistake most likely repeats), else ``.``."""
+    if frame is None or frame.file.startswith("<") or _USER_PSEUDO_FILE.match(frame.file):
+        return "."
+    file = frame.file
+    windows = re.match(r"^[A-Za-z]:[\\/]", file) or ("\\" in file and "/" not in file)
+    parent = str((PureWindowsPath if windows else PurePosixPath)(file).parent)
+    return parent if parent not in ("", ".") else "."
+
+
+def _quote(arg: str) -> str:
+    return arg if re.fullmatch(r"[\w@%+=:,./\\-]+", arg) else shlex.quote(arg)
+
+
+# An environment setting named in a contract's solutions, e.g. GUARDLINT_MODE=strict or TRITON_INTERPRET=1.
+_ENV_SETTING = re.compile(r"\b[A-Z][A-Z0-9]*_[A-Z0-9_]+=[\w.-]+")
+
+
+def env_setting(contract: Contract) -> Optional[str]:
+    m = _ENV_SETTING.search(" ".join(contract.diagnosis.solutions))
+    return m.group(0) if m else None
+
+
+def run_command(contract: Contract, program: Optional[str] = None) -> Optional[str]:
+    """For a runtime-only code: the program run again with the setting its solutions name, if any."""
+    setting = env_setting(contract)
+    return f"{setting} {program or 'python <your program>'}" if setting else None
+
+
+def prevention(contract: Contract, program: Optional[str] = None) -> str:
+    solutions = contract.diagnosis.solutions
+    text = (f"{contract.code} is raised at runtime only: no static check finds it. "
+            f"Prevent it: {solutions[0] if solutions else 'see guardlint explain ' + contract.code}")
+    command = run_command(contract, program)
+    if command:
+        text += f" With the setting its solutions name: {command}"
+    return text
+
+
+def _program(blocks: Sequence[ErrorBlock]) -> Optional[str]:
+    """How the failing program was started, when an outermost frame shows it (a script or a test file)."""
+    for block in blocks:
+        if not block.frames:
+            continue
+        first = block.frames[0]
+        if is_library_frame(first.file) or first.file.startswith("<") or _USER_PSEUDO_FILE.match(first.file):
+            continue
+        if block.style == "pytest":
+            return f"python -m pytest {_quote(first.file)}"
+        if first.function == "<module>":
+            return f"python {_quote(first.file)}"
+    return None
+
+
+def diagnose(text: Union[str, bytes], contracts: Optional[Sequence[Contract]] = None) -> DiagnoseResult:
+    """Match an error message or traceback to the catalog. The strongest evidence wins: a GuardError's
+    ``[GLxxx]`` code, then a pattern on an exception line (the latest exception of a chain first), then
+    text elsewhere; among equals, the longest (most specific) pattern match."""
+    contracts = tuple(contracts) if contracts else all_contracts()
+    parsed = parse(decode(text))
+    blocks = parsed.blocks
+    hits = sorted(_hits(parsed, contracts), key=lambda h: h.rank, reverse=True)
+    matches = tuple(dict.fromkeys(h.contract.code for h in hits))
+    related = tuple(dict.fromkeys(h.contract.code for h in hits if h.tier == PATTERN_IN_USER_CODE))
+    files = tuple(dict.fromkeys(f.file for b in blocks for f in b.frames))
+    program = _program(blocks)
+    best = next((h for h in hits if h.tier > PATTERN_IN_USER_CODE), None)
+    if best is None:
+        last = next((b for b in reversed(blocks) if b.exception), None)
+        frame = next((f for b in reversed(blocks) for f in [user_frame(b.frames)] if f), None)
+        return DiagnoseResult(None, last.exception if last else None, frame, matches, related,
+                              exception_type=last.exception_type if last else None, program=program,
+                              files=files)
+    block = best.block
+    frame = user_frame(block.frames) if block else None
+    if frame is None:
+        # A chain link raised entirely inside libraries: the user's call is in another link.
+        frame = next((f for b in reversed(blocks) for f in [user_frame(b.frames)] if f), None)
+    guard_fix = None
+    if best.tier in (GUARD_CODE_IN_EXCEPTION, GUARD_CODE_IN_TEXT) and block is not None:
+        m = _GUARD_FIX.search(block.text)
+        guard_fix = m.group("fix").strip() if m else None
+    message = best.line or (block.exception if block else None)
+    if best.tier in (GUARD_CODE_IN_EXCEPTION, PATTERN_IN_EXCEPTION):
+        exception_type = block.exception_type
+    elif message and _looks_like_exception(message):
+        exception_type = _EXCEPTION_LINE.match(message).group("type")
+    else:
+        exception_type = None
+    return DiagnoseResult(best.contract, message, frame, matches, related, EVIDENCE[best.tier], exception_type,
+                          guard_fix, program, files)
+
+
+# -- output ---------------------------------------------------------------------------------------------
+
+_IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import|import\s+([\w.]+))", re.M)
+
+
+def _imports(code: str) -> set:
+    return {a or b for a, b in _IMPORT.findall(code)}
+
+
+def _example(contract: Contract, files: Sequence[str] = ()) -> Optional[dict]:
+    """A bad example and its fix. Where the contract has several, the bad one whose imports the traceback
+    runs through (the engine's module or guardlint's kernels), and the fixed or good one closest to it."""
+    bad = contract.examples_of("bad")
+    after = contract.examples_of("fixed") + contract.examples_of("good")
+    if not bad and not after:
+        return None
+
+    def seen(example) -> int:
+        tops = {m.split(".")[0] for m in _imports(example.code)} - {"torch"}
+        return sum(1 for top in tops if any(re.search(rf"\b{re.escape(top)}\b", f) for f in files))
+
+    chosen = max(bad, key=seen) if bad else None  # max keeps the first of equals: catalog order
+    if chosen is not None and after:
+        near = _imports(chosen.code)
+        fixed = max(after, key=lambda e: (len(near & _imports(e.code)), e.kind == "fixed"))
+    else:
+        fixed = after[0] if after else None
+    return {"bad": chosen.without_markers() if chosen else None, "fixed": fixed.code if fixed else None}
+
+
+def as_dict(result: DiagnoseResult) -> dict:
+    c = result.contract
+    out = {
+        "code": result.code,
+        "name": c.name if c else None,
+        "summary": c.summary if c else None,
+        "kind": c.kind if c else None,
+        "message": result.message,
+        "exception": result.exception_type,
+        "evidence": result.evidence,
+        "frame": result.frame.as_dict() if result.frame else None,
+        "fix": result.fix,
+        "command": result.command,
+        "prevent": result.prevention,
+        "matches": list(result.matches),
+        "related": list(result.related),
+    }
+    if c is not None:
+        d = c.diagnosis
+        out["diagnosis"] = {"message": d.message, "what_it_means": d.what_it_means,
+                            "when_it_happens": d.when_it_happens, "solutions": list(d.solutions),
+                            "fix_safety": d.fix_safety}
+        out["example"] = _example(c, result.files)
+        out["explain"] = f"guardlint explain {c.code}"
+    return out
+
+
+def as_json(result: DiagnoseResult) -> str:
+    return json.dumps(as_dict(result), indent=2) + "\n"
+
+
+def _wrap(text: str, indent: str = "  ") -> list:
+    bullet = text.startswith("- ")
+    return textwrap.wrap(text[2:] if bullet else text, 100, initial_indent=indent + ("- " if bullet else ""),
+                         subsequent_indent=indent + ("  " if bullet else "")) or [indent.rstrip()]
+
+
+def _code_block(code: str, title: str) -> list:
+    return [f"  {title}:", "  ```python", *(("  " + line).rstrip() for line in code.rstrip("\n").split("\n")),
+            "  ```"]
+
+
+def _name(code: str) -> str:
+    return next((f"{code} ({c.name})" for c in all_contracts() if c.code == code), code)
+
+
+def as_text(result: DiagnoseResult) -> str:
+    if result.contract is None:
+        out = ["No guardlint rule matches this error." if result.message or result.related
+               else "No guardlint rule matches this input: it holds no error message guardlint knows."]
+        if result.message:
+            out.append(f"  error: {result.message}")
+        if result.frame:
+            out.append(f"  where: {result.frame.location()}")
+        if result.related:
+            out += ["", f"The code it quotes from your frames matches {', '.join(map(_name, result.related))}:",
+                    f"  {result.lint_command or 'guardlint explain ' + result.related[0]}"]
+        out += ["", "`guardlint rules` lists the errors guardlint knows; `guardlint explain CODE` shows one."]
+        return "\n".join(out) + "\n"
+    c, d = result.contract, result.contract.diagnosis
+    out = [f"{c.code} {c.name}: {c.summary}"]
+    if result.message:
+        out.append(f"  error: {result.message}")
+    if result.frame:
+        out.append(f"  where: {result.frame.location()}")
+        if result.frame.source:
+            out.append(f"         {result.frame.source}")
+    else:
+        out.append("  where: no frame of your own code in the input")
+    out += ["", "What it means", *_wrap(d.what_it_means), "", "When it happens", *_wrap(d.when_it_happens)]
+    if result.guard_fix:
+        out += ["", "Fix (from the error)", *_wrap(result.guard_fix)]
+    if d.solutions:
+        out += ["", "Solutions", *[line for s in d.solutions for line in _wrap(f"- {s}")]]
+    example = _example(c, result.files)
+    if example:
+        out += ["", "Example fix"]
+        if example["bad"]:
+            out += _code_block(example["bad"], "before")
+        if example["fixed"]:
+            out += _code_block(example["fixed"], "after")
+    if not c.linted:
+        out += ["", "Prevent it", *_wrap(f"{c.code} is raised at runtime only, so no static check finds it; "
+                                         "the solutions above prevent it.")]
+        command = run_command(c, result.program)
+        if command:
+            out.append(f"  {command}")
+    if result.lint_command:
+        out += ["", "Find the same pattern elsewhere", f"  {result.lint_command}"]
+    if result.related:
+        out += ["", f"The code of your frames matches {', '.join(map(_name, result.related))}."]
+    others = [code for code in result.matches if code != c.code and code not in result.related]
+    if others:
+        out += ["", f"Also matched: {', '.join(map(_name, others))}."]
+    out += ["", f"More: guardlint explain {c.code}"]
+    return "\n".join(out) + "\n"
+
+
+def run_diagnose(data: Union[bytes, str], *, fmt: str = "text",
+                 contracts: Optional[Sequence[Contract]] = None) -> Outcome:
+    """``guardlint diagnose``: exit 0 with the answer when a rule matches, 1 when none does."""
+    result = diagnose(data, contracts)
+    out = as_json(result) if fmt == "json" else as_text(result)
+    return Outcome(EXIT_CLEAN if result.contract is not None else EXIT_FINDINGS, out)

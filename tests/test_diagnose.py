@@ -1,0 +1,416 @@
+"""``guardlint diagnose``: real-looking tracebacks in, the rule, the user's frame and the command out."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from guardlint.contracts import all_contracts, get
+from guardlint.lint.cli import main
+from guardlint.lint.diagnose import diagnose, run_diagnose
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).parent / "fixtures" / "diagnose"
+SAMPLE = ROOT / "examples" / "traceback.txt"
+
+
+def invoke(*args, input=None):
+    return CliRunner().invoke(main, ["diagnose", *args], input=input)
+
+
+# -- every known error, as a realistic traceback ----------------------------------------------------------
+# (fixture, code, user frame (file, line, function), start of the matched line, command)
+CASES = [
+    (SAMPLE, "GL101", ("/srv/app/models/qwen2_vision.py", 131, "forward"),
+     "ValueError: sequence_lengths should be prepared", "guardlint --select GL101,GL102 /srv/app/models"),
+    (FIXTURES / "scheduler_gl101.log", "GL101", ("/workspace/myvlm/myvlm/vision_tower.py", 97, "forward"),
+     "RuntimeError: sequence_lengths should be prepared",
+     "guardlint --select GL101,GL102 /workspace/myvlm/myvlm"),
+    (FIXTURES / "pytest_long_gl102.txt", "GL102", ("models/qwen2_vision.py", 31, "forward"),
+     "RuntimeError: max_seqlen should be prepared", "guardlint --select GL101,GL102 models"),
+    (FIXTURES / "docker_gl201.log", "GL201", ("/opt/plugins/mla_lora/backend.py", 141, "run_kv_b_step_a"),
+     "ValueError: LoRA batch_info must provide max_len or seg_lens.", "guardlint --select GL201 /opt/plugins/mla_lora"),
+    (FIXTURES / "pytest_short_gl107_numel.txt", "GL107", ("vision/encoder.py", 77, "forward"),
+     "RuntimeError: packed indptr numel mismatch: got 3, expected 24", None),
+    (FIXTURES / "ipython_gl107_tensor.txt", "GL107", ("In[7]", 4, None),
+     "RuntimeError: flashinfer_cudnn expects packed indptrs as a torch.Tensor", None),
+    (FIXTURES / "capture_gl105_chained.txt", "GL105", ("/home/ml/vit-serve/vit_serve/vit.py", 97, "forward"),
+     "torch.AcceleratorError: CUDA error: operation not permitted when stream is capturing",
+     "guardlint --select GL104 /home/ml/vit-serve/vit_serve"),
+    (FIXTURES / "triton_gl301_no_driver.txt", "GL301", ("/home/ml/lora-bench/bench_shrink.py", 33, "run_shrink"),
+     "RuntimeError: 0 active drivers ([]).", "TRITON_INTERPRET=1 python /home/ml/lora-bench/bench_shrink.py"),
+    (FIXTURES / "guard_gl103_strict.txt", "GL103", ("/home/ml/vit-demo/encode.py", 6, "encode"),
+     "guardlint.guard.errors.GuardError: [GL103 invalid-varlen-metadata] varlen_attention(): argument "
+     "'cu_seqlens'", "GUARDLINT_MODE=strict python /home/ml/vit-demo/encode.py"),
+    (FIXTURES / "pytest_guard_gl201.txt", "GL201", ("mla_lora/backend.py", 141, "run_kv_b_step_a"),
+     "guardlint.guard.errors.GuardError: [GL201 missing-max-len-and-seg-lens] step_a_q()",
+     "guardlint --select GL201 mla_lora"),
+]
+
+
+@pytest.mark.parametrize("path, code, frame, message, command", CASES, ids=[c[0].name for c in CASES])
+def test_diagnose_known_traceback(path, code, frame, message, command):
+    result = diagnose(path.read_bytes())
+    assert result.code == code
+    assert (result.frame.file, result.frame.line, result.frame.function) == frame
+    assert result.message.startswith(message)
+    assert result.command == command
+    assert result.matches[0] == code
+
+
+@pytest.mark.parametrize("path, code, frame, message, command", CASES, ids=[c[0].name for c in CASES])
+def test_diagnose_cli_json_for_each_fixture(path, code, frame, message, command):
+    r = invoke(str(path), "--format", "json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["code"] == code and out["name"] == get(code).name
+    assert out["frame"]["file"] == frame[0] and out["frame"]["line"] == frame[1]
+    assert out["message"].startswith(message) and out["command"] == command
+
+
+def test_diagnose_sample_traceback_text_has_every_section():
+    r = invoke(str(SAMPLE))
+    assert r.exit_code == 0
+    out = r.stdout
+    assert out.startswith("GL101 missing-sequence-lengths: ")
+    assert "where: /srv/app/models/qwen2_vision.py:131, in forward" in out
+    assert "attn_out = self.attn(q, k, v, cu_seqlens, bsz, seq_len)" in out
+    for section in ("What it means", "When it happens", "Solutions", "Example fix", "before:", "after:",
+                    "Find the same pattern elsewhere"):
+        assert section in out, section
+    assert get("GL101").diagnosis.solutions[0][:60] in out.replace("\n    ", " ")
+    assert "guardlint --select GL101,GL102 /srv/app/models" in out
+
+
+def test_diagnose_engine_traceback_gets_the_engine_example():
+    # The traceback runs through the engine: the example shown is the engine's call, not guardlint's kernel.
+    out = json.loads(invoke(str(SAMPLE), "--format", "json").stdout)
+    assert "sglang.srt.layers.attention.vision" in out["example"]["bad"]
+    assert "# expect" not in out["example"]["bad"]
+    assert "prepare_varlen_metadata" in out["example"]["fixed"]
+    guard = json.loads(invoke(str(FIXTURES / "guard_gl103_strict.txt"), "--format", "json").stdout)
+    assert guard["example"] is None  # GL103 has no code example; none is made up
+
+
+# -- the messages alone ----------------------------------------------------------------------------------
+ENGINE_MESSAGES = [
+    ("sequence_lengths should be prepared for vision flashinfer_cudnn attention backend", "GL101"),
+    ("RuntimeError: max_seqlen should be prepared for vision flashinfer_cudnn attention backend", "GL102"),
+    ("ValueError: LoRA batch_info must provide max_len or seg_lens.", "GL201"),
+    ("RuntimeError: packed indptr numel mismatch: got 5, expected 9 (= 3*(B+1))", "GL107"),
+    ("flashinfer_cudnn expects packed indptrs as a torch.Tensor", "GL107"),
+    ("torch.AcceleratorError: CUDA error: operation not permitted when stream is capturing", "GL105"),
+    ("RuntimeError: Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor "
+     "is pinned", "GL105"),
+    ("RuntimeError: 0 active drivers ([]). There should only be one.", "GL301"),
+]
+
+
+@pytest.mark.parametrize("message, code", ENGINE_MESSAGES)
+def test_diagnose_bare_message(message, code):
+    result = diagnose(message)
+    assert result.code == code and result.frame is None
+    assert result.message == message
+    r = invoke(input=message + "\n")
+    assert r.exit_code == 0 and r.stdout.startswith(f"{code} {get(code).name}: ")
+
+
+# -- GuardError: every code the guard can raise is recognised by its code -----------------------------------
+def _formatted_guard_error(code: str) -> str:
+    import traceback
+
+    from guardlint.guard.errors import GuardError
+
+    def model_forward():
+        raise GuardError(code, argument="cu_seqlens", expected="1-D integer prefix sums",
+                         got="Tensor(shape=(3, 2), dtype=torch.float32 on cpu)", function="varlen_attention")
+
+    try:
+        model_forward()
+    except GuardError as e:
+        return "".join(traceback.format_exception(e))
+    raise AssertionError("not raised")
+
+
+@pytest.mark.parametrize("code", [c.code for c in all_contracts()])
+def test_diagnose_every_guard_error_by_its_code(code):
+    text = _formatted_guard_error(code)
+    result = diagnose(text)
+    assert result.code == code and result.evidence == "guard-error-code"
+    assert result.frame.file == __file__ and result.frame.function == "model_forward"
+    assert f"[{code} {get(code).name}]" in result.message
+    # The error's own fix line is the fix; it is the contract's first solution unless the raiser gave one.
+    assert result.fix == get(code).diagnosis.solutions[0]
+
+
+def test_diagnose_guard_code_beats_another_rule_on_a_later_exception_line():
+    inner = _formatted_guard_error("GL105")
+    outer = ('Traceback (most recent call last):\n  File "/srv/app/vit.py", line 40, in forward\n'
+             "    return self.attn(q, k, v, cu_seqlens, bsz, seq_len)\n"
+             "RuntimeError: sequence_lengths should be prepared for vision flashinfer_cudnn attention backend\n")
+    text = inner + "\nDuring handling of the above exception, another exception occurred:\n\n" + outer
+    result = diagnose(text)
+    assert result.code == "GL105" and result.matches[:2] == ("GL105", "GL101")
+
+
+def test_diagnose_exception_line_beats_text_elsewhere():
+    log = ("[2025-06-12 10:41:01 TP0] retrying after: max_seqlen should be prepared for vision flashinfer_cudnn "
+           "attention backend\n"
+           "Traceback (most recent call last):\n"
+           '  File "/opt/plugins/mla_lora/backend.py", line 141, in run_kv_b_step_a\n'
+           "    return step_a_q(x, weights, self.batch_info)\n"
+           "ValueError: LoRA batch_info must provide max_len or seg_lens.\n")
+    result = diagnose(log)
+    assert result.code == "GL201" and result.evidence == "exception-line"
+    assert result.matches == ("GL201", "GL102")
+
+
+def test_diagnose_latest_exception_of_a_chain_wins():
+    first = ('Traceback (most recent call last):\n  File "/srv/a.py", line 1, in f\n    g()\n'
+             "RuntimeError: 0 active drivers ([]). There should only be one.\n")
+    second = ('Traceback (most recent call last):\n  File "/srv/b.py", line 2, in h\n    f()\n'
+              "ValueError: LoRA batch_info must provide max_len or seg_lens.\n")
+    text = first + "\nThe above exception was the direct cause of the following exception:\n\n" + second
+    result = diagnose(text)
+    assert result.code == "GL201" and result.frame.file == "/srv/b.py"
+    assert result.matches == ("GL201", "GL301")
+
+
+def test_diagnose_engine_source_in_pytest_output_is_no_evidence():
+    # pytest --tb=long quotes the engine's source, which spells out the GL101 message; the error is GL102.
+    result = diagnose((FIXTURES / "pytest_long_gl102.txt").read_text())
+    assert result.matches == ("GL102",)
+    test_text = (FIXTURES / "pytest_guard_gl201.txt").read_text()
+    assert "sequence_lengths should be prepared" in test_text
+    assert diagnose(test_text).matches == ("GL201",)
+
+
+def test_diagnose_host_read_in_user_code_is_a_hint_not_a_diagnosis():
+    text = ('Traceback (most recent call last):\n  File "/srv/app/vit.py", line 97, in forward\n'
+            "    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())\n"
+            "torch.AcceleratorError: CUDA error: an illegal memory access was encountered\n")
+    result = diagnose(text)
+    assert result.code is None and result.related == ("GL104",)
+    assert result.command == "guardlint --select GL104 /srv/app"
+    r = invoke(input=text)
+    assert r.exit_code == 1 and "GL104 (per-layer-host-sync)" in r.stdout
+    # The same host read in library code (the engine's own .item()) is not the user's to fix.
+    engine = text.replace("/srv/app/vit.py", "/usr/lib/python3.12/site-packages/sglang/srt/layers/vit.py")
+    assert diagnose(engine).related == () and diagnose(engine).command == "guardlint rules"
+    # A host copy of lengths already on the host is no hint.
+    assert diagnose(text.replace("int((cu_seqlens[1:] - cu_seqlens[:-1]).max())",
+                                 "max(seq_lens_cpu.tolist())")).related == ()
+
+
+# -- the user's frame ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("file", [
+    "/usr/local/lib/python3.12/site-packages/torch/nn/modules/module.py",
+    "/usr/lib/python3/dist-packages/numpy/core/fromnumeric.py",
+    "/home/u/triton/python/triton/runtime/jit.py",
+    "/opt/flashinfer/flashinfer/prefill.py",
+    "/home/u/src/sglang/python/sglang/srt/layers/attention/vision.py",
+    "/usr/lib/python3.12/threading.py",
+    "/opt/conda/lib/python3.11/concurrent/futures/thread.py",
+    "<frozen importlib._bootstrap>",
+    "<frozen runpy>",
+    "/usr/lib/python3.12/importlib/__init__.py",
+    "<guardlint wrapper of varlen_attention>",
+    "/srv/venv/lib/python3.12/site-packages/guardlint/guard/ready.py",
+    "/home/u/guardlint/kernels/attention.py",
+    r"C:\Users\me\AppData\Local\Programs\Python\Python312\Lib\threading.py",
+    r"C:\proj\.venv\Lib\site-packages\torch\nn\modules\module.py",
+])
+def test_library_frames_are_not_the_users(file):
+    from guardlint.lint.diagnose import is_library_frame
+
+    assert is_library_frame(file)
+
+
+@pytest.mark.parametrize("file", [
+    "/srv/app/models/qwen2_vision.py", "models/qwen2_vision.py", "<stdin>", "<string>", "In[3]",
+    "<ipython-input-4-5d1f3c>", "/home/u/torch_utils/varlen.py", "/home/u/guardlint/examples/vit.py",
+    r"C:\proj\vision\encoder.py",
+])
+def test_user_frames(file):
+    from guardlint.lint.diagnose import is_library_frame
+
+    assert not is_library_frame(file)
+
+
+def test_this_checkouts_guardlint_sources_are_library_frames():
+    # An editable install keeps guard/ and kernels/ outside site-packages.
+    import importlib.util
+
+    from guardlint.lint.diagnose import is_library_frame
+
+    guard_dir = importlib.util.find_spec("guardlint.guard").submodule_search_locations[0]
+    assert is_library_frame(str(Path(guard_dir) / "metadata.py"))
+    assert not is_library_frame(str(ROOT / "examples" / "vit.py"))
+
+
+def test_user_frame_is_the_innermost_outside_libraries():
+    from guardlint.lint.diagnose import Frame, user_frame
+
+    frames = [Frame("/srv/app/serve.py", 88, "<module>"), Frame("/srv/app/models/vit.py", 212, "forward"),
+              Frame("/usr/lib/python3.12/site-packages/torch/nn/modules/module.py", 1775, "_call_impl"),
+              Frame("/srv/app/models/vit.py", 131, "forward"),
+              Frame("/usr/lib/python3.12/site-packages/sglang/srt/layers/attention/vision.py", 694, "forward")]
+    assert user_frame(frames) is frames[3]
+    assert user_frame(frames[2:3]) is None and user_frame([]) is None
+
+
+def test_frame_from_windows_traceback_and_its_search_dir():
+    text = ('Traceback (most recent call last):\n'
+            '  File "C:\\proj\\vision\\encoder.py", line 77, in forward\n    x = self.attn(q, k, v, cu)\n'
+            '  File "C:\\proj\\.venv\\Lib\\site-packages\\sglang\\srt\\layers\\attention\\vision.py", line 694, '
+            'in forward\n    raise RuntimeError(\n'
+            "RuntimeError: max_seqlen should be prepared for vision flashinfer_cudnn attention backend\r\n")
+    result = diagnose(text.replace("\n", "\r\n"))
+    assert (result.code, result.frame.file, result.frame.line) == ("GL102", "C:\\proj\\vision\\encoder.py", 77)
+    assert result.command == "guardlint --select GL101,GL102 C:\\proj\\vision"
+
+
+def test_search_dir_is_dot_without_a_file_frame():
+    assert diagnose("sequence_lengths should be prepared for vision flashinfer_cudnn attention backend"
+                    ).command == "guardlint --select GL101,GL102 ."
+    stdin = ('Traceback (most recent call last):\n  File "<stdin>", line 1, in <module>\n'
+             "ValueError: LoRA batch_info must provide max_len or seg_lens.\n")
+    result = diagnose(stdin)
+    assert result.frame.file == "<stdin>" and result.command == "guardlint --select GL201 ."
+    spaced = stdin.replace("<stdin>", "/home/me/My Models/lora.py")
+    assert diagnose(spaced).command == "guardlint --select GL201 '/home/me/My Models'"
+
+
+# -- input forms -----------------------------------------------------------------------------------------
+def test_diagnose_reads_stdin_without_argument_and_with_dash():
+    text = SAMPLE.read_text()
+    assert invoke(input=text).exit_code == 0
+    r = invoke("-", "--format", "json", input=text)
+    assert r.exit_code == 0 and json.loads(r.stdout)["code"] == "GL101"
+
+
+def test_diagnose_missing_file_is_a_usage_error():
+    r = invoke("/no/such/traceback.txt")
+    assert r.exit_code == 2 and "No such file" in r.output
+
+
+@pytest.mark.parametrize("prefix", [
+    "2025-06-12T10:52:31.418207356Z ",                     # docker logs -t
+    "2025-06-12T10:52:31.418207356+00:00 stderr F ",       # Kubernetes (CRI) container log
+    "[2025-06-12 10:52:31 TP0] ",                          # the serving engine's logger
+    "2025-06-12 10:52:31,418 ERROR ",                      # logging's default with a level
+    "2025-06-12 10:52:31 | ERROR | ",                      # loguru-like
+    "Jun 12 10:52:31 gpu-node-3 python[4242]: ",           # journald / syslog
+])
+def test_diagnose_log_lines_with_timestamps(prefix):
+    lines = SAMPLE.read_text().splitlines()
+    text = "\n".join(prefix + line for line in lines) + "\n"
+    result = diagnose(text)
+    assert result.code == "GL101"
+    assert (result.frame.file, result.frame.line) == ("/srv/app/models/qwen2_vision.py", 131)
+    assert result.frame.source == "attn_out = self.attn(q, k, v, cu_seqlens, bsz, seq_len)"
+    assert result.message.startswith("ValueError: sequence_lengths")
+
+
+def test_diagnose_logged_error_line_without_traceback():
+    log = ("2025-06-12 10:52:30,001 INFO Prefill batch. #new-seq: 1\n"
+           "2025-06-12 10:52:31,418 ERROR ValueError: LoRA batch_info must provide max_len or seg_lens.\n")
+    result = diagnose(log)
+    assert result.code == "GL201" and result.evidence == "exception-line"
+    assert result.message == "ValueError: LoRA batch_info must provide max_len or seg_lens."
+    assert result.exception_type == "ValueError"
+
+
+def test_diagnose_per_line_prefix_seen_before_traceback():
+    # docker compose: `service-1  | ` on every line, no timestamp
+    text = "".join(f"vision-worker-1  | {line}\n" for line in SAMPLE.read_text().splitlines())
+    result = diagnose(text)
+    assert result.code == "GL101" and result.frame.line == 131
+
+
+def test_diagnose_utf16_crlf_and_colours():
+    text = SAMPLE.read_text()
+    assert diagnose(text.encode("utf-16")).code == "GL101"  # PowerShell's `>` writes UTF-16 with a BOM
+    assert diagnose(text.encode("utf-16-le")).code == "GL101"
+    assert diagnose(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode()).frame.line == 131
+    coloured = text.replace("ValueError:", "\x1b[1;31mValueError\x1b[0m:").replace('File "', '\x1b[35mFile "')
+    assert diagnose(coloured).frame.line == 131
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"\x00" * 1000, bytes(range(256)) * 40, b"\xff\xfe\xfd" * 999, "\ud800".encode("utf-8", "surrogatepass"),
+    b"Traceback (most recent call last):\n" * 50, b'  File "x", line 99999999999999999999, in f\n' * 3,
+    b"E" * 200_000, b"[" * 5000 + b"2025-06-12 10:52:31" * 500, b"_ " * 10000,
+])
+def test_garbage_does_not_crash(data):
+    r = invoke(input=data)
+    assert r.exit_code == 1 and (r.exception is None or isinstance(r.exception, SystemExit)), r.exception
+    assert "No guardlint rule matches" in r.stdout
+    out = json.loads(invoke("--format", "json", input=data).stdout)
+    assert out["code"] is None and out["matches"] == []
+
+
+def test_message_inside_binary_noise_is_still_found():
+    data = bytes(range(256)) + b"\nValueError: LoRA batch_info must provide max_len or seg_lens.\n" + b"\xff" * 99
+    assert diagnose(data).code == "GL201"
+
+
+def test_diagnose_never_raises_on_arbitrary_text():
+    from hypothesis import given, settings, strategies as st
+
+    alphabet = st.sampled_from(list('Traceback (most recent call last):\n  File "x.py", line 3, in f\nE> _=:[]0GL1\x00'
+                                    "\x1bsequence_lengths should be prepared"))
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.one_of(st.text(alphabet), st.text(), st.binary()))
+    def check(data):
+        result = diagnose(data)
+        assert result.code is None or result.code in {c.code for c in all_contracts()}
+        json.loads(run_diagnose(data, fmt="json").stdout)
+
+    check()
+
+
+# -- JSON shape, exit codes --------------------------------------------------------------------------------
+def test_json_shape():
+    out = json.loads(invoke(str(FIXTURES / "capture_gl105_chained.txt"), "--format", "json").stdout)
+    for key in ("code", "name", "message", "frame", "fix", "command", "matches"):
+        assert key in out, key
+    assert set(out["frame"]) >= {"file", "line", "function"}
+    assert out["kind"] == "runtime" and out["matches"] == ["GL105", "GL104"] and out["related"] == ["GL104"]
+    assert out["prevent"].startswith("GL105 is raised at runtime only")
+    assert out["fix"] == get("GL105").diagnosis.solutions[0]
+    assert out["diagnosis"]["what_it_means"] == get("GL105").diagnosis.what_it_means
+    assert out["explain"] == "guardlint explain GL105"
+
+
+def test_no_match_exit_1_and_says_what_to_do():
+    path = FIXTURES / "no_match_oom.txt"
+    r = invoke(str(path))
+    assert r.exit_code == 1
+    assert "No guardlint rule matches this error." in r.stdout and "guardlint rules" in r.stdout
+    assert "torch.OutOfMemoryError: CUDA out of memory" in r.stdout
+    out = json.loads(invoke(str(path), "--format", "json").stdout)
+    assert out["code"] is None and out["name"] is None and out["fix"] is None and out["matches"] == []
+    assert out["command"] == "guardlint rules"
+    assert out["frame"] == {"file": "/home/ml/vit-serve/vit_serve/vit.py", "line": 88, "function": "forward",
+                            "source": "x = self.patch_embed(pixels)"}
+    assert run_diagnose(path.read_bytes()).exit_code == 1
+
+
+def test_unknown_guard_code_is_no_match():
+    assert diagnose("GuardError: [GL999 something] f(): argument 'x': expected a, got b.").code is None
+
+
+# -- start-up ----------------------------------------------------------------------------------------------
+def test_diagnose_is_imported_lazily_and_listed_in_help():
+    code = "import sys, guardlint.lint.cli; print('guardlint.lint.diagnose' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+    r = CliRunner().invoke(main, ["--help"])
+    assert "diagnose" in r.stdout
+    assert "--format" in CliRunner().invoke(main, ["diagnose", "--help"]).stdout
