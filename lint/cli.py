@@ -14,7 +14,10 @@ FORMATS = ("text", "json", "sarif", "github")
 
 class DefaultCommandGroup(click.Group):
     """A group that runs ``check`` when the first argument is not one of its commands, so that
-    ``guardlint src/`` means ``guardlint check src/``."""
+    ``guardlint src/`` means ``guardlint check src/``.
+
+    It is also the last line of defence: an unexpected error of guardlint itself becomes one message
+    and exit code 2 (a usage or configuration error is 2 as well), never a traceback."""
 
     default_command = "check"
 
@@ -22,6 +25,30 @@ class DefaultCommandGroup(click.Group):
         if not args or (args[0] not in self.commands and args[0] not in ("--help", "-h", "--version")):
             args = [self.default_command, *args]
         return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except BrokenPipeError:  # ``guardlint src | head``: the reader left; nothing more to say
+            _quiet_stdout()
+            ctx.exit(1)
+        except Exception as e:
+            click.echo(f"guardlint: internal error: {type(e).__name__}: {e}", err=True)
+            click.echo("guardlint: this is a bug in guardlint; the run was stopped", err=True)
+            ctx.exit(2)
+
+
+def _quiet_stdout() -> None:
+    import os
+    import sys
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def _emit(outcome) -> None:
@@ -53,7 +80,14 @@ def main() -> None:
 @click.option("--config", type=click.Path(dir_okay=False), help="Read settings from this file.")
 @click.option("--exclude", multiple=True, metavar="PATTERN", help="Also exclude these globs (comma list).")
 @click.option("--stdin-filename", metavar="PATH", help="The file name to report for `-` (stdin).")
-def check(paths, select, ignore, fmt, statistics, exit_zero, strict, config, exclude, stdin_filename) -> None:
+@click.option("--fix", is_flag=True, help="Apply the fixes (safe ones; unsafe ones too with --unsafe-fixes), "
+                                          "then report what remains.")
+@click.option("--diff", is_flag=True, help="Print the fixes as a unified diff; write nothing.")
+@click.option("--unsafe-fixes", is_flag=True, help="Also apply (and mark with [*]) the unsafe fixes.")
+@click.option("--respect-gitignore/--no-respect-gitignore", default=None,
+              help="Skip files git ignores when walking folders (default: on; named files are always checked).")
+def check(paths, select, ignore, fmt, statistics, exit_zero, strict, config, exclude, stdin_filename,
+          fix, diff, unsafe_fixes, respect_gitignore) -> None:
     """Check PATHS (files, folders, or - for stdin); the default command."""
     from .commands import run_check
 
@@ -63,7 +97,8 @@ def check(paths, select, ignore, fmt, statistics, exit_zero, strict, config, exc
             stdin = f.read()
     _emit(run_check(paths, select=select, ignore=ignore, exclude=exclude, fmt=fmt, statistics=statistics,
                     exit_zero=exit_zero, strict=strict, config=config, stdin=stdin,
-                    stdin_filename=stdin_filename))
+                    stdin_filename=stdin_filename, fix=fix, diff=diff, unsafe_fixes=unsafe_fixes,
+                    respect_gitignore=respect_gitignore))
 
 
 @main.command()

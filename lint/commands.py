@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from guardlint.contracts import ConfigError, all_contracts
 
 from . import explain as _explain, output
 from .config import Settings, UsageError, load_settings
+from .fixer import encoding_of, unified_diff
 from .runner import lint_paths, rules_for, with_options
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
@@ -34,30 +36,58 @@ def run_check(paths: Sequence[str], *, select: Sequence[str] = (), ignore: Seque
               exclude: Sequence[str] = (), fmt: str = "text", statistics: bool = False,
               exit_zero: bool = False, strict: bool = False, config: Optional[str] = None,
               stdin: Optional[bytes] = None, stdin_filename: Optional[str] = None,
-              cwd: Optional[Path] = None, jobs: Optional[int] = None) -> Outcome:
+              cwd: Optional[Path] = None, jobs: Optional[int] = None, fix: bool = False, diff: bool = False,
+              unsafe_fixes: bool = False, respect_gitignore: Optional[bool] = None) -> Outcome:
+    """``guardlint check``. With ``fix`` the fixes are written and what remains is reported; with
+    ``diff`` they are printed as a unified diff and nothing is written."""
+    if fix and diff:
+        return Outcome(EXIT_USAGE, stderr="guardlint: error: --fix and --diff cannot be used together "
+                                          "(--diff shows the fixes without writing them; --fix writes them)\n")
     paths = list(paths) or ["."]
     try:
         settings = load_settings(paths, config, cwd=cwd)
         settings = with_options(settings, _split(select), _split(ignore), _split(exclude))
+        if respect_gitignore is not None:
+            settings = dataclasses.replace(settings, respect_gitignore=respect_gitignore)
         report = lint_paths(paths, settings, strict=strict, stdin=stdin, stdin_filename=stdin_filename,
-                            jobs=jobs)
+                            jobs=jobs, fix="apply" if fix else "diff" if diff else None,
+                            unsafe_fixes=unsafe_fixes)
     except (ConfigError, UsageError) as e:
         return Outcome(EXIT_USAGE, stderr=f"guardlint: error: {e}\n")
+    if report.files == 0:  # e.g. every file named was excluded: nothing to say
+        return Outcome(EXIT_CLEAN)
     findings = report.findings
-    code = EXIT_FINDINGS if findings and not exit_zero else EXIT_CLEAN
+    failed = bool(findings) or (diff and report.fixed > 0)
+    code = EXIT_FINDINGS if failed and not exit_zero else EXIT_CLEAN
+    if diff:
+        out = "".join(unified_diff(c.path, c.before, c.after) for c in report.changes if c.changed)
+        return Outcome(code, out, _diff_summary(report.fixed, findings, unsafe_fixes) + "\n")
     if fmt == "json":
-        out = (json.dumps(output.statistics(findings), indent=2) + "\n") if statistics \
+        out = (json.dumps(output.statistics(findings, unsafe_fixes), indent=2) + "\n") if statistics \
             else output.as_json(findings)
     elif fmt == "sarif":
         out = output.sarif(findings, rules_for(settings).contracts)
     elif fmt == "github":
         out = output.github(findings)
     elif statistics:
-        out = output.statistics_text(findings)
+        out = output.statistics_text(findings, unsafe_fixes)
     else:
-        out = output.text(findings)
-    err = output.summary(findings) + "\n" if fmt == "text" else ""
+        out = output.text(findings, unsafe_fixes)
+    err = output.summary(findings, unsafe_fixes, report.fixed) + "\n" if fmt == "text" else ""
+    fixed_stdin = [c for c in report.changes if c.stdin] if fix else []
+    if fix and "-" in paths:
+        # As ruff does: the fixed source goes to stdout, the findings to stderr.
+        source = next((c.after for c in fixed_stdin), stdin or b"")
+        return Outcome(code, source.decode(encoding_of(source), "surrogateescape"), out + err)
     return Outcome(code, out, err)
+
+
+def _diff_summary(fixed: int, remaining: Sequence, unsafe_fixes: bool) -> str:
+    head = f"Would fix {fixed} finding{'s' if fixed != 1 else ''}" if fixed else "No fixes would be applied"
+    if remaining:
+        head += f" ({len(remaining)} would remain)"
+    hint = output.fix_hint(remaining, unsafe_fixes)
+    return head + "." + ("\n" + hint if hint and not hint.startswith("[*]") else "")
 
 
 def _settings_for_catalog(config: Optional[str], cwd: Optional[Path]) -> Settings:

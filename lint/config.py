@@ -12,7 +12,9 @@ from typing import Any, Iterable, Optional, Sequence
 
 from guardlint.contracts import ConfigError, Contract, all_contracts, contract_from_config
 
-KEYS = ("select", "ignore", "exclude", "per-file-ignores", "contracts")
+# ``exclude`` adds to the default excludes (ruff's ``extend-exclude``); both spellings are taken, so a
+# ruff configuration reads the same.
+KEYS = ("select", "ignore", "exclude", "extend-exclude", "per-file-ignores", "respect-gitignore", "contracts")
 DEFAULT_EXCLUDE = (".git", ".venv", "venv", "__pycache__", "build", "dist", "node_modules", ".tox", ".eggs")
 SELECTOR = re.compile(r"^GL\d{0,3}$")
 
@@ -30,6 +32,9 @@ class Settings:
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE
     per_file_ignores: tuple[tuple[str, tuple[str, ...]], ...] = ()
     contracts: tuple[Contract, ...] = field(default=())
+    # Skip files and folders that git ignores (inside a git work tree); files named on the command
+    # line are checked anyway.
+    respect_gitignore: bool = True
 
     def selected(self, code: str) -> bool:
         return any(code.startswith(s) for s in self.select) and not any(code.startswith(i) for i in self.ignore)
@@ -216,7 +221,11 @@ def settings_from_table(table: dict, root: Path, config_path: Optional[Path] = N
         raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(KEYS)})")
     select = _codes(table["select"], f"{where}.select") if "select" in table else ("GL",)
     ignore = _codes(table.get("ignore", []), f"{where}.ignore")
-    exclude = DEFAULT_EXCLUDE + _patterns(table.get("exclude", []), f"{where}.exclude")
+    exclude = (DEFAULT_EXCLUDE + _patterns(table.get("exclude", []), f"{where}.exclude")
+               + _patterns(table.get("extend-exclude", []), f"{where}.extend-exclude"))
+    respect_gitignore = table.get("respect-gitignore", True)
+    if not isinstance(respect_gitignore, bool):
+        raise ConfigError(f"{where}.respect-gitignore: expected true or false, got {respect_gitignore!r}")
     pfi_raw = table.get("per-file-ignores", {})
     if not isinstance(pfi_raw, dict):
         raise ConfigError(f"{where}.per-file-ignores: expected a table of pattern = [codes], got "
@@ -235,7 +244,8 @@ def settings_from_table(table: dict, root: Path, config_path: Optional[Path] = N
     except ConfigError as e:
         raise ConfigError(f"{config_path}: {e}" if config_path else str(e)) from None
     settings = Settings(root=root, config_path=config_path, select=select, ignore=ignore, exclude=exclude,
-                        per_file_ignores=tuple(per_file), contracts=contracts)
+                        per_file_ignores=tuple(per_file), contracts=contracts,
+                        respect_gitignore=respect_gitignore)
     check_codes(settings, select, f"{where}.select")
     check_codes(settings, ignore, f"{where}.ignore")
     return settings

@@ -18,8 +18,8 @@ import libcst as cst
 
 from guardlint.contracts import Contract, get as _builtin_contract
 
-from . import suppress
-from .findings import Finding
+from . import fixes, suppress
+from .findings import Edit, Finding, Fix
 from .names import Binding, ClassInfo, FuncInfo, Resolver, Scope, dotted, is_none
 from .patterns import PATTERNS
 from .rules import REPLACE_FUNCTIONS, RuleSet
@@ -49,6 +49,14 @@ class RawFinding:
     severity: str
     # Index into ``node.args`` when the finding is about one argument (reported at that argument).
     arg: Optional[int] = None
+    # What a fixer needs: how the call was checked ("call", "replace", "positional"; None: no fix),
+    # its bound arguments, where it is made (scope, seq) and how it is named in messages.
+    how: Optional[str] = None
+    bound: Optional["BoundArgs"] = None
+    scope: Optional[Scope] = None
+    seq: int = 0
+    label: str = ""
+    indent: str = ""
 
 
 # -- collection: one walk fills the scopes and lists the calls ------------------------------------------
@@ -64,7 +72,11 @@ class Collector:
         self.func: Optional[FuncInfo] = None
         self.seq = 0
         self.calls: list[cst.Call] = []
-        self.sites: list[tuple[cst.Call, Scope, int, Optional[FuncInfo]]] = []
+        # (call, scope, seq, enclosing def, indentation of the enclosing block)
+        self.sites: list[tuple[cst.Call, Scope, int, Optional[FuncInfo], str]] = []
+        self.default_indent = "    "
+        self._indents: list[str] = []
+        self.indent = ""
         # id(call) -> the dotted name its result was assigned to (``info = C(...)`` -> "info").
         self.assigned: dict[int, str] = {}
         self._bodies: dict[int, Scope] = {}
@@ -184,7 +196,16 @@ class Collector:
             if isinstance(scope.info, FuncInfo):
                 self.func = scope.info
 
-    visit_IndentedBlock = _enter_body
+    def visit_IndentedBlock(self, node: cst.IndentedBlock) -> None:
+        self._enter_body(node)
+        # A fix re-renders a call alone; its continuation lines are indented relative to the block.
+        self._indents.append(self.default_indent if node.indent is None else node.indent)
+        self.indent = "".join(self._indents)
+
+    def leave_IndentedBlock(self, node: cst.IndentedBlock) -> None:
+        self._indents.pop()
+        self.indent = "".join(self._indents)
+
     visit_SimpleStatementSuite = _enter_body
 
     def visit_Lambda(self, node: cst.Lambda) -> None:
@@ -279,7 +300,7 @@ class Collector:
     # calls
     def visit_Call(self, node: cst.Call) -> None:
         self.calls.append(node)
-        self.sites.append((node, self.scope, self._next(), self.func))
+        self.sites.append((node, self.scope, self._next(), self.func, self.indent))
 
 
 # -- checking: calls against contracts ---------------------------------------------------------------
@@ -379,7 +400,7 @@ class Checker:
 
     def _all_bindings(self):
         seen = set()
-        for _, scope, _, _ in self.c.sites:
+        for _, scope, _, _, _ in self.c.sites:
             s = scope
             while s is not None and id(s) not in seen:
                 seen.add(id(s))
@@ -391,7 +412,7 @@ class Checker:
     def run(self) -> list[RawFinding]:
         out: list[RawFinding] = []
         names = self._names
-        for node, scope, seq, func in self.c.sites:
+        for node, scope, seq, func, indent in self.c.sites:
             f = node.func
             last = f.attr.value if isinstance(f, cst.Attribute) else f.value if isinstance(f, cst.Name) else None
             if last is not None and last not in names and last not in self._attr_names:
@@ -401,7 +422,10 @@ class Checker:
                 continue
             if ref.kind == "qual":
                 if ref.qual in REPLACE_FUNCTIONS and self.rules.replace_contracts:
+                    first = len(out)
                     self._check_replace(node, scope, seq, out)
+                    for r in out[first:]:
+                        r.indent = indent
                 contracts = self.rules.by_callee.get(ref.qual, ())
                 label = ref.qual.rsplit(".", 1)[-1] + "(...)"
             elif ref.kind == "inst" and ref.method in ("", "forward"):
@@ -413,8 +437,11 @@ class Checker:
             if not contracts:
                 continue
             guarded = ref.guarded or self.resolver.inside_guarded(func)
+            first = len(out)
             for contract in contracts:
                 self._check(contract, node, scope, seq, label, guarded, out)
+            for r in out[first:]:
+                r.indent = indent
         return out
 
     def _check(self, c: Contract, node, scope, seq, label, guarded, out) -> None:
@@ -431,12 +458,14 @@ class Checker:
                 return
             nones = [n for g in c.require for n in g if _top(n) in bound.explicit_none()]
             out.append(RawFinding(node, c, f"{diag}: {label} {_alternatives(c.require)}"
-                                  f"{_none_note(list(dict.fromkeys(nones)))}", c.severity))
+                                  f"{_none_note(list(dict.fromkeys(nones)))}", c.severity,
+                                  how="call", bound=bound, scope=scope, seq=seq, label=label))
         elif c.kind == "positional":
             if bound.positional:
                 n = bound.positional
                 out.append(RawFinding(node, c, f"{diag}: {label} passes {n} positional argument"
-                                      f"{'s' if n != 1 else ''}", c.severity))
+                                      f"{'s' if n != 1 else ''}", c.severity,
+                                      how="positional", bound=bound, scope=scope, seq=seq, label=label))
             elif bound.star:
                 self._unknown(c, node, label, bound, out)
         elif c.kind == "value":
@@ -483,7 +512,8 @@ class Checker:
                 continue
             named = list(dict.fromkeys(n for g in c.require for n in g if _top(n) in nones))
             out.append(RawFinding(node, c, f"{_stem(c.diagnosis.message)}: {label} sets "
-                                  + " and ".join(f"{n}=None" for n in named), c.severity))
+                                  + " and ".join(f"{n}=None" for n in named), c.severity,
+                                  how="replace", scope=scope, seq=seq, label=label))
 
 
 # -- positions -------------------------------------------------------------------------------------
@@ -499,8 +529,9 @@ def _ast_dotted(node: ast.AST) -> Optional[str]:
 
 
 def _positions(module: cst.Module, tree: Optional[ast.AST], calls: list, raw: list, data: bytes):
-    """(line, column, end_line, end_column, call_line) of each finding: 1-based, end exclusive, columns
-    in characters; the range of the argument a finding is about, else of the call."""
+    """(line, column, end_line, end_column, call_line, call_range) of each finding: 1-based, end
+    exclusive, columns in characters; the range of the argument a finding is about, else of the call;
+    ``call_range`` is the call's (line, column, end_line, end_column), parentheses around it excluded."""
     if tree is not None:
         found = _positions_from_ast(module, tree, calls, raw, data)
         if found is not None:
@@ -512,7 +543,8 @@ def _positions(module: cst.Module, tree: Optional[ast.AST], calls: list, raw: li
     for r in raw:
         call = positions[r.node]
         p = call if r.arg is None else positions[r.node.args[r.arg]]
-        out.append((p.start.line, p.start.column + 1, p.end.line, p.end.column + 1, call.start.line))
+        out.append((p.start.line, p.start.column + 1, p.end.line, p.end.column + 1, call.start.line,
+                    (call.start.line, call.start.column + 1, call.end.line, call.end.column + 1)))
     return out
 
 
@@ -538,7 +570,9 @@ def _positions_from_ast(module, tree, calls, raw, data):
                 return None
             p = args[r.arg]
         out.append((p.lineno, _column(lines, p.lineno, p.col_offset),
-                    p.end_lineno, _column(lines, p.end_lineno, p.end_col_offset), a.lineno))
+                    p.end_lineno, _column(lines, p.end_lineno, p.end_col_offset), a.lineno,
+                    (a.lineno, _column(lines, a.lineno, a.col_offset),
+                     a.end_lineno, _column(lines, a.end_lineno, a.end_col_offset))))
     return out
 
 
@@ -568,6 +602,30 @@ def _too_nested(e: SyntaxError) -> bool:
 def _pattern_visitor(contract: Contract, report: Callable):
     module, cls = PATTERNS[contract.code].visitor.split(":")
     return getattr(importlib.import_module(f"guardlint.lint.{module}"), cls)(contract, report)
+
+
+def syntax_check(data: bytes, path: str) -> FileResult:
+    """GL000 for a file that no rule can match but that does not parse either (files are only fully
+    checked when the pre-filter finds a target name in them; syntax errors are reported everywhere)."""
+    if len(data) > MAX_BYTES:
+        return FileResult(path, [])
+    try:
+        ast.parse(data, filename=path)
+    except SyntaxError as e:
+        if _too_nested(e):
+            return file_error(path, e.msg, e.lineno, e.offset)
+        try:  # syntax newer than this Python's (libcst knows it) is no error of the file
+            cst.parse_module(data)
+            return FileResult(path, [])
+        except Exception:
+            return file_error(path, str(e.msg), e.lineno, e.offset)
+    except ValueError as e:  # null bytes
+        return file_error(path, str(e))
+    except (RecursionError, MemoryError):
+        # Too deep for the ast module but maybe not for the compiler: nothing to report when no rule
+        # could match anyway.
+        return FileResult(path, [])
+    return FileResult(path, [])
 
 
 def check_source(data: bytes, path: str, rules: RuleSet, *, strict: bool = False,
@@ -616,6 +674,7 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
         return file_error(path, f"{type(e).__name__}: {e}")
 
     collector = Collector(module_name, is_package)
+    collector.default_indent = module.default_indent
     raw: list[RawFinding] = []
     visitors: list[object] = [collector]
     for contract in rules.patterns:
@@ -629,8 +688,10 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
 
     positions = _positions(module, tree, collector.calls, raw, data)
     table = suppress.suppressions(data) if suppress.may_suppress(data) else None
+    fixer = _Fixer(module, tree, data, Resolver(collector.module, {}, ()))
     seen = set()
-    for r, (line, col, end_line, end_col, call_line) in sorted(zip(raw, positions), key=lambda x: x[1]):
+    for r, (line, col, end_line, end_col, call_line, call_range) in sorted(zip(raw, positions),
+                                                                           key=lambda x: x[1][:5]):
         code = r.contract.code
         # A multi-line call is suppressed on its first line or on the finding's own lines.
         if table and suppress.is_suppressed(table, code, (line, end_line, call_line)):
@@ -639,8 +700,160 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
         if key in seen:
             continue
         seen.add(key)
-        result.findings.append(Finding(path, line, col, code, r.message, r.contract.name, r.severity,
-                                       end_line, end_col))
+        fix, why = fixer.fix(r, call_range)
+        message = f"{r.message}; no safe fix: {why}" if why else r.message
+        result.findings.append(Finding(path, line, col, code, message, r.contract.name, r.severity,
+                                       end_line, end_col, fix))
         if keep_module:
             result.nodes.append(r.node)
     return result
+
+
+# -- fixes -------------------------------------------------------------------------------------------
+class _Fixer:
+    """Turns a finding's fix plan (``fixes.py``, on libcst nodes) into text edits of this file."""
+
+    def __init__(self, module: cst.Module, tree: Optional[ast.Module], data: bytes, resolver: Resolver):
+        self.module = module
+        self.tree = tree
+        self.data = data
+        self.resolver = resolver
+        self._text: Optional[str] = None
+        self._starts: list[int] = []
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            self._text = self.data.decode(self.module.encoding)
+            # Line starts by CPython's line numbering (\\r\\n, \\r and \\n end a line; \\f does not).
+            self._starts = [0, *(m.end() for m in _NEWLINE.finditer(self._text))]
+        return self._text
+
+    def offset(self, line: int, column: int) -> Optional[int]:
+        text = self.text
+        if not 0 < line <= len(self._starts):
+            return None
+        return min(self._starts[line - 1] + column - 1, len(text))
+
+    def fix(self, r: RawFinding, call_range) -> tuple[Optional[Fix], str]:
+        """(fix, "") or (None, why there is none; "" when the contract has no automatic fix)."""
+        if r.how is None or r.contract.fix_safety == "none":
+            return None, ""
+
+        def can_import(module: str, name: str) -> Optional[str]:
+            b = self.resolver.lookup(r.scope, name, r.seq) if r.scope is not None else None
+            if b is None:
+                return None
+            if b.kind == "import" and b.value == f"{module}.{name}":
+                return ""
+            return f"{name} already names something else here, so {module}.{name} cannot be imported"
+
+        if r.how == "call":
+            plan = fixes.plan_call(r.contract, r.node, r.bound.values, can_import)
+        elif r.how == "replace":
+            plan = fixes.plan_replace(r.contract, r.node, can_import)
+        else:
+            plan = fixes.plan_positional(r.contract, r.node, r.label)
+        if plan is None:
+            return None, ""
+        if isinstance(plan, fixes.NoFix):
+            return None, plan.reason
+        if self.tree is None:
+            return None, "this Python does not parse the file, so a fixed file could not be checked"
+        edit = self._call_edit(r.node, plan.new_call, call_range, r.indent)
+        if edit is None:
+            return None, "the call's source could not be located exactly"
+        edits = [edit]
+        if plan.imports:
+            edits.append(self._import_edit(plan.imports, call_range[0], _runs_at_import(r.scope)))
+        message = plan.message
+        if plan.imports:
+            message += "; import " + ", ".join(f"{m}.{n}" for m, n in plan.imports)
+        return Fix(r.contract.fix_safety, message, tuple(sorted(edits)), plan.imports), ""
+
+    def _call_edit(self, old: cst.Call, new: cst.Call, call_range, indent: str) -> Optional[Edit]:
+        """The smallest edit that turns the call's text into the new call's (parentheses around the
+        call are not part of its range). The old call's rendering must equal its source exactly."""
+        before = self._render(old.with_changes(lpar=(), rpar=()), indent)
+        after = self._render(new.with_changes(lpar=(), rpar=()), indent)
+        if before is None or after is None:
+            return None
+        line, col, end_line, end_col = call_range
+        start_at, end_at = self.offset(line, col), self.offset(end_line, end_col)
+        if start_at is None or end_at is None or self.text[start_at:end_at] != before:
+            return None
+        start = 0
+        limit = min(len(before), len(after))
+        while start < limit and before[start] == after[start]:
+            start += 1
+        end = 0
+        while end < limit - start and before[-1 - end] == after[-1 - end]:
+            end += 1
+        l0, c0 = _advance(line, col, before[:start])
+        l1, c1 = _advance(line, col, before[: len(before) - end])
+        return Edit(l0, c0, l1, c1, after[start: len(after) - end])
+
+    def _render(self, node: cst.CSTNode, indent: str) -> Optional[str]:
+        """``node``'s code inside a block indented by ``indent`` (``Module.code_for_node`` renders
+        at the left margin, which drops the indentation of continuation lines)."""
+        try:
+            from libcst._nodes.internal import CodegenState
+        except ImportError:  # a libcst without it: only calls at the left margin can be fixed
+            return self.module.code_for_node(node) if not indent else None
+        state = CodegenState(default_indent=self.module.default_indent,
+                             default_newline=self.module.default_newline, indent_tokens=[indent])
+        node._codegen(state)
+        return "".join(state.tokens)
+
+    def _import_edit(self, imports, call_line: int, at_import: bool) -> Edit:
+        """``from m import n`` lines after the last top-level import (after the docstring when there
+        is none), or before the statement of a module-level call that runs earlier than that."""
+        nl = self.module.default_newline
+        text = "".join(f"from {m} import {n}{nl}" for m, n in imports)
+        body = self.tree.body
+        last_import = None
+        for stmt in body:
+            if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                last_import = stmt
+        if last_import is not None:
+            line = last_import.end_lineno + 1
+        elif body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            line = body[0].end_lineno + 1
+        elif body:
+            line = _first_line(body[0])
+        else:
+            line = len(self._starts) + 1 if self.text is not None else 1
+        if at_import:
+            for stmt in body:
+                if _first_line(stmt) <= call_line <= stmt.end_lineno and _first_line(stmt) < line:
+                    line = _first_line(stmt)
+                    break
+        n_lines = len(self._starts) if self.text is not None else 0
+        if line > n_lines:  # after a last line without a line break
+            last = len(self.text) - self._starts[-1] + 1
+            return Edit(n_lines, last, n_lines, last, nl + text[: -len(nl)])
+        return Edit(line, 1, line, 1, text)
+
+
+def _first_line(stmt: ast.stmt) -> int:
+    decorators = getattr(stmt, "decorator_list", None)
+    return min([stmt.lineno, *(d.lineno for d in decorators)]) if decorators else stmt.lineno
+
+
+def _runs_at_import(scope: Optional[Scope]) -> bool:
+    """True when code in ``scope`` runs while the module is imported (not inside a def or lambda)."""
+    s = scope
+    while s is not None:
+        if s.kind in ("function", "lambda"):
+            return False
+        s = s.parent
+    return True
+
+
+def _advance(line: int, col: int, text: str) -> tuple[int, int]:
+    """The position after ``text`` written from (line, col)."""
+    breaks = list(_NEWLINE.finditer(text))
+    if not breaks:
+        return line, col + len(text)
+    return line + len(breaks), len(text) - breaks[-1].end() + 1

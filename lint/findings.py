@@ -1,6 +1,7 @@
-"""What the linter reports: a ``Finding`` per problem, with a ``Fix`` slot for a later ``--fix``.
+"""What the linter reports: a ``Finding`` per problem, with the ``Fix`` that ``--fix`` would apply.
 
-Plain data (no libcst), so findings travel between worker processes and into every output format.
+Plain data (no libcst), so findings and their fixes travel between worker processes and into every
+output format.
 """
 from __future__ import annotations
 
@@ -8,25 +9,45 @@ from dataclasses import asdict, dataclass
 from typing import Literal, Optional
 
 Severity = Literal["error", "warning"]
+Applicability = Literal["safe", "unsafe"]
 
 
-@dataclass(frozen=True)
-class Fix:
-    """A replacement of the source range [start, end) by ``replacement``; lines and columns 1-based.
+@dataclass(frozen=True, order=True)
+class Edit:
+    """Replace the source range [start, end) by ``content``; lines and columns 1-based, columns in
+    characters. An insertion has ``start == end``."""
 
-    The range is the one of the node a fixer rewrites (``Finding`` keeps the reported range), so a
-    fixer working on the libcst module of ``FileResult.module`` and one working on text agree.
-    ``imports`` are ``(module, name)`` pairs the replacement needs.
-    """
-
-    start_line: int
-    start_column: int
+    line: int
+    column: int
     end_line: int
     end_column: int
-    replacement: str
-    safety: Literal["safe", "unsafe"] = "unsafe"
-    description: str = ""
+    content: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True, order=True)
+class Fix:
+    """The edits that fix one finding, applied together or not at all.
+
+    ``applicability`` follows ruff: ``safe`` fixes cannot change what the program computes and are
+    applied by ``--fix``; ``unsafe`` ones (they add a runtime dependency, a host read, or rely on a
+    field order) only with ``--unsafe-fixes``. ``imports`` are ``(module, name)`` pairs the edits
+    add, for readers of the JSON output.
+    """
+
+    applicability: Applicability
+    message: str
+    edits: tuple[Edit, ...]
     imports: tuple[tuple[str, str], ...] = ()
+
+    def applies(self, unsafe_fixes: bool) -> bool:
+        return self.applicability == "safe" or unsafe_fixes
+
+    def to_dict(self) -> dict:
+        return {"applicability": self.applicability, "message": self.message,
+                "edits": [e.to_dict() for e in self.edits]}
 
 
 @dataclass(frozen=True, order=True)
@@ -47,8 +68,11 @@ class Finding:
     def sort_key(self) -> tuple:
         return (self.path, self.line, self.column, self.code, self.message)
 
+    def fixable(self, unsafe_fixes: bool) -> bool:
+        return self.fix is not None and self.fix.applies(unsafe_fixes)
+
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["fix"] = asdict(self.fix) if self.fix is not None else None
-        return {k: d[k] for k in ("path", "line", "column", "end_line", "end_column", "code", "name",
-                                  "message", "severity", "fix")}
+        d = {k: getattr(self, k) for k in ("path", "line", "column", "end_line", "end_column", "code", "name",
+                                           "message", "severity")}
+        d["fix"] = self.fix.to_dict() if self.fix is not None else None
+        return d

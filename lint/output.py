@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import PurePath
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 from guardlint._version import __version__
 from guardlint.contracts import Contract, get as builtin_contract
@@ -17,35 +17,69 @@ from .findings import Finding
 SARIF_SCHEMA = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
 
 
-def text(findings: Sequence[Finding]) -> str:
-    return "".join(f"{f.path}:{f.line}:{f.column}: {f.code} {f.message}\n" for f in findings)
+def text(findings: Sequence[Finding], unsafe_fixes: bool = False) -> str:
+    """One line a finding; ``[*]`` after the code marks a fix that ``--fix`` applies with these options
+    (as ruff does: an unsafe fix is marked only under ``--unsafe-fixes``)."""
+    return "".join(f"{f.path}:{f.line}:{f.column}: {f.code} {'[*] ' if f.fixable(unsafe_fixes) else ''}"
+                   f"{f.message}\n" for f in findings)
 
 
-def summary(findings: Sequence[Finding]) -> str:
-    if not findings:
-        return "All checks passed."
-    n = len(findings)
-    return f"Found {n} finding{'s' if n != 1 else ''}."
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
+def fix_hint(findings: Sequence[Finding], unsafe_fixes: bool) -> str:
+    """ruff's second summary line: how many findings ``--fix`` would fix, and how many fixes only
+    ``--unsafe-fixes`` enables; empty when there are none."""
+    now = sum(1 for f in findings if f.fixable(unsafe_fixes))
+    hidden = 0 if unsafe_fixes else sum(1 for f in findings if f.fix is not None and not f.fixable(False))
+    hidden_text = f"{hidden} hidden fix{'es' if hidden != 1 else ''} can be enabled with the `--unsafe-fixes` option"
+    if now:
+        return f"[*] {now} fixable with the `--fix` option" + (f" ({hidden_text})" if hidden else "") + "."
+    if hidden:
+        return f"No fixes available ({hidden_text})."
+    return ""
+
+
+def summary(findings: Sequence[Finding], unsafe_fixes: bool = False, fixed: int = 0) -> str:
+    """The stderr summary: ``Found N findings.`` (after fixes: ``(F fixed, R remaining)``), then the
+    fix hint."""
+    if fixed:
+        head = f"Found {_plural(len(findings) + fixed, 'finding')} ({fixed} fixed, {len(findings)} remaining)."
+    else:
+        head = f"Found {_plural(len(findings), 'finding')}." if findings else "All checks passed."
+    hint = fix_hint(findings, unsafe_fixes)
+    return head + ("\n" + hint if hint else "")
 
 
 def as_json(findings: Sequence[Finding]) -> str:
     return json.dumps([f.to_dict() for f in findings], indent=2) + "\n"
 
 
-def statistics(findings: Sequence[Finding]) -> list[dict]:
-    """Counts per code, most frequent first."""
+def statistics(findings: Sequence[Finding], unsafe_fixes: bool = False) -> list[dict]:
+    """Counts per code, most frequent first; ``fixable``: how many ``--fix`` fixes with these options,
+    ``unsafe_fixes``: how many have an unsafe fix."""
     counts = Counter(f.code for f in findings)
     names = {f.code: f.name for f in findings}
-    return [{"code": code, "name": names[code], "count": n}
+    fixable = Counter(f.code for f in findings if f.fixable(unsafe_fixes))
+    unsafe = Counter(f.code for f in findings if f.fix is not None and f.fix.applicability == "unsafe")
+    return [{"code": code, "name": names[code], "count": n, "fixable": fixable[code], "unsafe_fixes": unsafe[code]}
             for code, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
 
 
-def statistics_text(findings: Sequence[Finding]) -> str:
-    rows = statistics(findings)
+def statistics_text(findings: Sequence[Finding], unsafe_fixes: bool = False) -> str:
+    """``count<TAB>code<TAB>name``; when some code is fixable with these options, the name column
+    starts with ``[*]`` (fixable) or ``[ ]`` (not), as in ruff."""
+    rows = statistics(findings, unsafe_fixes)
     if not rows:
         return ""
     width = max(len(str(r["count"])) for r in rows)
-    return "".join(f"{r['count']:>{width}}\t{r['code']}\t{r['name']}\n" for r in rows)
+    marks = any(r["fixable"] for r in rows)
+
+    def mark(r) -> str:
+        return ("[*] " if r["fixable"] else "[ ] ") if marks else ""
+
+    return "".join(f"{r['count']:>{width}}\t{r['code']}\t{mark(r)}{r['name']}\n" for r in rows)
 
 
 # -- GitHub workflow commands -----------------------------------------------------------------------

@@ -1,13 +1,19 @@
-"""Runs the linter over paths: discovery, the textual pre-filter, parallel checking, selection.
+"""Runs the linter over paths: discovery, the textual pre-filter, parallel checking, selection, fixes.
 
 Reading and pre-filtering happen in this process (a substring search per file, far cheaper than any
-parse); only files that can contain a target are parsed, across processes when there are enough of
-them to pay for starting the workers.
+parse). Files that can contain a target are fully checked; the others only get CPython's parse, so a
+syntax error is reported in every file. Both run across processes when there is enough work to pay
+for starting the workers, all files of a run in one pool.
 """
+# Parsing every file with ``ast`` costs about as much as the full check of the pre-filtered ones: on
+# the generated 1216-file tree of bench/lint_speed.py the CLI went from 0.75x to ~1.2x of one
+# process's read + ast.parse, inside the 1.5x budget (bench/results/lint_real_tree.md).
 from __future__ import annotations
 
 import dataclasses
 import os
+import stat
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -16,20 +22,26 @@ from guardlint.contracts import all_contracts
 
 from .config import SELECTOR, PathMatcher, Settings, UsageError, check_codes, relative_to_root
 from .findings import Finding
+from .fixer import Change, fix_source, write_atomic
 from .rules import RuleSet, build_rules
 
 SOURCE_SUFFIXES = (".py", ".pyi")
 # Below this many files to parse, starting worker processes (fork + libcst import, ~0.1-0.3 s)
 # costs more than it saves; a 300-line file parses in ~10 ms.
 MIN_PARALLEL = 24
+# The same in bytes of work: ast.parse takes ~0.3 s per MB, the full check ~6x that.
+MIN_PARALLEL_WORK = 1_500_000
+FULL_CHECK_WEIGHT = 6
 
 
 @dataclass
 class Report:
     findings: list[Finding]
     files: int = 0  # files considered
-    parsed: int = 0  # files that passed the pre-filter and were parsed
+    parsed: int = 0  # files that passed the pre-filter and were fully checked
     results: list = field(default_factory=list)  # FileResult per parsed file, with keep_modules
+    changes: list[Change] = field(default_factory=list)  # with fix="apply" or "diff": files with fixes
+    fixed: int = 0  # findings whose fix was applied (or, with "diff", would be)
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,12 @@ class Candidate:
     data: bytes
     module_name: Optional[str]
     is_package: bool
+    full: bool = True  # False: only CPython's parse (the pre-filter rules out every finding)
+    stdin: bool = False  # read from standard input: fixed text goes to stdout, never to a file
+
+    @property
+    def work(self) -> int:
+        return len(self.data) * (FULL_CHECK_WEIGHT if self.full else 1)
 
 
 def cpu_count() -> int:
@@ -77,28 +95,73 @@ def with_options(settings: Settings, select: Sequence[str] = (), ignore: Sequenc
 
 # -- discovery ------------------------------------------------------------------------------------
 def discover(paths: Sequence[str], settings: Settings) -> list[str]:
-    """Python files under ``paths`` (``*.py``, ``*.pyi``), excludes applied, in a stable order."""
+    """Python files under ``paths`` (``*.py``, ``*.pyi``), excludes applied, in a stable order.
+
+    Below a folder, files and folders that git ignores are skipped (one ``git ls-files`` per folder
+    argument) unless ``settings.respect_gitignore`` is off; files named directly are always kept,
+    even a dangling or looping symlink (reading it is then that file's GL000)."""
     matcher = PathMatcher(settings.exclude)
     out: list[str] = []
     for arg in paths:
         p = Path(arg)
-        if not p.exists():
+        if not os.path.lexists(arg):
             raise UsageError(f"{arg}: no such file or directory")
+        is_dir = p.is_dir()
         rel = relative_to_root(p, settings.root)
-        if rel not in ("", ".") and matcher.matches(rel, p.is_dir()):
+        if rel not in ("", ".") and matcher.matches(rel, is_dir):
             continue
-        if p.is_file():
+        if not is_dir:
             out.append(os.path.normpath(arg))
             continue
+        ignored = git_ignored(arg) if settings.respect_gitignore else GitIgnored()
         base_rel = "" if rel in ("", ".") else rel + "/"
         for dirpath, dirnames, filenames in os.walk(arg):
             sub = os.path.relpath(dirpath, arg)
             sub_rel = base_rel + ("" if sub == "." else Path(sub).as_posix() + "/")
-            dirnames[:] = sorted(d for d in dirnames if not _leaf_matches(matcher, sub_rel + d, True))
+            sub_git = "" if sub == "." else Path(sub).as_posix() + "/"
+            dirnames[:] = sorted(d for d in dirnames if not _leaf_matches(matcher, sub_rel + d, True)
+                                 and not ignored.folder(sub_git + d))
             for name in sorted(filenames):
-                if name.endswith(SOURCE_SUFFIXES) and not _leaf_matches(matcher, sub_rel + name, False):
+                if (name.endswith(SOURCE_SUFFIXES) and not _leaf_matches(matcher, sub_rel + name, False)
+                        and not ignored.file(sub_git + name)):
                     out.append(os.path.normpath(os.path.join(dirpath, name)))
     return list(dict.fromkeys(out))
+
+
+@dataclass(frozen=True)
+class GitIgnored:
+    """What git ignores below one folder, as paths relative to it (posix, folders without the slash)."""
+
+    files: frozenset = frozenset()
+    folders: frozenset = frozenset()
+
+    def file(self, rel: str) -> bool:
+        return rel in self.files
+
+    def folder(self, rel: str) -> bool:
+        return rel in self.folders
+
+
+def git_ignored(folder: str) -> GitIgnored:
+    """One ``git ls-files --others --ignored --exclude-standard --directory`` in ``folder``: ignored
+    folders come back whole (``build/``), so discovery never walks into them. Outside a git work
+    tree, or without git, nothing is ignored."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--others", "--ignored", "--exclude-standard",
+                              "--directory"], cwd=folder, capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return GitIgnored()
+    if out.returncode != 0:
+        return GitIgnored()
+    files, folders = set(), set()
+    for entry in out.stdout.decode("utf-8", "surrogateescape").split("\0"):
+        if not entry or entry == "./":  # the folder itself: named on the command line, so kept
+            continue
+        if entry.endswith("/"):
+            folders.add(entry.rstrip("/"))
+        else:
+            files.add(entry)
+    return GitIgnored(frozenset(files), frozenset(folders))
 
 
 def _leaf_matches(matcher: PathMatcher, rel: str, is_dir: bool) -> bool:
@@ -144,46 +207,100 @@ def _init_worker(rules: RuleSet, strict: bool) -> None:
     _WORKER["strict"] = strict
 
 
-def _check_chunk(chunk: list[Candidate]) -> list:
-    from .engine import check_source
+def _check_one(c: Candidate, rules: RuleSet, strict: bool, keep_module: bool = False):
+    from .engine import check_source, syntax_check
 
+    if not c.full:
+        return syntax_check(c.data, c.path)
+    return check_source(c.data, c.path, rules, strict=strict, module_name=c.module_name,
+                        is_package=c.is_package, keep_module=keep_module)
+
+
+def _check_chunk(chunk: list[Candidate]) -> list:
     rules, strict = _WORKER["rules"], _WORKER["strict"]
     out = []
     for c in chunk:
-        r = check_source(c.data, c.path, rules, strict=strict, module_name=c.module_name,
-                         is_package=c.is_package)
+        r = _check_one(c, rules, strict)
         out.append((r.path, r.findings, r.parsed))
     return out
 
 
 def _check_all(candidates: list[Candidate], rules: RuleSet, strict: bool, jobs: Optional[int],
                keep_modules: bool) -> list:
+    full = sum(1 for c in candidates if c.full)
+    work = sum(c.work for c in candidates)
     workers = min(cpu_count(), jobs or cpu_count(), max(1, len(candidates) // 8))
-    if keep_modules or workers <= 1 or len(candidates) < MIN_PARALLEL:
-        from .engine import check_source
-
-        return [check_source(c.data, c.path, rules, strict=strict, module_name=c.module_name,
-                             is_package=c.is_package, keep_module=keep_modules) for c in candidates]
+    if keep_modules or workers <= 1 or (full < MIN_PARALLEL and work < MIN_PARALLEL_WORK):
+        return [_check_one(c, rules, strict, keep_modules) for c in candidates]
     from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
-    # Biggest files first, dealt round-robin into chunks, so no worker ends with a long tail.
-    ordered = sorted(candidates, key=lambda c: -len(c.data))
-    n_chunks = workers * 4
-    chunks = [ordered[i::n_chunks] for i in range(n_chunks)]
-    chunks = [c for c in chunks if c]
     from .engine import FileResult
 
+    # Most work first, dealt round-robin into chunks, so no worker ends with a long tail.
+    ordered = sorted(candidates, key=lambda c: -c.work)
+    n_chunks = workers * 4
+    chunks = [c for c in (ordered[i::n_chunks] for i in range(n_chunks)) if c]
     results = []
+    crashed: list[Candidate] = []
     with ProcessPoolExecutor(max_workers=workers, initializer=_init_worker, initargs=(rules, strict)) as pool:
-        for part in pool.map(_check_chunk, chunks):
+        futures = [(chunk, pool.submit(_check_chunk, chunk)) for chunk in chunks]
+        for chunk, future in futures:
+            try:
+                part = future.result()
+            except BrokenProcessPool:
+                crashed.extend(chunk)
+                continue
             results.extend(FileResult(path, findings, parsed) for path, findings, parsed in part)
+    if crashed:
+        results.extend(_isolate(crashed, rules, strict))
     return results
+
+
+def _isolate(candidates: list[Candidate], rules: RuleSet, strict: bool) -> list:
+    """Checks the files of chunks whose worker died, one file at a time in a fresh worker, so that a
+    file that kills the checker (a native-parser crash) costs only its own result."""
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    from .engine import FileResult, file_error
+
+    results = []
+    pool = None
+    try:
+        for c in candidates:
+            if pool is None:
+                pool = ProcessPoolExecutor(max_workers=1, initializer=_init_worker, initargs=(rules, strict))
+            try:
+                (path, findings, parsed), = pool.submit(_check_chunk, [c]).result()
+                results.append(FileResult(path, findings, parsed))
+            except BrokenProcessPool:
+                results.append(file_error(c.path, "the checking process died on this file; it was not "
+                                                  "checked"))
+                pool.shutdown(wait=False)
+                pool = None
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    return results
+
+
+def read_source(path: str) -> bytes:
+    """The bytes of a regular file (a FIFO or device named ``x.py`` would block or never end)."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise OSError("not a regular file")
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def lint_paths(paths: Sequence[str], settings: Settings, *, strict: bool = False,
                stdin: Optional[bytes] = None, stdin_filename: Optional[str] = None,
-               jobs: Optional[int] = None, keep_modules: bool = False) -> Report:
-    """Lint files and folders (``-`` reads ``stdin``); findings sorted by path, line, column."""
+               jobs: Optional[int] = None, keep_modules: bool = False, fix: Optional[str] = None,
+               unsafe_fixes: bool = False) -> Report:
+    """Lint files and folders (``-`` reads ``stdin``); findings sorted by path, line, column.
+
+    ``fix="apply"`` writes the fixes (of selected findings; unsafe ones with ``unsafe_fixes``) into
+    the files, ``fix="diff"`` only computes them; both report what remains after fixing."""
     from .engine import file_error
 
     rules = rules_for(settings)
@@ -192,30 +309,82 @@ def lint_paths(paths: Sequence[str], settings: Settings, *, strict: bool = False
     findings: list[Finding] = []
     for path in files:
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = read_source(path)
         except OSError as e:
             findings.extend(file_error(path, f"cannot read: {e.strerror or e}").findings)
             continue
-        if rules.may_match(data):
-            name, is_pkg = module_name_for(path)
-            candidates.append(Candidate(path, data, name, is_pkg))
+        full = rules.may_match(data)
+        name, is_pkg = module_name_for(path) if full else (None, False)
+        candidates.append(Candidate(path, data, name, is_pkg, full))
     n_files = len(files)
     if "-" in paths:
         n_files += 1
         data = stdin if stdin is not None else b""
         shown = stdin_filename or "-"
-        if rules.may_match(data):
-            name, is_pkg = module_name_for(stdin_filename) if stdin_filename else (None, False)
-            candidates.append(Candidate(shown, data, name, is_pkg))
+        full = rules.may_match(data)
+        name, is_pkg = module_name_for(stdin_filename) if stdin_filename and full else (None, False)
+        candidates.append(Candidate(shown, data, name, is_pkg, full, stdin=True))
 
     results = _check_all(candidates, rules, strict, jobs, keep_modules) if candidates else []
     for r in results:
         findings.extend(r.findings)
+    findings = _keep(findings, settings)
+    report = Report(findings, files=n_files, parsed=sum(1 for c in candidates if c.full),
+                    results=[r for r, c in zip(results, candidates) if c.full] if keep_modules else [])
+    if fix is not None:
+        _fix(report, candidates, rules, settings, strict, unsafe_fixes, write=fix == "apply")
+    report.findings.sort(key=Finding.sort_key)
+    return report
+
+
+def _keep(findings: list[Finding], settings: Settings) -> list[Finding]:
     findings = [f for f in findings if settings.selected(f.code)]
-    findings = _per_file_ignores(findings, settings)
-    findings.sort(key=Finding.sort_key)
-    return Report(findings, files=n_files, parsed=len(results), results=results if keep_modules else [])
+    return _per_file_ignores(findings, settings)
+
+
+def _fix(report: Report, candidates: list[Candidate], rules: RuleSet, settings: Settings, strict: bool,
+         unsafe_fixes: bool, write: bool) -> None:
+    from .engine import check_source
+
+    by_path: dict[str, list[Finding]] = {}
+    for f in report.findings:
+        by_path.setdefault(f.path, []).append(f)
+    sources = {c.path: c for c in candidates if c.full}
+    kept: list[Finding] = []
+    for path, found in by_path.items():
+        c = sources.get(path)
+        if c is None or not any(f.fixable(unsafe_fixes) for f in found):
+            kept.extend(found)
+            continue
+
+        def recheck(data: bytes, c=c) -> list[Finding]:
+            result = check_source(data, c.path, rules, strict=strict, module_name=c.module_name,
+                                  is_package=c.is_package)
+            return _keep(result.findings, settings)
+
+        change = fix_source(c.data, found, recheck, unsafe_fixes=unsafe_fixes, path=path)
+        change.stdin = c.stdin
+        if write and change.changed and not c.stdin:
+            try:
+                write_atomic(path, change.after)
+            except OSError as e:
+                change.error = f"the fixed file could not be written: {e.strerror or e}"
+                change.findings = found
+                change.after = change.before
+                change.fixed = 0
+        kept.extend(change.findings)
+        if change.error:
+            kept.append(_fix_error(path, change.error))
+        report.fixed += change.fixed
+        report.changes.append(change)
+    report.findings = kept
+
+
+def _fix_error(path: str, detail: str) -> Finding:
+    from guardlint.contracts import get
+
+    c = get("GL000")
+    return Finding(path, 1, 1, c.code, f"fix not applied: {detail}", c.name, c.severity, 1, 1)
 
 
 def _per_file_ignores(findings: list[Finding], settings: Settings) -> list[Finding]:

@@ -65,7 +65,8 @@ def test_text_output_lines_sorted_and_summary_on_stderr():
         assert code.startswith("GL") and message
         parsed.append((path, int(lineno), int(col)))
     assert parsed == sorted(parsed)
-    assert r.stderr == f"Found {len(lines)} findings.\n"
+    assert r.stderr == f"Found {len(lines)} findings.\n" \
+                       "No fixes available (12 hidden fixes can be enabled with the `--unsafe-fixes` option).\n"
     assert f"{VISION}:38:19: GL101 sequence_lengths should be prepared for vision flashinfer_cudnn attention " \
            f"backend: VisionFlashInferAttention(...) passes neither forward_metadata nor sequence_lengths" in lines
 
@@ -122,7 +123,8 @@ def test_json_format():
     keys = {"path", "line", "column", "end_line", "end_column", "code", "name", "message", "severity", "fix"}
     assert data and all(keys <= set(d) for d in data)
     first = data[0]
-    assert (first["path"], first["code"], first["name"], first["fix"]) == (LORA, "GL201", "missing-max-len-and-seg-lens", None)
+    assert (first["path"], first["code"], first["name"]) == (LORA, "GL201", "missing-max-len-and-seg-lens")
+    assert first["fix"]["applicability"] == "unsafe" and first["fix"]["edits"]
     assert first["end_line"] > first["line"]
     assert json.loads(invoke("--format", "json", str(FIXTURES / "empty.py")).stdout) == []
 

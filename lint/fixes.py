@@ -1,0 +1,370 @@
+"""Fixes from contracts: what a finding's call becomes, as a new libcst call plus the imports it needs.
+
+Nothing here knows a rule code. A ``call`` contract is fixed by its derivations (``Derivation.template``
+filled with the call's own argument expressions), a ``positional`` one by naming arguments in the
+contract's ``params`` order; the engine turns the new call into text edits (``findings.Edit``).
+"""
+# A fix writes the source expressions of the call a second time (``cu_seqlens`` into
+# ``prepare_varlen_metadata(cu_seqlens, q, ...)``), so it is only offered when evaluating them again
+# cannot differ: names, attribute chains and subscripts of those by constants. ``make_cu()`` twice may
+# allocate twice or advance a generator; the finding then says why there is no fix.
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
+
+import libcst as cst
+
+from guardlint.contracts import Contract, Derivation
+
+from .names import dotted, is_none
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A fix for one call: the call as it should read, the imports it needs, a one-line description."""
+
+    new_call: cst.Call
+    imports: tuple[tuple[str, str], ...]
+    message: str
+
+
+@dataclass(frozen=True)
+class NoFix:
+    """Why a finding whose contract has fixes gets none here (shown with the finding)."""
+
+    reason: str
+
+
+Outcome = Union[Plan, NoFix, None]  # None: the contract has no automatic fix at all
+# (module, name) -> None: import it; "": it is already imported there; other text: why it cannot be.
+ImportCheck = Callable[[str, str], Optional[str]]
+
+_EMPTY = cst.SimpleWhitespace("")
+_SPACE = cst.SimpleWhitespace(" ")
+_NO_SPACE_EQUAL = cst.AssignEqual(whitespace_before=_EMPTY, whitespace_after=_EMPTY)
+
+
+def _code(node: cst.CSTNode) -> str:
+    return cst.Module([]).code_for_node(node)
+
+
+def _short(node: cst.CSTNode, limit: int = 40) -> str:
+    text = " ".join(_code(node).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# -- may an expression be evaluated a second time? ----------------------------------------------------
+def reevaluation_problem(expr: cst.BaseExpression) -> Optional[str]:
+    """None when ``expr`` reads the same value when evaluated again (a name, an attribute chain, a
+    subscript of those by constants or names); else what it is (``a call``, ...)."""
+    if isinstance(expr, cst.Name):
+        return None
+    if isinstance(expr, cst.Attribute):
+        return reevaluation_problem(expr.value)
+    if isinstance(expr, cst.Subscript):
+        problem = reevaluation_problem(expr.value)
+        if problem is not None:
+            return problem
+        for element in expr.slice:
+            index = element.slice
+            parts = ([index.value] if isinstance(index, cst.Index)
+                     else [p for p in (index.lower, index.upper, index.step) if p is not None])
+            for part in parts:
+                if isinstance(part, (cst.Integer, cst.SimpleString)):
+                    continue
+                if isinstance(part, cst.UnaryOperation) and isinstance(part.expression, cst.Integer):
+                    continue
+                if reevaluation_problem(part) is not None:
+                    return "a subscript with a computed index"
+        return None
+    if _is_literal(expr):
+        return None
+    if isinstance(expr, cst.Call):
+        return "a call"
+    if isinstance(expr, cst.NamedExpr):
+        return "an assignment expression"
+    if isinstance(expr, (cst.Await, cst.Yield)):
+        return "an await or yield"
+    if _contains_call(expr):
+        return "an expression with a call"
+    return "an expression"
+
+
+def _is_literal(expr: cst.BaseExpression) -> bool:
+    """Numbers, strings and lists or tuples of them: a second evaluation builds an equal value."""
+    if isinstance(expr, (cst.Integer, cst.Float, cst.Imaginary, cst.SimpleString, cst.ConcatenatedString)):
+        return True
+    if isinstance(expr, cst.UnaryOperation) and isinstance(expr.operator, (cst.Minus, cst.Plus)):
+        return _is_literal(expr.expression)
+    if isinstance(expr, (cst.List, cst.Tuple)):
+        return all(isinstance(e, cst.Element) and _is_literal(e.value) for e in expr.elements)
+    return False
+
+
+def _contains_call(node: cst.CSTNode) -> bool:
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, (cst.Call, cst.NamedExpr, cst.Await, cst.Yield)):
+            return True
+        stack.extend(n.children)
+    return False
+
+
+def _source_problem(name: str, expr: cst.BaseExpression) -> Optional[str]:
+    problem = reevaluation_problem(expr)
+    if problem is None:
+        return None
+    return f"{name} is `{_short(expr)}`, {problem}: evaluating it twice may differ"
+
+
+def placeholders(template: str) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(f for _, f, _, _ in string.Formatter().parse(template) if f))
+
+
+# -- rewriting argument lists, keeping their layout ------------------------------------------------------
+def _bare_newline(ws: cst.ParenthesizedWhitespace) -> cst.ParenthesizedWhitespace:
+    """The same line break and indentation without the comment or blank lines before it."""
+    return cst.ParenthesizedWhitespace(first_line=cst.TrailingWhitespace(), empty_lines=[], indent=ws.indent,
+                                       last_line=ws.last_line)
+
+
+def _separator_before_last(call: cst.Call):
+    args = call.args
+    if len(args) >= 2 and isinstance(args[-2].comma, cst.Comma):
+        return args[-2].comma.whitespace_after
+    return call.whitespace_before_args
+
+
+def append_argument(call: cst.Call, arg: cst.Arg) -> cst.Call:
+    """``call`` with ``arg`` after its last argument: on a line of its own when the arguments are one
+    per line, else after ``, `` on the same line. Comments stay with the argument they follow."""
+    args = list(call.args)
+    if not args:
+        return call.with_changes(args=[arg])
+    last = args[-1]
+    sep = _separator_before_last(call)
+    own_line = isinstance(sep, cst.ParenthesizedWhitespace)
+    if isinstance(last.comma, cst.Comma):  # a trailing comma stays last
+        after = last.comma.whitespace_after
+        if own_line and isinstance(after, cst.ParenthesizedWhitespace):
+            kept = cst.ParenthesizedWhitespace(first_line=after.first_line, empty_lines=after.empty_lines,
+                                               indent=sep.indent, last_line=sep.last_line)
+            new_last = last.with_changes(comma=last.comma.with_changes(whitespace_after=kept))
+            new = arg.with_changes(comma=last.comma.with_changes(whitespace_after=_bare_newline(after)))
+        else:
+            new_last = last.with_changes(comma=last.comma.with_changes(whitespace_after=_SPACE))
+            new = arg.with_changes(comma=last.comma)
+    else:
+        after = last.whitespace_after_arg
+        if own_line and isinstance(after, cst.ParenthesizedWhitespace):
+            kept = cst.ParenthesizedWhitespace(first_line=after.first_line, empty_lines=after.empty_lines,
+                                               indent=sep.indent, last_line=sep.last_line)
+            new_last = last.with_changes(comma=cst.Comma(whitespace_after=kept), whitespace_after_arg=_EMPTY)
+            new = arg.with_changes(whitespace_after_arg=_bare_newline(after))
+        else:
+            ws = _bare_newline(sep) if own_line else _SPACE
+            new_last = last.with_changes(comma=cst.Comma(whitespace_after=ws), whitespace_after_arg=_EMPTY)
+            new = arg.with_changes(whitespace_after_arg=after)
+    return call.with_changes(args=[*args[:-1], new_last, new])
+
+
+def keyword_arg(name: str, value: cst.BaseExpression) -> cst.Arg:
+    return cst.Arg(value=value, keyword=cst.Name(name), equal=_NO_SPACE_EQUAL)
+
+
+# -- planning ------------------------------------------------------------------------------------------
+@dataclass
+class _Choice:
+    group: tuple[str, ...]
+    uses: list[tuple[str, Derivation, str]]  # (target, derivation, rendered expression)
+    rank: tuple[int, int]
+
+
+def _render(d: Derivation, sources: dict[str, str]) -> Union[str, NoFix]:
+    try:
+        text = d.template.format(**sources)
+    except (KeyError, IndexError, ValueError) as e:
+        return NoFix(f"the derivation template of {d.target} ({d.template!r}) cannot be filled: {e}")
+    try:
+        cst.parse_expression(text)
+    except cst.ParserSyntaxError:
+        return NoFix(f"the derivation template of {d.target} ({d.template!r}) is not an expression")
+    return text
+
+
+def choose_derivations(contract: Contract, missing_in: Callable[[tuple[str, ...]], tuple[str, ...]],
+                       source_of: Callable[[str], Union[str, NoFix]]) -> Union[_Choice, NoFix]:
+    """The any-of group to complete and the derivations that complete it: fewest missing names first,
+    then the catalog's order of derivations (it lists the preferred one first)."""
+    best: Optional[_Choice] = None
+    first_reason: Optional[tuple[int, str]] = None
+    for group in contract.require:
+        missing = missing_in(group)
+        if not missing:
+            continue
+        uses = []
+        worst = 0
+        for target in missing:
+            found = None
+            for index, d in enumerate(contract.derivations):
+                if d.target != target or "." in target:
+                    continue
+                sources = {}
+                problem: Optional[str] = None
+                for name in placeholders(d.template):
+                    got = source_of(name)
+                    if isinstance(got, NoFix):
+                        problem = got.reason
+                        break
+                    sources[name] = got
+                rendered = _render(d, sources) if problem is None else NoFix(problem)
+                if isinstance(rendered, NoFix):
+                    if first_reason is None or index < first_reason[0]:
+                        first_reason = (index, rendered.reason)
+                    continue
+                found = (index, d, rendered)
+                break
+            if found is None:
+                uses = None
+                break
+            worst = max(worst, found[0])
+            uses.append((target, found[1], found[2]))
+        if uses is None:
+            continue
+        choice = _Choice(group, uses, (len(missing), worst))
+        if best is None or choice.rank < best.rank:
+            best = choice
+    if best is not None:
+        return best
+    if first_reason is not None:
+        return NoFix(first_reason[1])
+    return NoFix("no derivation of " + " or ".join("+".join(g) for g in contract.require) + " is declared")
+
+
+def _imports_for(uses, can_import: ImportCheck) -> Union[tuple[tuple[str, str], ...], NoFix]:
+    needed = []
+    for _, d, _ in uses:
+        for module, name in d.imports:
+            problem = can_import(module, name)
+            if problem == "":
+                continue  # already imported there
+            if problem is not None:
+                return NoFix(problem)
+            if (module, name) not in needed:
+                needed.append((module, name))
+    return tuple(needed)
+
+
+def _set_value(arg: cst.Arg, value: cst.BaseExpression) -> cst.Arg:
+    return arg.with_changes(value=value)
+
+
+def plan_call(contract: Contract, call: cst.Call, bound_values: dict, can_import: ImportCheck) -> Outcome:
+    """Fix for a ``call`` contract: derive what is missing from the call's own arguments. A name
+    passed as None gets its value replaced; an absent one is added as a keyword."""
+    if not contract.derivations or contract.fix_safety == "none":
+        return None
+
+    def missing_in(group):
+        return tuple(n for n in group if n.split(".", 1)[0] not in bound_values
+                     or is_none(bound_values[n.split(".", 1)[0]]))
+
+    def source_of(name):
+        expr = bound_values.get(name)
+        if expr is None:
+            return NoFix(f"{name} is not passed")
+        if is_none(expr):
+            return NoFix(f"{name} is None")
+        problem = _source_problem(name, expr)
+        return NoFix(problem) if problem else _code(expr.with_changes(lpar=(), rpar=()))
+
+    choice = choose_derivations(contract, missing_in, source_of)
+    if isinstance(choice, NoFix):
+        return choice
+    imports = _imports_for(choice.uses, can_import)
+    if isinstance(imports, NoFix):
+        return imports
+    new_call = call
+    words = []
+    for target, _, text in choice.uses:
+        value = cst.parse_expression(text)
+        current = bound_values.get(target)
+        if current is not None:  # passed as None: replace that argument in place
+            args = [_set_value(a, value) if a.value is current else a for a in new_call.args]
+            new_call = new_call.with_changes(args=args)
+            words.append(f"Set {target}={text}")
+        else:
+            new_call = append_argument(new_call, keyword_arg(target, value))
+            words.append(f"Add {target}={text}")
+    return Plan(new_call, imports, "; ".join(words))
+
+
+def plan_replace(contract: Contract, call: cst.Call, can_import: ImportCheck) -> Outcome:
+    """Fix for ``dataclasses.replace(record, field=None, ...)``: derive from the replace call's own
+    keywords, else from the record's fields (``record.seg_indptr``) when the record is re-evaluable."""
+    if not contract.derivations or contract.fix_safety == "none":
+        return None
+    keywords = {a.keyword.value: a.value for a in call.args if a.keyword is not None}
+    positional = [a for a in call.args if a.keyword is None and not a.star]
+    record = positional[0].value if positional else None
+
+    def missing_in(group):
+        return tuple(n for n in group if n in keywords and is_none(keywords[n]))
+
+    def source_of(name):
+        expr = keywords.get(name)
+        if expr is not None and not is_none(expr):
+            problem = _source_problem(name, expr)
+            return NoFix(problem) if problem else _code(expr.with_changes(lpar=(), rpar=()))
+        if record is None:
+            return NoFix("the record to replace is not passed by position")
+        problem = reevaluation_problem(record)
+        if problem is not None or dotted(record) is None:
+            return NoFix(f"the record is `{_short(record)}`, {problem or 'not a name'}: "
+                         f"evaluating it twice may differ")
+        return f"{dotted(record)}.{name}"
+
+    choice = choose_derivations(contract, missing_in, source_of)
+    if isinstance(choice, NoFix):
+        return choice
+    imports = _imports_for(choice.uses, can_import)
+    if isinstance(imports, NoFix):
+        return imports
+    new_call = call
+    words = []
+    for target, _, text in choice.uses:
+        value = cst.parse_expression(text)
+        current = keywords[target]
+        new_call = new_call.with_changes(args=[_set_value(a, value) if a.value is current else a
+                                               for a in new_call.args])
+        words.append(f"Set {target}={text}")
+    return Plan(new_call, imports, "; ".join(words))
+
+
+def plan_positional(contract: Contract, call: cst.Call, label: str) -> Outcome:
+    """Fix for a ``positional`` contract: name every positional argument by ``params``."""
+    if contract.fix_safety == "none" or not contract.params:
+        return None
+    params: Sequence[str] = contract.params
+    if any(a.star for a in call.args):
+        return NoFix("it passes *args or **kwargs, so the positions are unknown")
+    positional = [a for a in call.args if a.keyword is None]
+    if len(positional) > len(params):
+        return NoFix(f"{len(positional)} positional arguments, but {label} takes {len(params)} "
+                     f"({', '.join(params)})")
+    names = params[: len(positional)]
+    keywords = {a.keyword.value for a in call.args if a.keyword is not None}
+    twice = [n for n in names if n in keywords]
+    if twice:
+        return NoFix(f"{twice[0]} is passed both by position and by keyword")
+    index = 0
+    args = []
+    for a in call.args:
+        if a.keyword is None:
+            a = a.with_changes(keyword=cst.Name(names[index]), equal=_NO_SPACE_EQUAL)
+            index += 1
+        args.append(a)
+    return Plan(call.with_changes(args=args), (), "Name the positional arguments: " + ", ".join(names))
