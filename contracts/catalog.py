@@ -423,7 +423,8 @@ info = LoRABatchInfo(
     weight_indices=torch.tensor([0, 1], dtype=torch.int32),
     lora_ranks=torch.tensor([4, 4], dtype=torch.int32),
     scalings=torch.tensor([1.0, 0.5]),
-    permutation=None, seg_lens=seg_indptr[1:] - seg_indptr[:-1],
+    permutation=None,
+    seg_lens=seg_indptr[1:] - seg_indptr[:-1],
 )
 shrunk = sgemm_lora_a(x, lora_a, info)
 '''

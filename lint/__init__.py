@@ -17,6 +17,8 @@ _EXPORTS = {
     "Report": "runner",
     "lint_paths": "runner",
     "lint_source": "runner",
+    "fixed_source": "runner",
+    "Edit": "findings",
     "rules_for": "runner",
     "FileResult": "engine",
     "check_source": "engine",

@@ -180,7 +180,6 @@ def keyword_arg(name: str, value: cst.BaseExpression) -> cst.Arg:
 class _Choice:
     group: tuple[str, ...]
     uses: list[tuple[str, Derivation, str]]  # (target, derivation, rendered expression)
-    rank: tuple[int, int]
 
 
 def _render(d: Derivation, sources: dict[str, str]) -> Union[str, NoFix]:
@@ -197,50 +196,35 @@ def _render(d: Derivation, sources: dict[str, str]) -> Union[str, NoFix]:
 
 def choose_derivations(contract: Contract, missing_in: Callable[[tuple[str, ...]], tuple[str, ...]],
                        source_of: Callable[[str], Union[str, NoFix]]) -> Union[_Choice, NoFix]:
-    """The any-of group to complete and the derivations that complete it: fewest missing names first,
-    then the catalog's order of derivations (it lists the preferred one first)."""
-    best: Optional[_Choice] = None
-    first_reason: Optional[tuple[int, str]] = None
-    for group in contract.require:
-        missing = missing_in(group)
-        if not missing:
+    """The any-of group to complete and the derivations that complete it.
+
+    The contract lists its preferred derivation first; the group of the first one whose target is
+    missing is completed (the group with fewest gaps when several hold it), each gap by its first
+    derivation. There is no falling back to a later derivation when the preferred one cannot be
+    written here: later ones may be right for some inputs only (GL101's ``cu[1:] - cu[:-1]`` is wrong
+    for packed element indptrs, which ``prepare_varlen_metadata`` tells apart)."""
+    gaps = {g: missing_in(g) for g in contract.require}
+    for d in contract.derivations:
+        groups = [g for g, missing in gaps.items() if d.target in missing]
+        if not groups:
             continue
+        group = min(groups, key=lambda g: len(gaps[g]))
         uses = []
-        worst = 0
-        for target in missing:
-            found = None
-            for index, d in enumerate(contract.derivations):
-                if d.target != target or "." in target:
-                    continue
-                sources = {}
-                problem: Optional[str] = None
-                for name in placeholders(d.template):
-                    got = source_of(name)
-                    if isinstance(got, NoFix):
-                        problem = got.reason
-                        break
-                    sources[name] = got
-                rendered = _render(d, sources) if problem is None else NoFix(problem)
-                if isinstance(rendered, NoFix):
-                    if first_reason is None or index < first_reason[0]:
-                        first_reason = (index, rendered.reason)
-                    continue
-                found = (index, d, rendered)
-                break
-            if found is None:
-                uses = None
-                break
-            worst = max(worst, found[0])
-            uses.append((target, found[1], found[2]))
-        if uses is None:
-            continue
-        choice = _Choice(group, uses, (len(missing), worst))
-        if best is None or choice.rank < best.rank:
-            best = choice
-    if best is not None:
-        return best
-    if first_reason is not None:
-        return NoFix(first_reason[1])
+        for target in gaps[group]:
+            first = next((x for x in contract.derivations if x.target == target), None)
+            if first is None or "." in target:
+                return NoFix(f"{target} has no derivation to write")
+            sources = {}
+            for name in placeholders(first.template):
+                got = source_of(name)
+                if isinstance(got, NoFix):
+                    return got
+                sources[name] = got
+            rendered = _render(first, sources)
+            if isinstance(rendered, NoFix):
+                return rendered
+            uses.append((target, first, rendered))
+        return _Choice(group, uses)
     return NoFix("no derivation of " + " or ".join("+".join(g) for g in contract.require) + " is declared")
 
 

@@ -412,3 +412,22 @@ def lint_source(source, path: str = "<string>", *, settings: Optional[Settings] 
     rules = rules or rules_for(settings)
     result = check_source(data, path, rules, strict=strict, module_name=module_name)
     return [f for f in result.findings if settings.selected(f.code)]
+
+
+def fixed_source(source, path: str = "<string>", *, unsafe_fixes: bool = False,
+                 settings: Optional[Settings] = None, strict: bool = False, module_name: Optional[str] = None,
+                 rules: Optional[RuleSet] = None):
+    """``source`` (text or bytes) after ``--fix`` (with ``unsafe_fixes``: ``--fix --unsafe-fixes``),
+    as the same type; unchanged when nothing applies."""
+    from .engine import check_source
+
+    data = source.encode("utf-8") if isinstance(source, str) else source
+    settings = settings or Settings(root=Path.cwd())
+    rules = rules or rules_for(settings)
+
+    def recheck(b: bytes) -> list[Finding]:
+        return [f for f in check_source(b, path, rules, strict=strict, module_name=module_name).findings
+                if settings.selected(f.code)]
+
+    after = fix_source(data, recheck(data), recheck, unsafe_fixes=unsafe_fixes, path=path).after
+    return after.decode("utf-8") if isinstance(source, str) else after
