@@ -125,8 +125,25 @@ def time_us(fn: Callable[[], object], *, cuda: bool, warmup: int, iters: int) ->
     return statistics.median(samples)
 
 
+def host_us(fn: Callable[[], object], *, cuda: bool, calls: int = 20) -> float:
+    """Median host time of one call, nothing synchronised inside the timed span: what the CPU spends
+    before the work is enqueued (the kernels queue up behind each other meanwhile)."""
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+    samples = []
+    for _ in range(calls if cuda else 1):  # a CPU smoke run only checks the plumbing
+        start = time.perf_counter_ns()
+        fn()
+        samples.append((time.perf_counter_ns() - start) / 1e3)
+    if cuda:
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
 def row(case: Case, backend: str, *, time: Optional[float] = None, err: Optional[float] = None, note: str = "",
-        ok: Optional[bool] = None) -> dict:
+        ok: Optional[bool] = None, host: Optional[float] = None) -> dict:
     tflops = case.flops / (time * 1e-6) / 1e12 if time else None
-    return {"case": case.name, "backend": backend, "time_us": time, "tflops": tflops, "max_abs_err": err,
-            "ok": ok if ok is not None else (err is not None and passes(err)), "note": note}
+    return {"case": case.name, "backend": backend, "time_us": time, "tflops": tflops, "host_us": host,
+            "max_abs_err": err, "ok": ok if ok is not None else (err is not None and passes(err)), "note": note}

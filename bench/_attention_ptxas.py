@@ -28,16 +28,17 @@ REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 228 * 1024
 INT_ARGS = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot", "stride_oh",
             "total_tokens", "length_class")
-ALIGNED = ("Q", "K", "V", "O", "cu_seqlens") + INT_ARGS[:-2]
+ALIGNED = ("Q", "K", "V", "O", "cu_seqlens", "seq_order") + INT_ARGS[:-2]
 
 
 def resources(head_dim: int, dtype: str, cfg) -> dict:
     fn = kernel._varlen_attention_fwd
     signature = {name: "constexpr" for name in fn.arg_names}
-    signature.update({name: "*" + dtype for name in "QKVO"}, cu_seqlens="*i32", qk_scale="fp32")
+    signature.update({name: "*" + dtype for name in "QKVO"}, cu_seqlens="*i32", seq_order="*i32", qk_scale="fp32")
     signature.update({name: "i32" for name in INT_ARGS})
     d0, d1, d2, d3 = kernel.head_dim_parts(head_dim)
-    constants = dict(HEAD_DIM=head_dim, GROUP=1, D0=d0, D1=d1, D2=d2, D3=d3, CAUSAL=False, UPCAST=False,
+    # SORTED: the mixed-length variant (one more load per program; the same loop).
+    constants = dict(HEAD_DIM=head_dim, GROUP=1, D0=d0, D1=d1, D2=d2, D3=d3, CAUSAL=False, SORTED=True, UPCAST=False,
                      PRECISION="ieee" if dtype == "fp32" else "tf32", **cfg.kwargs)
     # Packed (T, H, D) tensors: 16-byte aligned pointers and strides that are multiples of 16.
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED}

@@ -1,4 +1,4 @@
-"""One backend configuration of bench/attention.py in its own process (a CUDA fault poisons the context
+"""One FlashInfer configuration of bench/attention.py in its own process (a CUDA fault poisons the context
 of everything after it). Prints progress to stderr and exactly one line ``RESULT <json rows>`` to stdout.
 
     python bench/_attention_worker.py --backend flashinfer-fa3 --cases 6img,64x256 [--quick] [--cpu-smoke]
@@ -50,7 +50,7 @@ def run(backend: str, cases: list, *, cuda: bool, warmup: int, iters: int) -> li
     import torch
     import torch.nn.functional as F
 
-    from _attention_cases import make_inputs, max_abs_error, passes, reference, row, time_us
+    from _attention_cases import host_us, make_inputs, max_abs_error, passes, reference, row, time_us
     from guardlint.kernels import attention, varlen_attention
     from guardlint.kernels import _attention_flashinfer as fi
 
@@ -62,11 +62,7 @@ def run(backend: str, cases: list, *, cuda: bool, warmup: int, iters: int) -> li
         scale = case.head_dim ** -0.5
         ref = None
         jobs = []
-        if backend == "auto":
-            chosen = attention.select_backend(q, k, cu, case.max_seqlen, backend="auto")
-            jobs.append(("auto", lambda: varlen_attention(q, k, v, cu, metadata=plan, backend="auto"),
-                         f"auto -> {chosen}"))
-        elif attention._runnable(backend, q, k, scale, case.causal):
+        if attention._runnable(backend, q, k, scale, case.causal):
             jobs.append((backend, lambda: varlen_attention(q, k, v, cu, metadata=plan, backend=backend), ""))
         else:
             rows.append(row(case, backend, ok=False, note="skipped: " + attention._why_not(backend, q)))
@@ -93,7 +89,7 @@ def run(backend: str, cases: list, *, cuda: bool, warmup: int, iters: int) -> li
                     log(f"{case.name} {name}: WRONG max abs error {err:.3g}")
                     continue
                 t = time_us(fn, cuda=cuda, warmup=warmup, iters=iters)
-                rows.append(row(case, name, time=t, err=err, note=note))
+                rows.append(row(case, name, time=t, err=err, note=note, host=host_us(fn, cuda=cuda)))
                 log(f"{case.name} {name}: {t:.1f} us, max abs error {err:.2e} {note}")
             except Exception as exc:
                 rows.append(row(case, name, ok=False, note=f"error: {type(exc).__name__}: {exc}"[:300]))

@@ -6,12 +6,15 @@ parts, so q/k/v are read in place and never copied into padded buffers. Kernel, 
 # Math, per sequence b (tokens cu_seqlens[b]:cu_seqlens[b+1]) and query head h (kv head h // (H / H_kv)):
 #     O[i] = sum_j softmax_j(scale * q[i] . k[j]) v[j]      over j < L_b (and j <= i when causal),
 # with an online softmax in fp32 (running max m, running sum l; exp2 with log2(e) folded into the scale).
-# Grid: (cdiv(max_seqlen, BLOCK_M), H, B); programs past their sequence's length exit at once.
+# Grid: (cdiv(max_seqlen, BLOCK_M), H, B); programs past their sequence's length exit at once. Sequences
+# of unequal lengths are visited longest first (a device-side argsort, kept per cu_seqlens version), and
+# causal query tiles last-first, so the longest programs start first and short ones fill the last wave.
 # Head-dim split: 80 = 64 + 16, 96 = 64 + 32, 240 = 128 + 64 + 32 + 16: QK^T is the sum of one tl.dot
 # per part, and PV keeps one accumulator per part.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from typing import Optional, Tuple
 
 import torch
@@ -115,19 +118,24 @@ def _store_part(o_base, offs_m, stride_ot, col: tl.constexpr, width: tl.constexp
 
 @triton.jit(do_not_specialize=["length_class"])
 def _varlen_attention_fwd(
-    Q, K, V, O, cu_seqlens,
+    Q, K, V, O, cu_seqlens, seq_order,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     total_tokens, qk_scale,
     length_class,  # autotune key only (short / long batches tune apart); unused by the kernel
     HEAD_DIM: tl.constexpr,  # autotune key only: the parts below carry the shape
     GROUP: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, SORTED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
+    if SORTED:
+        # Blocks start in grid order, so the longest sequences' programs go first and the last wave
+        # holds short ones (instead of an 8k-token image's tiles starting last and running alone).
+        # Clamped: the order is a device tensor, and no content of it may address outside cu_seqlens.
+        seq = tl.minimum(tl.maximum(tl.load(seq_order + seq), 0), tl.num_programs(2) - 1)
 
     # Clamped so that any cu_seqlens content stays inside q/k/v/o: a wrong prefix sum gives a wrong
     # answer (the guard's strict mode reports it), never an out-of-bounds access.
@@ -138,6 +146,9 @@ def _varlen_attention_fwd(
     seq_len = (seq_end - seq_start).to(tl.int32)
     if pid_m * BLOCK_M >= seq_len:
         return
+    if CAUSAL:
+        # The last query tiles of a causal sequence see the most keys: they take the first programs.
+        pid_m = tl.cdiv(seq_len, BLOCK_M) - 1 - pid_m
 
     kv_head = head // GROUP
     q_base = Q + seq_start * stride_qt + head * stride_qh
@@ -284,7 +295,27 @@ def new_output(q: torch.Tensor) -> torch.Tensor:
 INTERPRET_BLOCKS = (16, 16)
 
 
-# Per (head_dim, group, causal, length class, dtype, index dtype): BLOCK_M and every keyword the jit
+_orders: "OrderedDict[int, tuple]" = OrderedDict()
+_MAX_ORDERS = 8
+
+
+def sequence_order(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Sequence indices by decreasing length (ties in batch order), cu_seqlens' dtype, on its device: a few
+    device ops, no host read; kept per cu_seqlens object and version, so the layers of a forward share one.
+    Not kept when made during CUDA graph capture: outside the graph its memory holds no values."""
+    hit = _orders.get(id(cu_seqlens))
+    if hit is not None and hit[0] is cu_seqlens and hit[1] == cu_seqlens._version:
+        return hit[2]
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    order = torch.argsort(lengths, descending=True, stable=True).to(cu_seqlens.dtype)
+    if not (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _orders[id(cu_seqlens)] = (cu_seqlens, cu_seqlens._version, order)
+        if len(_orders) > _MAX_ORDERS:
+            _orders.popitem(last=False)
+    return order
+
+
+# Per (head_dim, group, causal, length class, dtype, index dtype, sorted): BLOCK_M and every keyword the jit
 # kernel takes, once the autotuner has picked for that key. Later calls launch the jit kernel with them
 # directly: the autotuner's own per-call work (argument dicts, key building) costs more host time than
 # everything else on the path (bench/results/attention_overhead.md).
@@ -313,9 +344,12 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         sq, sk, sv = q.stride(), k.stride(), v.stride()
     size_class = 0 if max_seqlen <= SHORT_SEQLEN else 1
-    args = (q, k, v, out, cu_seqlens, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1], total_tokens,
+    # Equal lengths (every sequence max_seqlen long) need no order; any other batch is visited longest first.
+    by_length = batch > 1 and total_tokens != batch * max_seqlen
+    order = sequence_order(cu_seqlens) if by_length else cu_seqlens
+    args = (q, k, v, out, cu_seqlens, order, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1], total_tokens,
             softmax_scale * LOG2E, size_class)
-    key = (head_dim, num_heads // k.shape[1], causal, size_class, q.dtype, cu_seqlens.dtype)
+    key = (head_dim, num_heads // k.shape[1], causal, size_class, q.dtype, cu_seqlens.dtype, by_length)
     launch = _launches.get(key) if config is None else None
     if launch is not None:
         block_m, kwargs = launch
@@ -323,7 +357,7 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         return out
     d0, d1, d2, d3 = head_dim_parts(head_dim)
     meta = dict(HEAD_DIM=head_dim, GROUP=key[1], D0=d0, D1=d1, D2=d2, D3=d3, CAUSAL=bool(causal),
-                UPCAST=INTERPRET and q.dtype == torch.bfloat16,
+                SORTED=by_length, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     if config is None and INTERPRET:
         block_m, block_n = INTERPRET_BLOCKS

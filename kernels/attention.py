@@ -310,13 +310,21 @@ _RUNNERS = {
 }
 
 
-def _runner(name: str, q, cu_seqlens, function: str):
-    """The function that runs backend ``name`` on inputs of these shapes (checked here, once per shape)."""
+def _run_triton_eager(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function):
+    return triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+
+
+def _runner(name: str, q, cu_seqlens, function: str, eager: bool = False):
+    """The function that runs backend ``name`` on inputs of these shapes (checked here, once per shape);
+    ``eager``: for calls made outside torch.compile tracing only."""
     if q.shape[0] == 0 or cu_seqlens.shape[0] < 2:
         return _run_empty
-    if name == "triton" and (cu_seqlens.shape[0] - 1 > _MAX_GRID_YZ or q.shape[1] > _MAX_GRID_YZ):
-        raise _bad("cu_seqlens", f"at most {_MAX_GRID_YZ} sequences and heads per launch (CUDA grid y/z)",
-                   describe(cu_seqlens), function)
+    if name == "triton":
+        if cu_seqlens.shape[0] - 1 > _MAX_GRID_YZ or q.shape[1] > _MAX_GRID_YZ:
+            raise _bad("cu_seqlens", f"at most {_MAX_GRID_YZ} sequences and heads per launch (CUDA grid y/z)",
+                       describe(cu_seqlens), function)
+        if eager:
+            return _run_triton_eager
     return _RUNNERS[name]
 
 
@@ -336,12 +344,13 @@ _SCALE_TYPES = (type(None), float, int)
 dispatch.dependent_caches.append(_calls)
 
 
-def _plan_call(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend) -> tuple:
+def _plan_call(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend,
+               eager: bool) -> tuple:
     _check_inputs(function, q, k, v, cu_seqlens)
     _check_call(function, max_seqlen, softmax_scale, causal, backend)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
     name = _resolve(backend, q, k, cu_seqlens, max_seqlen, scale, causal, function)
-    return _runner(name, q, cu_seqlens, function), scale
+    return _runner(name, q, cu_seqlens, function, eager), scale
 
 
 # -- public entry points ----------------------------------------------------------------------------
@@ -384,7 +393,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     else:
         planned = None
     if planned is None:
-        planned = _plan_call(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend)
+        planned = _plan_call(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend,
+                             signature is not None)
         if signature is not None:
             if len(_calls) >= _MAX_CALLS:
                 _calls.clear()

@@ -362,7 +362,7 @@ def test_triton_launcher_reuses_launch_settings_per_key(monkeypatch):
     q, k, v, cu, offsets = make_batch([21, 3], heads=2, kv_heads=2, head_dim=96)
     monkeypatch.setattr(triton_path, "_launches", {})
     first = triton_path.varlen_attention_triton(q, k, v, cu, 21, 0.1, False)
-    key = (96, 1, False, 0, torch.float32, torch.int32)
+    key = (96, 1, False, 0, torch.float32, torch.int32, True)  # unequal lengths: visited longest first
     assert list(triton_path._launches) == [key]
     block_m, kwargs = triton_path._launches[key]
     assert (block_m, kwargs["BLOCK_N"], kwargs["D0"], kwargs["D1"]) == (16, 16, 64, 32)
@@ -370,6 +370,37 @@ def test_triton_launcher_reuses_launch_settings_per_key(monkeypatch):
     explicit = triton_path.varlen_attention_triton(q, k, v, cu, 21, 0.1, False, config=(16, 16, 4, 1))
     assert torch.equal(first, again) and torch.equal(first, explicit)
     assert_close_to_reference(first, q, k, v, offsets, False, scale=0.1)
+
+
+def test_sequence_order_is_longest_first_and_kept_per_version(monkeypatch):
+    monkeypatch.setattr(triton_path, "_orders", type(triton_path._orders)())
+    cu = torch.tensor([0, 5, 5, 30, 37, 62], dtype=torch.int64)  # lengths 5, 0, 25, 7, 25
+    order = triton_path.sequence_order(cu)
+    assert order.tolist() == [2, 4, 3, 0, 1] and order.dtype == cu.dtype
+    assert triton_path.sequence_order(cu) is order  # the next layer: no new device work
+    cu[1] = 2  # changed in place (lengths 2, 3, 25, 7, 25): a new version, a new order
+    assert triton_path.sequence_order(cu).tolist() == [2, 4, 3, 1, 0]
+
+
+def test_varlen_attention_triton_equal_lengths_skip_the_order(monkeypatch, poisoned_output):
+    def no_order(cu_seqlens):
+        raise AssertionError("equal lengths need no order")
+
+    monkeypatch.setattr(triton_path, "sequence_order", no_order)
+    q, k, v, cu, offsets = make_batch([20, 20, 20], head_dim=80, dtype=torch.float16)
+    out = varlen_attention(q, k, v, cu, backend="triton", causal=True)
+    assert_close_to_reference(out, q, k, v, offsets, True)
+
+
+def test_triton_kernel_clamps_a_corrupt_sequence_order(monkeypatch, poisoned_output):
+    # Indices past the batch must never address outside cu_seqlens: they read the last sequence.
+    corrupt = lambda cu: torch.full((cu.numel() - 1,), 99, dtype=cu.dtype)  # noqa: E731
+    monkeypatch.setattr(triton_path, "sequence_order", corrupt)
+    q, k, v, cu, offsets = make_batch([7, 19], head_dim=64)
+    out = triton_path.varlen_attention_triton(q, k, v, cu, 19, 0.125, False)
+    ref = reference_varlen_attention(q, k, v, offsets, 0.125, False)
+    torch.testing.assert_close(out[7:].double(), ref[7:], atol=2e-5, rtol=2e-5)
+    assert torch.isnan(out[:7]).all()  # the first sequence was never visited
 
 
 def test_varlen_attention_triton_strided_head_dim(poisoned_output):
