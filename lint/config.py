@@ -5,6 +5,7 @@ Found in the nearest ``pyproject.toml`` with a ``[tool.guardlint]`` table upward
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,8 +135,9 @@ class PathMatcher:
 
 def relative_to_root(path: Path, root: Path) -> str:
     """``path`` relative to ``root`` in posix form; outside the root, the path as given."""
+    # os.path.realpath, not Path.resolve: a symlink loop must not raise (Python 3.11 raises RuntimeError).
     try:
-        return path.resolve().relative_to(root.resolve()).as_posix()
+        return Path(os.path.realpath(path)).relative_to(os.path.realpath(root)).as_posix()
     except ValueError:
         return path.as_posix().lstrip("/")
 

@@ -669,6 +669,10 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
     except Exception as e:  # ParserSyntaxError, decoding errors, unknown encodings
         if syntax_error is not None:
             return file_error(path, syntax_error.msg, syntax_error.lineno, syntax_error.offset)
+        if tree is not None:  # CPython reads it: a limit of libcst's parser, not an error of the file
+            detail = e.message.strip().splitlines()[0] if isinstance(e, cst.ParserSyntaxError) else str(e)
+            return file_error(path, f"valid Python that the checker's parser cannot read ({detail}); "
+                                    f"the file was not checked")
         if isinstance(e, cst.ParserSyntaxError):
             return file_error(path, e.message.strip().splitlines()[0], e.raw_line, e.raw_column + 1)
         return file_error(path, f"{type(e).__name__}: {e}")
