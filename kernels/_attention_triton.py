@@ -322,6 +322,17 @@ def sequence_order(cu_seqlens: torch.Tensor) -> torch.Tensor:
 _launches: dict = {}
 
 
+def _launch_key(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool) -> tuple:
+    """(key of ``_launches``, length class, whether sequences are visited longest first)."""
+    total_tokens, num_heads, head_dim = q.shape
+    batch = cu_seqlens.shape[0] - 1
+    size_class = 0 if max_seqlen <= SHORT_SEQLEN else 1
+    # Equal lengths (every sequence max_seqlen long) need no order; any other batch is visited longest first.
+    by_length = batch > 1 and total_tokens != batch * max_seqlen
+    key = (head_dim, num_heads // k.shape[1], causal, size_class, q.dtype, cu_seqlens.dtype, by_length)
+    return key, size_class, by_length
+
+
 def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                             max_seqlen: int, softmax_scale: float, causal: bool, *,
                             out: Optional[torch.Tensor] = None,
@@ -343,13 +354,10 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if sq[2] != 1 or sk[2] != 1 or sv[2] != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         sq, sk, sv = q.stride(), k.stride(), v.stride()
-    size_class = 0 if max_seqlen <= SHORT_SEQLEN else 1
-    # Equal lengths (every sequence max_seqlen long) need no order; any other batch is visited longest first.
-    by_length = batch > 1 and total_tokens != batch * max_seqlen
+    key, size_class, by_length = _launch_key(q, k, cu_seqlens, max_seqlen, causal)
     order = sequence_order(cu_seqlens) if by_length else cu_seqlens
     args = (q, k, v, out, cu_seqlens, order, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1], total_tokens,
             softmax_scale * LOG2E, size_class)
-    key = (head_dim, num_heads // k.shape[1], causal, size_class, q.dtype, cu_seqlens.dtype, by_length)
     launch = _launches.get(key) if config is None else None
     if launch is not None:
         block_m, kwargs = launch
@@ -376,6 +384,39 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         _varlen_attention_fwd[grid](*args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
                                     num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+def plan_launch(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, softmax_scale: float,
+                causal: bool):
+    """``launch(q, k, v, cu_seqlens) -> out`` for inputs of these shapes and dtypes with these max_seqlen,
+    scale and causal flag (plan once, run many): everything that depends only on them is worked out here;
+    a launch reads strides, allocates the output and enqueues the kernel. The first launch of a key goes
+    through ``varlen_attention_triton`` (autotuning); strided last dims always do."""
+    total_tokens, num_heads, _ = q.shape
+    batch = cu_seqlens.shape[0] - 1
+    key, size_class, by_length = _launch_key(q, k, cu_seqlens, max_seqlen, causal)
+    qk_scale = softmax_scale * LOG2E
+    ready = []  # [(grid, kwargs)] once the key's launch settings exist
+    kernel = _varlen_attention_fwd
+
+    def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        if not ready:
+            out = varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal)
+            settings = _launches.get(key)
+            if settings is not None and total_tokens > 0 and batch > 0 and max_seqlen > 0:
+                ready.append(((-(-max_seqlen // settings[0]), num_heads, batch), settings[1]))
+            return out
+        out = new_output(q)
+        sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
+        if sq[2] != 1 or sk[2] != 1 or sv[2] != 1:
+            return varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, out=out)
+        grid, kwargs = ready[0]
+        order = sequence_order(cu_seqlens) if by_length else cu_seqlens
+        kernel[grid](q, k, v, out, cu_seqlens, order, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1],
+                     total_tokens, qk_scale, size_class, **kwargs)
+        return out
+
+    return launch
 
 
 def tuned_config(head_dim: int, causal: bool, max_seqlen: int, group: int = 1) -> Optional[str]:

@@ -310,22 +310,24 @@ _RUNNERS = {
 }
 
 
-def _run_triton_eager(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function):
-    return triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal)
-
-
-def _runner(name: str, q, cu_seqlens, function: str, eager: bool = False):
-    """The function that runs backend ``name`` on inputs of these shapes (checked here, once per shape);
-    ``eager``: for calls made outside torch.compile tracing only."""
+def _runner(name: str, q, cu_seqlens, function: str):
+    """The function that runs backend ``name`` on inputs of these shapes (checked here, once per shape)."""
     if q.shape[0] == 0 or cu_seqlens.shape[0] < 2:
         return _run_empty
-    if name == "triton":
-        if cu_seqlens.shape[0] - 1 > _MAX_GRID_YZ or q.shape[1] > _MAX_GRID_YZ:
-            raise _bad("cu_seqlens", f"at most {_MAX_GRID_YZ} sequences and heads per launch (CUDA grid y/z)",
-                       describe(cu_seqlens), function)
-        if eager:
-            return _run_triton_eager
+    if name == "triton" and (cu_seqlens.shape[0] - 1 > _MAX_GRID_YZ or q.shape[1] > _MAX_GRID_YZ):
+        raise _bad("cu_seqlens", f"at most {_MAX_GRID_YZ} sequences and heads per launch (CUDA grid y/z)",
+                   describe(cu_seqlens), function)
     return _RUNNERS[name]
+
+
+def _planned_triton(q, k, cu_seqlens, max_seqlen: int, scale: float, causal: bool):
+    """The Triton runner for eager calls of one signature: a launch planned once (no op dispatcher)."""
+    launch = triton_path.plan_launch(q, k, cu_seqlens, max_seqlen, scale, causal)
+
+    def run(q, k, v, cu_seqlens, *unused):
+        return launch(q, k, v, cu_seqlens)
+
+    return run
 
 
 def _run(name: str, q, k, v, cu_seqlens, sequence_lengths, max_seqlen: int, scale: float, causal: bool,
@@ -349,8 +351,16 @@ def _plan_call(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, ca
     _check_inputs(function, q, k, v, cu_seqlens)
     _check_call(function, max_seqlen, softmax_scale, causal, backend)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
+    if max_seqlen == 0 and q.shape[0] > 0 and cu_seqlens.shape[0] > 1:
+        # Offsets from 0 to total_tokens with no sequence longer than 0 cannot cover any token: a kernel
+        # sized by max_seqlen would launch nothing and leave the output unwritten.
+        raise GuardError("GL103", argument="max_seqlen", function=function,
+                         expected=f"the longest sequence length (q has {q.shape[0]} tokens)", got="max_seqlen=0")
     name = _resolve(backend, q, k, cu_seqlens, max_seqlen, scale, causal, function)
-    return _runner(name, q, cu_seqlens, function, eager), scale
+    run = _runner(name, q, cu_seqlens, function)
+    if run is _run_triton_backend and eager:
+        run = _planned_triton(q, k, cu_seqlens, max_seqlen, scale, causal)
+    return run, scale
 
 
 # -- public entry points ----------------------------------------------------------------------------

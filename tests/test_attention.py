@@ -372,6 +372,34 @@ def test_triton_launcher_reuses_launch_settings_per_key(monkeypatch):
     assert_close_to_reference(first, q, k, v, offsets, False, scale=0.1)
 
 
+def test_varlen_attention_triton_later_calls_launch_from_their_plan(monkeypatch, poisoned_output):
+    q, k, v, cu, offsets = make_batch([33, 2, 17], heads=4, kv_heads=2, head_dim=80, dtype=torch.float16)
+    dispatch.reset()  # a fresh signature: the first call plans, the second launches from the plan
+    first = varlen_attention(q, k, v, cu, backend="triton", causal=True)
+    real = triton_path.varlen_attention_triton
+
+    def unplanned(*args, **kwargs):
+        raise AssertionError("a planned call went through the unplanned launcher")
+
+    monkeypatch.setattr(triton_path, "varlen_attention_triton", unplanned)
+    second = varlen_attention(q, k, v, cu, backend="triton", causal=True)
+    assert torch.equal(first, second)
+    assert_close_to_reference(second, q, k, v, offsets, True)
+    # Same shapes, strided last dim: the plan hands it to the launcher that copies.
+    monkeypatch.setattr(triton_path, "varlen_attention_triton", real)
+    wide = torch.stack([q, torch.zeros_like(q)], dim=-1).flatten(-2)
+    strided = wide[..., ::2]
+    assert strided.shape == q.shape and strided.stride(-1) == 2
+    assert torch.equal(varlen_attention(strided, k, v, cu, backend="triton", causal=True), first)
+
+
+def test_varlen_attention_rejects_max_seqlen_zero_with_tokens():
+    q, k, v, cu, _ = make_batch([5, 7], head_dim=64)
+    with pytest.raises(GuardError) as err:
+        varlen_attention(q, k, v, cu, max_seqlen=0, sequence_lengths=cu[1:] - cu[:-1], backend="triton")
+    assert (err.value.code, err.value.argument) == ("GL103", "max_seqlen")
+
+
 def test_sequence_order_is_longest_first_and_kept_per_version(monkeypatch):
     monkeypatch.setattr(triton_path, "_orders", type(triton_path._orders)())
     cu = torch.tensor([0, 5, 5, 30, 37, 62], dtype=torch.int64)  # lengths 5, 0, 25, 7, 25
