@@ -125,7 +125,9 @@ def rules(fmt, config) -> None:
 @click.argument("file", type=click.File("rb"), default="-", required=False)
 @click.option("--format", "fmt", type=click.Choice(("text", "json")), default="text", show_default=True)
 def diagnose(file, fmt) -> None:
-    """Match an error message or traceback (FILE, or - or nothing for stdin) to its rule and fix."""
+    """Match an error message or traceback (FILE, or - or nothing for stdin) to its rule and fix.
+
+    Exit 0 when a rule matches, 1 when none does."""
     from .diagnose import run_diagnose
 
     if file.isatty():

@@ -12,7 +12,10 @@ import re
 import shlex
 import sysconfig
 import textwrap
+from bisect import bisect_right
 from dataclasses import dataclass, field
+from functools import lru_cache
+from itertools import accumulate
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Iterable, Optional, Sequence, Union
 
@@ -23,7 +26,7 @@ from .commands import EXIT_CLEAN, EXIT_FINDINGS, Outcome
 # -- reading ---------------------------------------------------------------------------------------------
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)")
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _TS = r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2})?(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2}| ?UTC)?"
 # Only a line that *starts* with a timestamp loses its prefix: `[2025-06-12 10:41:07 TP0] `, docker's
 # `2025-06-12T10:41:07.123Z `, CRI's `<ts> stderr F `, `<ts> ERROR `, `<ts> | `. What follows keeps its
@@ -35,6 +38,17 @@ _LOG_PREFIX = re.compile(
     r"(?:\s*[|:-](?=\s))? ?"
 )
 _SYSLOG_PREFIX = re.compile(r"^[A-Z][a-z]{2} [ \d]\d \d{2}:\d{2}:\d{2} \S+ [\w./-]+(?:\[\d+\])?: ")
+
+
+# A traceback inside one line of a JSON log: `"exc_info": "Traceback (most recent call last):\\n  File \\"...`.
+_ESCAPED_TRACEBACK = "most recent call last):\\n"
+_ESCAPED_LINE = re.compile(r"^.*most recent call last\):\\n.*$", re.M)
+_ESCAPES = re.compile(r"\\(.)")
+_ESCAPED = {"n": "\n", "t": "\t", '"': '"', "'": "'", "\\": "\\", "/": "/"}
+
+
+def _unescape(line: str) -> str:
+    return _ESCAPES.sub(lambda m: _ESCAPED.get(m.group(1), m.group(0)), line)
 
 
 def decode(data: Union[bytes, str]) -> str:
@@ -52,10 +66,12 @@ def decode(data: Union[bytes, str]) -> str:
 
 def normalize_lines(text: str) -> list[str]:
     """Lines without colour codes, control characters or leading log timestamps."""
-    text = _ANSI.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
+    text = _CONTROL.sub("", _ANSI.sub("", text.replace("\r\n", "\n").replace("\r", "\n")))
+    if _ESCAPED_TRACEBACK in text:
+        text = _ESCAPED_LINE.sub(lambda m: _unescape(m.group(0)), text)
     out = []
     for line in text.split("\n"):
-        line = _CONTROL.sub("", line).rstrip()
+        line = line.rstrip()
         m = _LOG_PREFIX.match(line) or _SYSLOG_PREFIX.match(line)
         out.append(line[m.end():] if m else line)
     return out
@@ -123,7 +139,7 @@ _EXCEPTION_NAME = re.compile(r"(?:Error|Exception|Exit|Interrupt|Warning|Fault|F
 
 
 def _looks_like_exception(line: str) -> bool:
-    m = _EXCEPTION_LINE.match(line)
+    m = _EXCEPTION_LINE.match(line) if ":" in line else None
     return bool(m and m.group("message") is not None
                 and _EXCEPTION_NAME.search(m.group("type").rsplit(".", 1)[-1]))
 
@@ -178,7 +194,7 @@ class _Reader:
         self.block, self.state = None, ""
 
     def _line(self, i: int, line: str) -> None:
-        tb = _TB_START.search(line)
+        tb = _TB_START.search(line) if "Traceback" in line else None
         if tb:
             prefix = line[:tb.start()]
             # IPython's header: `RuntimeError      Traceback (most recent call last)`, no colon.
@@ -189,7 +205,7 @@ class _Reader:
                 self.template = _prefix_template(prefix)
             self.state = "frames"
             return
-        if _CHAIN.search(line):
+        if "above exception" in line and _CHAIN.search(line):
             pytest = self.block is not None and self.block.style == "pytest"
             self._close(i - 1)
             if pytest:  # pytest prints the next link's source before its location lines
@@ -218,7 +234,11 @@ class _Reader:
         if not stripped or _IPY_SKIP.match(line) or stripped.startswith("[Previous line repeated"):
             return
         arrow = _IPY_ARROW.match(line) if block.style == "ipython" else None
-        if arrow or line[0].isspace():
+        # An indented `Type: message` after a frame's code is the exception line under a log prefix
+        # that left a space behind, not more code.
+        quoted = line[0].isspace() and not (
+            (not block.frames or block.frames[-1].source is not None) and _looks_like_exception(stripped))
+        if arrow or quoted:
             if block.frames:
                 self.code_of[i] = block.frames[-1]
                 if arrow:
@@ -237,12 +257,13 @@ class _Reader:
         return self.block
 
     def _outside_line(self, i: int, line: str) -> None:
-        header = _PYTEST_HEADER.match(line)
+        # Cheap tests first: most lines of a long log are none of these.
+        header = _PYTEST_HEADER.match(line) if line.startswith("___") else None
         if header:
             self._open("pytest", i)
             self.state = "pytest"
             return
-        e = _PYTEST_E.match(line)
+        e = _PYTEST_E.match(line) if line.startswith("E") else None
         if e:
             block = self._pytest_block(i)
             text = (e.group("text") or "").strip()
@@ -251,7 +272,7 @@ class _Reader:
             elif text:
                 block.message.append(text)
             return
-        loc = _PYTEST_LOC.match(line)
+        loc = _PYTEST_LOC.match(line) if ".py" in line else None
         if loc:
             block = self._pytest_block(i)
             frame = Frame(loc.group("file"), int(loc.group("line")), loc.group("function") or self.pending_def,
@@ -272,6 +293,12 @@ class _Reader:
                     self._close(i - 1)
                 return
             if not line.strip():
+                return
+            if not line[:1].isspace() and _looks_like_exception(line.strip()):
+                # Not pytest's: a logged error in captured output, or after a warning's location line.
+                block = self._open("bare", i)
+                block.exception, block.exception_index = line.strip(), i
+                self.state = "message"
                 return
             if self.want_source and line[:1].isspace() and self.block.frames:
                 frame = self.block.frames[-1]
@@ -322,37 +349,30 @@ _USER_PSEUDO_FILE = re.compile(r"^(?:<stdin>|<string>|<console>|<input>|<ipython
 _STDLIB = re.compile(r"[\\/]lib(?:64)?[\\/]python\d+(?:\.\d+)?t?[\\/]|(?i:[\\/]python\d*[\\/]lib[\\/])")
 
 
+@lru_cache(maxsize=1)
 def _local_roots() -> tuple[str, ...]:
     """This interpreter's stdlib and guardlint's own folders (an editable install has them outside
-    site-packages), as path prefixes."""
-    roots = []
-    for key in ("stdlib", "platstdlib"):
-        path = sysconfig.get_paths().get(key)
-        if path:
-            roots.append(path.rstrip("/\\") + "/")
+    site-packages), as ``/``-separated path prefixes."""
     from importlib.util import find_spec
 
+    roots = [sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib")]
     for sub in _GUARDLINT_SUBPACKAGES:
         try:
             spec = find_spec(f"guardlint.{sub}")
         except (ImportError, ValueError):
             spec = None
-        for location in (spec.submodule_search_locations or []) if spec else []:
-            roots.append(str(location).rstrip("/\\") + "/")
-    return tuple(dict.fromkeys(roots))
+        roots += list(spec.submodule_search_locations or []) if spec else []
+    return tuple(dict.fromkeys(str(r).replace("\\", "/").rstrip("/") + "/" for r in roots if r))
 
 
-_ROOTS: Optional[tuple[str, ...]] = None
-
-
+@lru_cache(maxsize=4096)
 def is_library_frame(file: str) -> bool:
     """Is this frame's file part of torch, triton, flashinfer, the serving engine, an installed package,
     the Python standard library or guardlint itself (rather than the user's code)?"""
-    global _ROOTS
-    if file.startswith("<") or file.startswith("Cell "):
-        return _USER_PSEUDO_FILE.match(file) is None
     if _USER_PSEUDO_FILE.match(file):
         return False
+    if file.startswith("<"):  # <frozen runpy>, <guardlint wrapper of varlen_attention>
+        return True
     parts = [p for p in re.split(r"[\\/]+", file) if p]
     if LIBRARY_PARTS.intersection(parts):
         return True
@@ -360,19 +380,13 @@ def is_library_frame(file: str) -> bool:
         return True
     if _STDLIB.search(file):
         return True
-    if _ROOTS is None:
-        _ROOTS = _local_roots()
     posix = file.replace("\\", "/")
-    return any(posix.startswith(root) for root in _ROOTS)
+    return any(posix.startswith(root) for root in _local_roots())
 
 
 def user_frame(frames: Iterable[Frame]) -> Optional[Frame]:
     """The innermost frame outside library code: where the user's code made the failing call."""
-    found = None
-    for frame in frames:
-        if not is_library_frame(frame.file):
-            found = frame
-    return found
+    return next((frame for frame in reversed(list(frames)) if not is_library_frame(frame.file)), None)
 
 
 # -- matching -------------------------------------------------------------------------------------------
@@ -384,7 +398,8 @@ _GUARD_FIX = re.compile(r"^\s*fix: (?P<fix>.+)$", re.M)
 # line; a GuardError code elsewhere (a log line); a pattern elsewhere; a code pattern in the code that a
 # traceback quotes from the user's own frames (a hint about the cause, never a diagnosis by itself).
 # Code quoted from library frames is no evidence at all: the engine's source spells out its own errors.
-GUARD_CODE_IN_EXCEPTION, PATTERN_IN_EXCEPTION, GUARD_CODE_IN_TEXT, PATTERN_IN_TEXT, PATTERN_IN_USER_CODE = 4, 3, 2, 1, 0
+GUARD_CODE_IN_EXCEPTION, PATTERN_IN_EXCEPTION, GUARD_CODE_IN_TEXT, PATTERN_IN_TEXT = 4, 3, 2, 1
+PATTERN_IN_USER_CODE = 0
 EVIDENCE = {4: "guard-error-code", 3: "exception-line", 2: "guard-code-in-text", 1: "text", 0: "user-code"}
 
 
@@ -402,9 +417,13 @@ class _Hit:
         return (self.tier, self.position, self.span)
 
 
+def _regexes(contract: Contract) -> tuple:
+    return (rf"\b{re.escape(contract.code)}\b", *contract.diagnosis.patterns)
+
+
 def _longest_match(contract: Contract, text: str) -> int:
     best = 0
-    for pattern in (rf"\b{re.escape(contract.code)}\b", *contract.diagnosis.patterns):
+    for pattern in _regexes(contract):
         for m in re.finditer(pattern, text):
             best = max(best, m.end() - m.start())
     return best
@@ -416,12 +435,28 @@ def _line_of(text: str, at: int) -> str:
     return text[start:end if end >= 0 else len(text)].strip()
 
 
+def _spans_by_line(lines: Sequence[str], contracts: Sequence[Contract]) -> dict:
+    """{line index: {code: longest match starting on that line}}: one scan of the whole text per regex
+    (a regex led by ``\\b`` has no fast scan, so a code is first looked for as a plain substring)."""
+    joined = "\n".join(lines)
+    starts = list(accumulate((len(line) + 1 for line in lines[:-1]), initial=0))
+    found: dict = {}
+    for contract in contracts:
+        for k, pattern in enumerate(_regexes(contract)):
+            if k == 0 and contract.code not in joined:
+                continue
+            for m in re.finditer(pattern, joined):
+                if m.end() > m.start():
+                    per_line = found.setdefault(bisect_right(starts, m.start()) - 1, {})
+                    per_line[contract] = max(per_line.get(contract, 0), m.end() - m.start())
+    return found
+
+
 def _hits(parsed: Parsed, contracts: Sequence[Contract]) -> list[_Hit]:
     by_code = {c.code: c for c in contracts}
     lines, blocks = parsed.lines, parsed.blocks
-    joined = "\n".join(lines)
-    # Only contracts that match somewhere are looked for line by line: a long log stays linear.
-    candidates = [c for c in contracts if c.matches_error(joined)]
+    spans_by_line = _spans_by_line(lines, contracts)
+    candidates = [c for c in contracts if any(c in spans for spans in spans_by_line.values())]
     hits: list[_Hit] = []
     for position, block in enumerate(blocks):
         if block.exception is None:
@@ -436,29 +471,23 @@ def _hits(parsed: Parsed, contracts: Sequence[Contract]) -> list[_Hit]:
             span = _longest_match(contract, text)
             if span:
                 hits.append(_Hit(PATTERN_IN_EXCEPTION, position, span, contract, block.exception, block))
-    matched_somewhere = set()
-    for i, line in enumerate(lines):
-        spans = [(c, span) for c in candidates for span in [_longest_match(c, line)] if span]
-        matched_somewhere.update(c.code for c, _ in spans)
+    block_of_frame = {id(f): b for b in blocks for f in b.frames}
+    for i in sorted(set(spans_by_line) | {i for i, line in enumerate(lines) if "[GL" in line}):
+        line, spans = lines[i], spans_by_line.get(i, {})
         frame = parsed.code_of.get(i)
         if frame is not None:
             # Quoted code is matched against code patterns only (kind "pattern", e.g. a host read of
             # cu_seqlens); an error text that a test or the engine's source spells out is no evidence.
             if not is_library_frame(frame.file):
-                block = next((b for b in blocks if frame in b.frames), None)
-                hits += [_Hit(PATTERN_IN_USER_CODE, i, span, c, line.strip(), block)
-                         for c, span in spans if c.kind == "pattern"]
+                hits += [_Hit(PATTERN_IN_USER_CODE, i, span, c, line.strip(), block_of_frame.get(id(frame)))
+                         for c, span in spans.items() if c.kind == "pattern"]
             continue
         found = [(GUARD_CODE_IN_TEXT, m.end() - m.start(), by_code[m.group("code")])
                  for m in _GUARD_CODE.finditer(line) if m.group("code") in by_code]
-        found += [(PATTERN_IN_TEXT, span, c) for c, span in spans]
+        found += [(PATTERN_IN_TEXT, span, c) for c, span in spans.items()]
         if found:
             block = next((b for b in blocks if b.start <= i <= b.end), None)
             hits += [_Hit(tier, i, span, contract, line.strip(), block) for tier, span, contract in found]
-    # A pattern that only matches across lines still counts, as text.
-    for contract in candidates:
-        if contract.code not in matched_somewhere and not any(h.contract is contract for h in hits):
-            hits.append(_Hit(PATTERN_IN_TEXT, -1, 0, contract, "", None))
     return hits
 
 
@@ -566,7 +595,7 @@ def prevention(contract: Contract, program: Optional[str] = None) -> str:
             f"Prevent it: {solutions[0] if solutions else 'see guardlint explain ' + contract.code}")
     command = run_command(contract, program)
     if command:
-        text += f" With the setting its solutions name: {command}"
+        text += f" Or, as its solutions say, run with {env_setting(contract)}: {command}"
     return text
 
 
@@ -724,7 +753,7 @@ def as_text(result: DiagnoseResult) -> str:
     else:
         out.append("  where: no frame of your own code in the input")
     out += ["", "What it means", *_wrap(d.what_it_means), "", "When it happens", *_wrap(d.when_it_happens)]
-    if result.guard_fix:
+    if result.guard_fix and result.guard_fix not in d.solutions:
         out += ["", "Fix (from the error)", *_wrap(result.guard_fix)]
     if d.solutions:
         out += ["", "Solutions", *[line for s in d.solutions for line in _wrap(f"- {s}")]]

@@ -33,7 +33,8 @@ CASES = [
     (FIXTURES / "pytest_long_gl102.txt", "GL102", ("models/qwen2_vision.py", 31, "forward"),
      "RuntimeError: max_seqlen should be prepared", "guardlint --select GL101,GL102 models"),
     (FIXTURES / "docker_gl201.log", "GL201", ("/opt/plugins/mla_lora/backend.py", 141, "run_kv_b_step_a"),
-     "ValueError: LoRA batch_info must provide max_len or seg_lens.", "guardlint --select GL201 /opt/plugins/mla_lora"),
+     "ValueError: LoRA batch_info must provide max_len or seg_lens.",
+     "guardlint --select GL201 /opt/plugins/mla_lora"),
     (FIXTURES / "pytest_short_gl107_numel.txt", "GL107", ("vision/encoder.py", 77, "forward"),
      "RuntimeError: packed indptr numel mismatch: got 3, expected 24", None),
     (FIXTURES / "ipython_gl107_tensor.txt", "GL107", ("In[7]", 4, None),
@@ -145,6 +146,16 @@ def test_diagnose_every_guard_error_by_its_code(code):
     assert f"[{code} {get(code).name}]" in result.message
     # The error's own fix line is the fix; it is the contract's first solution unless the raiser gave one.
     assert result.fix == get(code).diagnosis.solutions[0]
+
+
+def test_diagnose_guard_errors_own_fix_line_is_the_fix():
+    from guardlint.guard.errors import GuardError
+
+    message = str(GuardError("GL106", argument="backend", expected="a backend that runs head_dim=80",
+                             got="'flashinfer'", function="varlen_attention", fix='Use backend="triton".'))
+    result = diagnose(f"guardlint.guard.errors.GuardError: {message}\n")
+    assert result.code == "GL106" and result.fix == 'Use backend="triton".'
+    assert result.exception_type == "guardlint.guard.errors.GuardError"
 
 
 def test_diagnose_guard_code_beats_another_rule_on_a_later_exception_line():
@@ -332,6 +343,16 @@ def test_diagnose_per_line_prefix_seen_before_traceback():
     assert result.code == "GL101" and result.frame.line == 131
 
 
+def test_diagnose_traceback_inside_a_json_log_line():
+    windows = SAMPLE.read_text().replace("/srv/app/models/qwen2_vision.py", "C:\\srv\\new\\models\\vision.py")
+    log = (json.dumps({"ts": "2025-06-12T10:41:06Z", "level": "info", "msg": "batch ok"}) + "\n"
+           + json.dumps({"ts": "2025-06-12T10:41:07Z", "level": "error", "exc_info": windows}) + "\n")
+    result = diagnose(log)
+    assert result.code == "GL101" and result.evidence == "exception-line"
+    assert (result.frame.file, result.frame.line) == ("C:\\srv\\new\\models\\vision.py", 131)
+    assert result.frame.source == "attn_out = self.attn(q, k, v, cu_seqlens, bsz, seq_len)"
+
+
 def test_diagnose_utf16_crlf_and_colours():
     text = SAMPLE.read_text()
     assert diagnose(text.encode("utf-16")).code == "GL101"  # PowerShell's `>` writes UTF-16 with a BOM
@@ -362,8 +383,8 @@ def test_message_inside_binary_noise_is_still_found():
 def test_diagnose_never_raises_on_arbitrary_text():
     from hypothesis import given, settings, strategies as st
 
-    alphabet = st.sampled_from(list('Traceback (most recent call last):\n  File "x.py", line 3, in f\nE> _=:[]0GL1\x00'
-                                    "\x1bsequence_lengths should be prepared"))
+    alphabet = st.sampled_from(list('Traceback (most recent call last):\n  File "x.py", line 3, in f\n'
+                                    "E> _=:[]0GL1\x00\x1bsequence_lengths should be prepared"))
 
     @settings(max_examples=150, deadline=None)
     @given(st.one_of(st.text(alphabet), st.text(), st.binary()))
@@ -386,6 +407,11 @@ def test_json_shape():
     assert out["fix"] == get("GL105").diagnosis.solutions[0]
     assert out["diagnosis"]["what_it_means"] == get("GL105").diagnosis.what_it_means
     assert out["explain"] == "guardlint explain GL105"
+    strict = json.loads(invoke(str(FIXTURES / "guard_gl103_strict.txt"), "--format", "json").stdout)
+    assert strict["kind"] == "runtime" and strict["related"] == []
+    assert strict["prevent"].endswith("run with GUARDLINT_MODE=strict: "
+                                      "GUARDLINT_MODE=strict python /home/ml/vit-demo/encode.py")
+    assert strict["fix"] == "Build cu_seqlens as torch.cat([zeros(1), lengths.cumsum(0)]).to(torch.int32) on q's device."
 
 
 def test_no_match_exit_1_and_says_what_to_do():
