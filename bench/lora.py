@@ -4,7 +4,7 @@ the device-to-device copy bandwidth measured in the same run).
 
 Cases: 4096 tokens in 8 segments (1024/128/640/256/896/64/768/320) over 4 adapters, K = N = 4096, rank 16
 and 64; decode: 64 one-token segments. qkv: N_q = 4096, N_kv = 1024. MLA: 16 heads, qk_nope = v_head = 128,
-kv_lora_rank = 512. Shrink variants: split-K 1/2/4/8 and the launcher's own choice.
+kv_lora_rank = 512. ``config`` is the tuned block choice (S/N/K tile, warps, stages).
 
     python bench/lora.py [--cases prefill-r16,prefill-r64,decode-r16] [--quick] [--warmup N] [--iters N]
     python bench/lora.py --cpu-smoke      # tiny shapes through the Triton interpreter: checks the script
@@ -157,7 +157,7 @@ def loop_step_b_v(torch, t, segs, case):
 # -- the kernels: how to call ours, the float64 reference, the loop, and the bytes they must move ---------
 
 def kernels(case: Case, S: int, torch, lora):
-    """name -> (ours(t, info, **variant), reference64(t, info), loop(t, segs), bytes, in-place base key)."""
+    """name -> (ours(t, info), reference64(t, info), loop(t, segs), bytes, in-place base key)."""
     L, R, K, N, H = case.slots, case.R, case.K, case.N, case.heads
     qk, v, kvr, n_qkv = case.qk_nope, case.v_head, case.kv_rank, case.n_q + 2 * case.n_kv
     mla = dict(qk_nope_head_dim=qk, v_head_dim=v)
@@ -165,37 +165,37 @@ def kernels(case: Case, S: int, torch, lora):
     e = 2  # bytes per bfloat16
     return {
         "sgemm_lora_a": (
-            lambda t, i, **kw: lora.sgemm_lora_a(t["x"], t["A"], i, **kw),
+            lambda t, i: lora.sgemm_lora_a(t["x"], t["A"], i),
             lambda t, i: lora.sgemm_lora_a_reference(d(t["x"]), d(t["A"]), i),
             lambda t, s: loop_sgemm_a(torch, t, s),
             e * (S * K + L * R * K + S * R), None),
         "sgemm_lora_b": (
-            lambda t, i, **kw: lora.sgemm_lora_b(t["y"], t["B"], i, t["base"]),
+            lambda t, i: lora.sgemm_lora_b(t["y"], t["B"], i, t["base"]),
             lambda t, i: lora.sgemm_lora_b_reference(d(t["y"]), d(t["B"]), i, d(t["base"])),
             lambda t, s: loop_sgemm_b(torch, t, s),
             e * (S * R + L * N * R + 2 * S * N), "base"),
         "qkv_lora_b": (
-            lambda t, i, **kw: lora.qkv_lora_b(t["y3"], t["B_qkv"], i, t["offsets"], t["base_qkv"]),
+            lambda t, i: lora.qkv_lora_b(t["y3"], t["B_qkv"], i, t["offsets"], t["base_qkv"]),
             lambda t, i: lora.qkv_lora_b_reference(d(t["y3"]), d(t["B_qkv"]), i, t["offsets"], d(t["base_qkv"])),
             lambda t, s: loop_qkv_b(torch, t, s),
             e * (S * 3 * R + L * n_qkv * R + 2 * S * n_qkv), "base_qkv"),
         "step_a_q": (
-            lambda t, i, **kw: lora.step_a_q(t["q_nope"], t["mla_b"], i, **mla),
+            lambda t, i: lora.step_a_q(t["q_nope"], t["mla_b"], i, **mla),
             lambda t, i: lora.step_a_q_reference(d(t["q_nope"]), d(t["mla_b"]), i, **mla),
             lambda t, s: loop_step_a_q(torch, t, s, case),
             e * (S * H * qk + L * H * qk * R + S * H * R), None),
         "step_b_q": (
-            lambda t, i, **kw: lora.step_b_q(t["mla_y"], t["mla_a"], i, t["base_q"]),
+            lambda t, i: lora.step_b_q(t["mla_y"], t["mla_a"], i, t["base_q"]),
             lambda t, i: lora.step_b_q_reference(d(t["mla_y"]), d(t["mla_a"]), i, d(t["base_q"])),
             lambda t, s: loop_step_b_q(torch, t, s),
             e * (S * H * R + L * R * kvr + 2 * S * H * kvr), "base_q"),
         "step_a_v": (
-            lambda t, i, **kw: lora.step_a_v(t["latent"], t["mla_a"], i),
+            lambda t, i: lora.step_a_v(t["latent"], t["mla_a"], i),
             lambda t, i: lora.step_a_v_reference(d(t["latent"]), d(t["mla_a"]), i),
             lambda t, s: loop_step_a_v(torch, t, s, case),
             e * (S * H * kvr + L * R * kvr + S * H * R), None),
         "step_b_v": (
-            lambda t, i, **kw: lora.step_b_v(t["mla_y"], t["mla_b"], i, t["base_v"], **mla),
+            lambda t, i: lora.step_b_v(t["mla_y"], t["mla_b"], i, t["base_v"], **mla),
             lambda t, i: lora.step_b_v_reference(d(t["mla_y"]), d(t["mla_b"]), i, d(t["base_v"]), **mla),
             lambda t, s: loop_step_b_v(torch, t, s, case),
             e * (S * H * R + L * H * v * R + 2 * S * H * v), "base_v"),
@@ -282,35 +282,52 @@ def main() -> int:
         bandwidth = 4226.0  # the figure measured on an H200; smoke runs only check the script
     log(f"copy bandwidth {bandwidth:.0f} GB/s")
 
-    def best_config(name):
-        tuned = _lora_kernels._shrink_tuned if name in ("sgemm_lora_a", "step_a_q", "step_a_v") else \
-            _lora_kernels._expand_tuned
-        cfg = getattr(tuned, "best_config", None) if cuda else None
-        if cfg is None:
+    def launch_config(call):
+        """Blocks, warps and stages of the launch ``call()`` makes (already tuned: read off the launch)."""
+        seen = []
+        names = ("_shrink_run", "_expand_run")
+        saved = [getattr(_lora_kernels, n) for n in names]
+        for n, run in zip(names, saved):
+            setattr(_lora_kernels, n, lambda *a, _run=run, **kw: seen.append(kw) or _run(*a, **kw))
+        try:
+            call()
+        finally:
+            for n, run in zip(names, saved):
+                setattr(_lora_kernels, n, run)
+        if not seen:
             return ""
-        kw = " ".join(f"{k[6:] if k.startswith('BLOCK_') else k}{v}" for k, v in cfg.kwargs.items())
-        return f"{kw} w{cfg.num_warps} s{cfg.num_stages}"
+        kw = seen[-1]
+        blocks = " ".join(f"{k[6:]}{v}" for k, v in kw.items() if k in ("BLOCK_S", "BLOCK_N", "BLOCK_K"))
+        return f"{blocks} w{kw.get('num_warps', '')} s{kw.get('STAGES', kw.get('num_stages', ''))}"
+
+    def variants(name, ours):
+        """(label, call(t, info)): the public function; for the plain GEMMs also its custom op called
+        directly, the path torch.compile takes, to show what the op's dispatch costs per eager call."""
+        out = [("", ours)]
+        if name == "sgemm_lora_a":
+            out.append(("custom op", lambda t, i: lora._sgemm_lora_a_op(
+                t["x"], t["A"], *lora._op_batch(lora._check_batch(name, t["x"], i, t["A"].shape[0])), 1)))
+        elif name == "sgemm_lora_b":
+            out.append(("custom op", lambda t, i: lora._sgemm_lora_b_op(
+                t["y"], t["B"], t["base"], *lora._op_batch(lora._check_batch(name, t["y"], i, t["B"].shape[0])),
+                True) or t["base"]))
+        return out
 
     rows, failures = [], []
     for case in cases:
         S, info, segments, t = build(case, device, torch, lora)
         specs = kernels(case, S, torch, lora)
-        auto_split = _lora_kernels.choose_split_k(S, info.num_segments, case.K, 1, device)
-        log(f"{case.name}: S={S}, {len(case.lens)} segments, R={case.R}; auto split-K {auto_split}")
+        log(f"{case.name}: S={S}, {len(case.lens)} segments, R={case.R}")
         for name, (ours, ref64, loop, nbytes, base_key) in specs.items():
-            variants = [("", {})]
-            if name == "sgemm_lora_a":
-                variants = [(f"auto (split {auto_split})", {})] + [
-                    (f"split {k}", {"split_k": k}) for k in (1, 2, 4, 8)]
             # Correctness first, on a copy of the in-place output; the reference is the definition, in float64.
             saved = t[base_key].clone() if base_key else None
-            for label, kw in variants:
+            for label, fn in variants(name, ours):
                 if base_key:
                     t[base_key].copy_(saved)
                 expect = ref64(t, info)
                 if base_key:
                     t[base_key].copy_(saved)
-                out = ours(t, info, **kw)
+                out = fn(t, info)
                 abs_err, rel_err = errors(out, expect)
                 ok = bool(torch.isfinite(out).all()) and rel_err <= REL_TOL
                 log(f"  {name:13s} {label:15s} max abs err {abs_err:.3g}, rel {rel_err:.3g} "
@@ -333,18 +350,18 @@ def main() -> int:
         specs = kernels(case, S, torch, lora)
         for name, (ours, ref64, loop, nbytes, base_key) in specs.items():
             torch_us = timer(lambda: loop(t, segments), warmup=args.warmup, iters=args.iters)
+            fns = dict(variants(name, ours))
             while at < len(rows) and rows[at]["case"] == case.name and rows[at]["kernel"] == name:
                 row = rows[at]
-                kw = {} if not row["variant"].startswith("split") else {"split_k": int(row["variant"].split()[1])}
-                call = (lambda kw=kw: ours(t, info, **kw))
+                call = (lambda fn=fns[row["variant"]]: fn(t, info))
                 row["us"] = timer(call, warmup=args.warmup, iters=args.iters)
-                row["config"] = best_config(name)
+                row["config"] = launch_config(call)
                 row["graph_us"] = graph_time_us(call)
                 row["torch_us"] = torch_us
                 device_us = row["graph_us"] if row["graph_us"] else row["us"]
                 row["pct_of_floor"] = 100.0 * row["floor_us"] / device_us
                 row["x_vs_torch"] = torch_us / row["us"]
-                row["goal_us"] = GOALS_US.get((case.name, name)) if not row["variant"].startswith("split") else None
+                row["goal_us"] = GOALS_US.get((case.name, name))
                 log(f"  {name:13s} {row['variant']:15s} {row['us']:9.1f} us eager, "
                     f"{row['graph_us'] or float('nan'):9.1f} us graph, torch loop {torch_us:9.1f} us, "
                     f"floor {row['floor_us']:.1f} us  [{row['config']}]")
@@ -353,7 +370,7 @@ def main() -> int:
     name = "lora_smoke" if args.cpu_smoke else "lora"
     meta = env_meta()
     meta.update(dtype="bfloat16", copy_bandwidth_gbs=round(bandwidth, 1), warmup=args.warmup, iters=args.iters,
-                timing=("us: median of per-call CUDA events, public API (guard + checks + custom op), warm L2; "
+                timing=("us: median of per-call CUDA events, public API (guard + checks + launch), warm L2; "
                         "graph_us: the same call replayed from a CUDA graph after an L2 flush (device time); "
                         "torch_us: torch per-segment loop with host-side segment bounds"
                         if cuda else "host clock, CPU smoke run through the Triton interpreter (not a measurement)"),
@@ -381,7 +398,7 @@ def plot(rows, cases, name) -> None:
 
     fig, axes = plt.subplots(1, len(cases), figsize=(6 * len(cases), 4.5), squeeze=False)
     for ax, case in zip(axes[0], cases):
-        mine = [r for r in rows if r["case"] == case.name and not r["variant"].startswith("split")]
+        mine = [r for r in rows if r["case"] == case.name]
         labels = [r["kernel"] for r in mine]
         ours = [r.get("graph_us") or r.get("us") or 0 for r in mine]
         loop = [r.get("torch_us") or 0 for r in mine]

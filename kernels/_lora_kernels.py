@@ -1,4 +1,4 @@
-"""Triton kernels for the segmented LoRA GEMMs: one shrink kernel, one expand kernel, one split-K reduction.
+"""Triton kernels for the segmented LoRA GEMMs: one shrink kernel and one expand kernel, one launch each.
 
 Every public LoRA function of ``guardlint.kernels.lora`` is one of these two kernels with its own strides.
 Tokens are grouped in segments (``seg_indptr`` prefix sums); segment ``g`` uses the adapter in slot
@@ -7,44 +7,46 @@ the plain GEMMs), ``L`` slots, ``R`` stored rank.
 
 Shrink (``out[t, h, c] = sum_k x[t, h, k] * W[slot, h, c, k]`` for ``c % R < r``, else 0)::
 
-    grid = (token programs * column blocks * split_k, live segments + 1, H)
+    grid = (token tiles * column blocks, H)
 
 Expand (``out[t, h, n] = (out[t, h, n] if accumulate else 0) + scaling[slot] * sum_{k<r} x[t, h, k]
 * W[slot, h, n, k]``)::
 
-    grid = (token programs * column blocks, live segments (+ 1 for fresh outputs), H or 3 qkv slices)
+    grid = (token tiles * column groups, H or 3 qkv slices)
 
-Axis 0: ``token programs = ceil(max_len / BLOCK_S)`` (at least 1) and each program strides over its
-segment's token blocks, so a ``max_len`` that is too small (or 0) costs speed, never correctness. Axis 1:
-one column per live segment (``num_segments``; the stale tail of a CUDA-graph buffer is never read), plus
-a last column that zero-fills rows no live segment covers when the output is fresh. Axis 2: heads (MLA
-steps) or the q/k/v slices of ``qkv_lora_b``. Segments with an out-of-range slot or rank are written as
-NaN instead of being read out of bounds (``GUARDLINT_MODE=strict`` reports them as GL204 before launch).
+Token tiles are flattened over the segments: segment ``g`` owns ``ceil(len_g / BLOCK_S)`` consecutive
+tiles, and a program finds its segment with one vector load of ``seg_indptr`` and a prefix sum
+(``_find_tile``). ``ceil(S / BLOCK_S) + num_segments (+ 1)`` bounds the tile count, so the grid needs no
+``max_len`` and no host read; programs past the last tile exit. Only the first ``num_segments``
+segments are read (the stale tail of a CUDA-graph buffer never is); a fresh output gets one more
+segment, ``[seg_indptr[num_segments], S)``, written as zeros. Segments with an out-of-range slot or rank
+are written as NaN instead of being read out of bounds (``GUARDLINT_MODE=strict`` reports them as GL204
+before launch). An expand program walks ``BLOCK_N`` column tiles of one column group; the loop is
+software-pipelined, so its base reads are in flight through ``cp.async`` instead of registers.
 
 ========= ================== ============ ====================== ==========================================
 kernel    K (reduced)        N (written)  blocks on the GPU      why
 ========= ================== ============ ====================== ==========================================
-sgemm_a   hidden (4096)      stack * R    S 16-64, K 128-256,    bound by reading x once: cp.async pipeline
-                                          N = R (<= 128)         over K; split-K when token tiles leave SMs
-                                                                 idle (K >= 1024 per two splits)
-sgemm_b   R (16-128)         N (4096)     S 16-128, N 128-256,   bound by reading and writing base; tiles
-                                          K chunk 16-32          sized so 2-4 programs fit an SM (loads in
-                                                                 flight live in registers)
-qkv_b     R per slice        N_q, N_kv    as sgemm_b             q/k/v slices on grid axis 2
-step_a_q  qk_nope (128)      R            as sgemm_a             per head (axis 2); K too short to split
+sgemm_a   hidden (4096)      stack * R    S 16-64, K 128-256,    bound by reading x once: one pass over K,
+                                          N = R (<= 128),        3-5 cp.async stages of 12-24 KB keep about
+                                          4 warps                64 KB per SM in flight without split-K
+sgemm_b   R (16-128)         N (4096)     S 16-64, N 128-256,    bound by reading and writing base: 2-3
+                                          K = R, 4-8 warps       stages of 8-32 KB of base per program in
+                                                                 flight, every element written once
+qkv_b     R per slice        N_q, N_kv    as sgemm_b             q/k/v slices on grid axis 1
+step_a_q  qk_nope (128)      R            as sgemm_a             per head (axis 1)
 step_b_q  R                  kv_lora_rank as sgemm_b             per head; A shared by the heads
-step_a_v  kv_lora_rank (512) R            as sgemm_a             per head; K too short to split
+step_a_v  kv_lora_rank (512) R            as sgemm_a             per head
 step_b_v  R                  v_head (128) as sgemm_b             per head
 ========= ================== ============ ====================== ==========================================
 
-On the GPU the block sizes come from a small ``triton.autotune`` set per kernel (3 shrink, 4 expand
-configs) keyed on (K, N, R, split, a token-count class); the split-K factor is chosen on the host
-(``choose_split_k``). Under ``TRITON_INTERPRET=1`` fixed small blocks are used and tiles are upcast to
-float32 after loading (the interpreter's bfloat16 arithmetic is wrong).
+On the GPU the block sizes come from a small ``triton.autotune`` set per kernel (4 configs each), tuned
+once per (dtype, K, N, R, token-count class, flags) key and then looked up in a plain dict
+(``_Tuned``), so a call costs no autotuner bookkeeping. Under ``TRITON_INTERPRET=1`` fixed small blocks
+are used and tiles are upcast to float32 after loading (the interpreter's bfloat16 arithmetic is wrong).
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -55,124 +57,152 @@ import triton.testing
 # Triton decides at decoration time whether a kernel is interpreted; read the switch the same way.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-# Shrink: split K in at most this many parts; the partial sums live in a float32 workspace.
-MAX_SPLIT_K = 8
+# Segments scanned per step of _find_tile: one vector load covers a whole decode batch of 256.
+BLOCK_SEG = 256
+# Expand programs split N into column groups until about this many programs exist (two to four resident
+# per SM of a 132-SM GPU): a small batch still spreads over the GPU, and each program's setup (segment
+# search, adapter loads) is paid once for a pipelined loop of several column tiles.
+EXPAND_PROGRAMS = 512
 
 
 @triton.jit
-def _segment(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, num_segments, num_tokens, num_slots, max_rank,
-             tail_column):
-    """Token range [start, stop), slot and rank of this program's segment column (axis 1)."""
-    seg = tl.program_id(1)
-    live = seg < num_segments
-    is_tail = seg == tail_column
-    start = tl.load(seg_indptr_ptr + tl.minimum(seg, num_segments)).to(tl.int32)
-    stop = tl.load(seg_indptr_ptr + seg + 1, mask=live, other=0).to(tl.int32)
-    # The tail column (fresh outputs only) covers the sorted positions after the last live segment.
-    stop = tl.where(live, stop, tl.where(is_tail, num_tokens, start))
-    # Clamp so that a corrupt seg_indptr can skip tokens but never address memory outside x.
-    start = tl.minimum(tl.maximum(start, 0), num_tokens)
-    stop = tl.minimum(tl.maximum(stop, start), num_tokens)
+def _find_tile(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, num_segments, num_tokens, num_slots,
+               max_rank, tile, with_tail, HAS_SCALING: tl.constexpr, BLOCK_S: tl.constexpr,
+               BLOCK_SEG: tl.constexpr):
+    """Segment of flattened token tile ``tile`` (-1 past the last tile), its first sorted position and
+    stop, and its adapter: slot, rank, scaling, and whether slot or rank is out of range (``bad``).
+
+    Segment ``num_segments`` is the tail ``[seg_indptr[num_segments], S)``, counted only when
+    ``with_tail``; it and missing tiles have rank 0."""
+    n_cols = num_segments + with_tail
+    # Columns (segments) that end at or before the tile precede it: their count is the tile's column, their
+    # tiles the column's first tile. Both in one int64 sum: count in the low 32 bits, tiles above.
+    before = tl.full((), 0, tl.int64)
+    done = tl.full((), 0, tl.int32)
+    for g0 in range(0, n_cols, BLOCK_SEG):
+        g = g0 + tl.arange(0, BLOCK_SEG)
+        live = g < num_segments
+        lo = tl.load(seg_indptr_ptr + tl.minimum(g, num_segments), mask=g < n_cols, other=0).to(tl.int32)
+        hi = tl.load(seg_indptr_ptr + g + 1, mask=live, other=0).to(tl.int32)
+        # Clamp so that a corrupt seg_indptr can skip tokens but never address memory outside x; the
+        # tail ends at S, columns past it are empty.
+        lo = tl.minimum(tl.maximum(lo, 0), num_tokens)
+        hi = tl.minimum(tl.maximum(tl.where(live, hi, tl.where(g < n_cols, num_tokens, 0)), lo), num_tokens)
+        n_tiles = (hi - lo + BLOCK_S - 1) // BLOCK_S
+        ends = tl.cumsum(n_tiles, 0) + done
+        before += tl.sum(tl.where(ends <= tile, n_tiles.to(tl.int64) * 4294967296 + 1, 0), 0)
+        done += tl.sum(n_tiles, 0)
+    seg = (before & 4294967295).to(tl.int32)
+    first = (before >> 32).to(tl.int32)
+    found = seg < n_cols
+    live = found & (seg < num_segments)
+    # Scalar loads of the lines just read (L1 hits).
+    lo = tl.load(seg_indptr_ptr + tl.minimum(seg, num_segments), mask=found, other=0).to(tl.int32)
+    hi = tl.load(seg_indptr_ptr + seg + 1, mask=live, other=0).to(tl.int32)
     slot = tl.load(weight_indices_ptr + seg, mask=live, other=0).to(tl.int32)
+    lo = tl.minimum(tl.maximum(lo, 0), num_tokens)
+    stop = tl.where(found, tl.minimum(tl.maximum(tl.where(live, hi, num_tokens), lo), num_tokens), 0)
+    pos = tl.where(found, lo + (tile - first) * BLOCK_S, 0)
+    seg = tl.where(found, seg, -1)
+
     slot_bad = (slot < 0) | (slot >= num_slots)
-    rank = tl.load(lora_ranks_ptr + slot, mask=live & (slot_bad == 0), other=0).to(tl.int32)
+    ok = live & (slot_bad == 0)
+    rank = tl.load(lora_ranks_ptr + slot, mask=ok, other=0).to(tl.int32)
+    # Loaded beside the rank, not after it: one round trip less before the loads that matter.
+    if HAS_SCALING:
+        scaling = tl.load(scalings_ptr + slot, mask=ok, other=0.0).to(tl.float32)
+    else:
+        scaling = 1.0
     bad = live & (slot_bad | (rank < 0) | (rank > max_rank))
     rank = tl.where(bad, 0, rank)
-    slot = tl.where(bad, 0, slot)
-    return start, stop, slot, rank, bad
-
-
-@triton.jit
-def _token_rows(permutation_ptr, pos, stop, num_tokens, HAS_PERMUTATION: tl.constexpr):
-    """Rows of x / out for sorted positions ``pos``, and which of them are real."""
-    in_segment = pos < stop
-    if HAS_PERMUTATION:
-        rows = tl.load(permutation_ptr + pos, mask=in_segment, other=0).to(tl.int64)
-        in_segment = in_segment & (rows >= 0) & (rows < num_tokens)
-    else:
-        rows = pos.to(tl.int64)
-    return rows, in_segment
+    slot = tl.where(ok, slot, 0)
+    return seg, pos, stop, slot, rank, scaling, bad
 
 
 # Batch-shape scalars change every step; specializing on them (== 1, divisible by 16) would only
 # multiply compilations (and the autotuning behind each).
-_BATCH_SCALARS = ["num_segments", "num_tokens", "num_slots", "tail_column", "size_class"]
+_BATCH_SCALARS = ["num_segments", "num_tokens", "num_slots", "size_class"]
 
 
 @triton.jit(do_not_specialize=_BATCH_SCALARS)
 def _lora_shrink_kernel(
     x_ptr, w_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, permutation_ptr,
-    num_segments, num_tokens, num_slots, tail_column, split_k, K, N, max_rank,
+    num_segments, num_tokens, num_slots, K, N, max_rank,
     stride_xt, stride_xh, stride_xk,
     stride_wl, stride_wh, stride_wn, stride_wk,
-    stride_os, stride_ot, stride_oh, stride_on,
+    stride_ot, stride_oh, stride_on,
     size_class,  # read by the autotuner's key only
     HAS_PERMUTATION: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_SEG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    head = tl.program_id(2)
-    n_blocks_n = tl.cdiv(N, BLOCK_N)
-    n_token_programs = tl.num_programs(0) // (n_blocks_n * split_k)
-    pid_k = pid % split_k
-    pid_n = (pid // split_k) % n_blocks_n
-    pid_s = pid // (split_k * n_blocks_n)
-    start, stop, slot, rank, bad = _segment(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, num_segments,
-                                            num_tokens, num_slots, max_rank, tail_column)
+    head = tl.program_id(1)
+    n_blocks_n = (N + BLOCK_N - 1) // BLOCK_N
+    tile = pid // n_blocks_n
+    pid_n = pid % n_blocks_n
+    seg, pos, stop, slot, rank, _, bad = _find_tile(
+        seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, lora_ranks_ptr, num_segments, num_tokens, num_slots,
+        max_rank, tile, 1, False, BLOCK_S, BLOCK_SEG)
+    # Rows of x / out for the tile's sorted positions (a helper call would cost the interpreter a lot).
+    offs_s = pos + tl.arange(0, BLOCK_S)
+    t_in = offs_s < stop
+    if HAS_PERMUTATION:
+        rows = tl.load(permutation_ptr + offs_s, mask=t_in, other=0).to(tl.int64)
+        t_in = t_in & (rows >= 0) & (rows < num_tokens)
+    else:
+        rows = offs_s.to(tl.int64)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = offs_n < N
-    # Columns are stacks of R; in each stack only the slot's first r columns are read, the rest are 0.
-    n_live = n_in & ((offs_n % max_rank) < rank)
-    k_chunk = tl.cdiv(tl.cdiv(K, split_k), BLOCK_K) * BLOCK_K
-    k_lo = pid_k * k_chunk
-    k_hi = tl.where(rank > 0, tl.minimum(k_lo + k_chunk, K), k_lo)
     offs_k = tl.arange(0, BLOCK_K)
-    x_head = x_ptr + head.to(tl.int64) * stride_xh
-    w_base = w_ptr + slot.to(tl.int64) * stride_wl + head.to(tl.int64) * stride_wh + offs_n[None, :] * stride_wn
-    # Split-K partial sums go to slab pid_k of a float32 workspace; with split_k == 1, out is the output.
-    out_base = out_ptr + pid_k.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh + offs_n[None, :] * stride_on
-
-    for s0 in range(pid_s * BLOCK_S, stop - start, n_token_programs * BLOCK_S):
-        rows, t_in = _token_rows(permutation_ptr, start + s0 + tl.arange(0, BLOCK_S), stop, num_tokens,
-                                 HAS_PERMUTATION)
-        acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            k = k0 + offs_k
-            k_in = k < k_hi
-            xt = tl.load(x_head + rows[:, None] * stride_xt + k[None, :] * stride_xk,
-                         mask=t_in[:, None] & k_in[None, :], other=0.0)
-            wt = tl.load(w_base + k[:, None] * stride_wk, mask=k_in[:, None] & n_live[None, :], other=0.0)
-            if UPCAST:
-                xt = xt.to(tl.float32)
-                wt = wt.to(tl.float32)
-            acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
-        acc = tl.where(bad, float("nan"), acc)
-        tl.store(out_base + rows[:, None] * stride_ot, acc.to(out_ptr.dtype.element_ty),
-                 mask=t_in[:, None] & n_in[None, :])
+    x_rows = x_ptr + head.to(tl.int64) * stride_xh + rows[:, None] * stride_xt
+    w_cols = w_ptr + slot.to(tl.int64) * stride_wl + head.to(tl.int64) * stride_wh + offs_n[None, :] * stride_wn
+    # Rank 0 (no adapter, the tail, no tile) writes zeros without reading x.
+    k_end = tl.where(rank > 0, K, 0)
+    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_end, BLOCK_K):
+        k = k0 + offs_k
+        # Masks on K (a multiple of 16 when specialized) keep the loads 16 bytes wide.
+        xt = tl.load(x_rows + k[None, :] * stride_xk, mask=t_in[:, None] & (k < K)[None, :], other=0.0)
+        # All R rows of each stack are read: rows past the slot's rank may hold anything (even NaN), but
+        # each only feeds its own output column, which is replaced below.
+        wt = tl.load(w_cols + k[:, None] * stride_wk, mask=(k < K)[:, None] & n_in[None, :], other=0.0)
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            wt = wt.to(tl.float32)
+        acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
+    # Columns are stacks of R; in each stack only the slot's first r columns are the product.
+    acc = tl.where(((offs_n % max_rank) < rank)[None, :], acc, 0.0)
+    acc = tl.where(bad, float("nan"), acc)
+    out_ptrs = out_ptr + head.to(tl.int64) * stride_oh + rows[:, None] * stride_ot + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_in[:, None] & n_in[None, :])
 
 
 @triton.jit(do_not_specialize=_BATCH_SCALARS)
 def _lora_expand_kernel(
     x_ptr, w_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, permutation_ptr,
     slice_offsets_ptr, slice_1, slice_2, slice_3,
-    num_segments, num_tokens, num_slots, tail_column, N, n_total, max_rank,
+    num_segments, num_tokens, num_slots, N, n_total, max_rank,
     stride_xt, stride_xh, stride_xk,
     stride_wl, stride_wh, stride_wn, stride_wk,
     stride_ot, stride_oh, stride_on,
     size_class,  # read by the autotuner's key only
-    ACCUMULATE: tl.constexpr, HAS_PERMUTATION: tl.constexpr, SLICES: tl.constexpr,
+    ACCUMULATE: tl.constexpr, HAS_PERMUTATION: tl.constexpr, SLICES: tl.constexpr, ALIGNED_SLICES: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_SEG: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    head = tl.program_id(2)
-    n_blocks_n = tl.cdiv(N, BLOCK_N)
-    n_token_programs = tl.num_programs(0) // n_blocks_n
-    pid_n = pid % n_blocks_n
-    pid_s = pid // n_blocks_n
-    start, stop, slot, rank, bad = _segment(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, num_segments,
-                                            num_tokens, num_slots, max_rank, tail_column)
+    head = tl.program_id(1)
+    with_tail = 0 if ACCUMULATE else 1
+    # The host sized axis 0 as (tile bound) * (column groups); recover the groups from it.
+    n_tiles = (num_tokens + BLOCK_S - 1) // BLOCK_S + num_segments + with_tail
+    groups = tl.num_programs(0) // n_tiles
+    tile = pid // groups
+    group = pid % groups
+    seg, pos, stop, slot, rank, scaling, bad = _find_tile(
+        seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, num_segments, num_tokens, num_slots,
+        max_rank, tile, with_tail, True, BLOCK_S, BLOCK_SEG)
     if SLICES != 0:
         # q/k/v slices: weight rows and output columns [off[h], off[h+1]), from host ints (SLICES == 1)
         # or a device tensor (SLICES == 2, clamped to the weight stack: its values are never read on the host).
@@ -185,6 +215,10 @@ def _lora_expand_kernel(
         n_lo = tl.minimum(tl.maximum(n_lo, 0), n_total)
         n_hi = tl.minimum(tl.maximum(n_hi, n_lo), n_total)
         width = n_hi - n_lo
+        if ALIGNED_SLICES:
+            # Host-checked multiples of 8: 16-byte accesses stay possible at the slice edges.
+            n_lo = tl.multiple_of(n_lo, 8)
+            width = tl.multiple_of(width, 8)
         w_head = n_lo.to(tl.int64) * stride_wn
         out_head = n_lo.to(tl.int64) * stride_on
     else:
@@ -192,73 +226,80 @@ def _lora_expand_kernel(
         w_head = head.to(tl.int64) * stride_wh
         out_head = head.to(tl.int64) * stride_oh
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_in = offs_n < width
+    # Rows of x / out for the tile's sorted positions (a helper call would cost the interpreter a lot).
+    offs_s = pos + tl.arange(0, BLOCK_S)
+    t_in = offs_s < stop
+    if HAS_PERMUTATION:
+        rows = tl.load(permutation_ptr + offs_s, mask=t_in, other=0).to(tl.int64)
+        t_in = t_in & (rows >= 0) & (rows < num_tokens)
+    else:
+        rows = offs_s.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    scaling = tl.load(scalings_ptr + slot, mask=rank > 0, other=0.0).to(tl.float32)
+    k_stored = offs_k < max_rank
+    k_rank = offs_k < rank
+    xt = tl.load(x_ptr + head.to(tl.int64) * stride_xh + rows[:, None] * stride_xt + offs_k[None, :] * stride_xk,
+                 mask=t_in[:, None] & k_stored[None, :], other=0.0)
+    # Columns past the slot's rank may hold anything (even NaN): select, never multiply by 0.
+    xt = tl.where(k_rank[None, :], xt, 0.0)
+    if UPCAST:
+        xt = xt.to(tl.float32)
+
+    blocks_per_group = ((N + BLOCK_N - 1) // BLOCK_N + groups - 1) // groups
+    nb_lo = group * blocks_per_group
+    nb_hi = tl.minimum(nb_lo + blocks_per_group, (width + BLOCK_N - 1) // BLOCK_N)
     # Accumulating with no adapter is a no-op: skip the read and the write of out entirely.
     if ACCUMULATE:
-        skip = ((rank == 0) & (bad == 0)) | (pid_n * BLOCK_N >= width)
+        skip = (rank == 0) & (bad == 0)
     else:
-        skip = pid_n * BLOCK_N >= width
-    n_seg_tokens = tl.where(skip, 0, stop - start)
-    x_head = x_ptr + head.to(tl.int64) * stride_xh
-    w_base = w_ptr + slot.to(tl.int64) * stride_wl + w_head + offs_n[None, :] * stride_wn
-    out_base = out_ptr + out_head + offs_n[None, :] * stride_on
-
-    for s0 in range(pid_s * BLOCK_S, n_seg_tokens, n_token_programs * BLOCK_S):
-        rows, t_in = _token_rows(permutation_ptr, start + s0 + tl.arange(0, BLOCK_S), stop, num_tokens,
-                                 HAS_PERMUTATION)
-        out_ptrs = out_base + rows[:, None] * stride_ot
+        skip = seg < 0
+    nb_hi = tl.where(skip, nb_lo, nb_hi)
+    w_rows = w_ptr + slot.to(tl.int64) * stride_wl + w_head + offs_k[:, None] * stride_wk
+    out_rows = out_ptr + out_head + rows[:, None] * stride_ot
+    # Explicit stages: without them only the dot operands (W) would be pipelined, not the base tiles.
+    for nb in tl.range(nb_lo, nb_hi, num_stages=STAGES):
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_in = offs_n < width
+        out_ptrs = out_rows + offs_n[None, :] * stride_on
         out_mask = t_in[:, None] & n_in[None, :]
         if ACCUMULATE:
-            # Issued before the GEMM so that the base read, the long pole, overlaps it.
-            base = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-        acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, rank, BLOCK_K):
-            k = k0 + offs_k
-            k_in = k < rank
-            xt = tl.load(x_head + rows[:, None] * stride_xt + k[None, :] * stride_xk,
-                         mask=t_in[:, None] & k_in[None, :], other=0.0)
-            wt = tl.load(w_base + k[:, None] * stride_wk, mask=k_in[:, None] & n_in[None, :], other=0.0)
-            if UPCAST:
-                xt = xt.to(tl.float32)
-                wt = wt.to(tl.float32)
-            acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
-        acc = acc * scaling
+            base = tl.load(out_ptrs, mask=out_mask, other=0.0)
+        wt = tl.load(w_rows + offs_n[None, :] * stride_wn, mask=k_stored[:, None] & n_in[None, :], other=0.0)
+        wt = tl.where(k_rank[:, None], wt, 0.0)
+        if UPCAST:
+            wt = wt.to(tl.float32)
+        acc = tl.dot(xt, wt, input_precision=DOT_PRECISION) * scaling
         if ACCUMULATE:
-            acc = acc + base
+            acc = acc + base.to(tl.float32)
         acc = tl.where(bad, float("nan"), acc)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
-def _split_k_reduce_kernel(ws_ptr, out_ptr, numel, split_k, BLOCK: tl.constexpr):
-    """out = sum over the split_k slabs of the workspace, cast to out's dtype."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in range(0, split_k):
-        acc += tl.load(ws_ptr + j * numel + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-# Shrink streams x once: small token tiles give many programs, long K tiles keep loads wide; 64-token
-# tiles re-read each slot's weights from L2 four times less often.
+# Shrink streams x once, in one pass over K: bytes in flight per SM come from cp.async stages, not from
+# more programs, so each config keeps about 48-96 KB of x and W in flight (r = 16).
 _SHRINK_CONFIGS = [
+    # decode and small batches: the most programs; 16 KB a stage, 3 stages ahead
     triton.Config({"BLOCK_S": 16, "BLOCK_K": 256}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_S": 32, "BLOCK_K": 128}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_S": 64, "BLOCK_K": 128}, num_warps=4, num_stages=3),
+    # prefill: one 32-token tile per SM at 4096 tokens, 24 KB a stage
+    triton.Config({"BLOCK_S": 32, "BLOCK_K": 256}, num_warps=4, num_stages=4),
+    # prefill, half the stage size, twice as deep: the same bytes in flight in smaller requests
+    triton.Config({"BLOCK_S": 32, "BLOCK_K": 128}, num_warps=4, num_stages=7),
+    # long batches: W re-read from L2 once per 64 tokens
+    triton.Config({"BLOCK_S": 64, "BLOCK_K": 128}, num_warps=4, num_stages=5),
 ]
-# Expand reads and writes out once. Loads in flight live in registers, so bytes in flight per SM are
-# what the register file allows (about 32 KB for each tile below on sm_90); smaller tiles trade that for
-# more programs per SM, the 16 x 256 tile is for decode (one token per segment).
+# Expand reads and writes out once. Wide N tiles give 16-byte accesses across a whole warp; the base
+# tiles of the next stages travel by cp.async into shared memory, so a program holds 2-3 tiles in flight.
 _EXPAND_CONFIGS = [
-    triton.Config({"BLOCK_S": 64, "BLOCK_N": 128}, num_warps=4, num_stages=2),
-    triton.Config({"BLOCK_S": 32, "BLOCK_N": 128}, num_warps=4, num_stages=2),
-    triton.Config({"BLOCK_S": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
-    triton.Config({"BLOCK_S": 16, "BLOCK_N": 256}, num_warps=4, num_stages=2),
+    # decode (one token per segment): the 16-row minimum of the tensor-core dot, widest columns
+    triton.Config({"BLOCK_S": 16, "BLOCK_N": 256, "STAGES": 3}, num_warps=4, num_stages=3),
+    # prefill: 16 KB of base a stage, 8 warps to issue it
+    triton.Config({"BLOCK_S": 32, "BLOCK_N": 256, "STAGES": 3}, num_warps=8, num_stages=3),
+    # prefill: taller tiles, W (L2) read once per 64 tokens
+    triton.Config({"BLOCK_S": 64, "BLOCK_N": 128, "STAGES": 3}, num_warps=8, num_stages=3),
+    # prefill: 8 KB a stage, three ahead, more programs per SM
+    triton.Config({"BLOCK_S": 32, "BLOCK_N": 128, "STAGES": 4}, num_warps=4, num_stages=4),
 ]
+# Shared memory a config may plan for (an H100/H200 SM has 227 KB; leave room for layout conversions).
+_SMEM_BUDGET = 192 * 1024
 
 
 def _tuning_bench(kernel_call, quantiles):
@@ -267,47 +308,64 @@ def _tuning_bench(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
 
 
-_shrink_tuned = triton.autotune(_SHRINK_CONFIGS, key=["K", "N", "max_rank", "split_k", "size_class"],
-                                do_bench=_tuning_bench)(_lora_shrink_kernel)
+def _fitting(configs, smem_of):
+    """Configs whose pipeline buffers fit the shared-memory budget (the smallest one if none does)."""
+    fit = [c for c in configs if smem_of(c) <= _SMEM_BUDGET]
+    return fit or [min(configs, key=smem_of)]
+
+
+def _prune_shrink(configs, named_args, **meta):
+    size = named_args["x_ptr"].element_size()
+    block_n = meta["BLOCK_N"]
+    return _fitting(configs, lambda c: (c.num_stages - 1) * (c.kwargs["BLOCK_S"] + block_n)
+                    * c.kwargs["BLOCK_K"] * size)
+
+
+def _prune_expand(configs, named_args, **meta):
+    size = named_args["x_ptr"].element_size()
+    block_k = meta["BLOCK_K"]
+    return _fitting(configs, lambda c: (c.kwargs["STAGES"] - 1) * (c.kwargs["BLOCK_S"] + block_k) * c.kwargs["BLOCK_N"]
+                    * size + c.kwargs["BLOCK_S"] * c.kwargs["BLOCK_N"] * 4)
+
+
+class _Tuned:
+    """A kernel, its autotuner and a dict from launch key to launch options.
+
+    The key holds everything the constexprs depend on, so a call after the first is one dict lookup and
+    a direct launch of the JIT kernel: Triton's autotuner would rebuild a dict of every argument and its
+    own key on each call. The first call of a key tunes (on the GPU) and launches once."""
+
+    def __init__(self, kernel, configs, key, prune, interpret_blocks, **autotune):
+        self.kernel = kernel
+        self.autotuner = triton.autotune(configs, key=key, do_bench=_tuning_bench,
+                                         prune_configs_by={"early_config_prune": prune}, **autotune)(kernel)
+        self.interpret_blocks = interpret_blocks
+        # key -> (BLOCK_S, BLOCK_N, every keyword of the launch: constexprs, warps, stages)
+        self.chosen: dict = {}
+
+    def first_launch(self, key, args, meta: dict, grid) -> None:
+        """Choose the blocks for ``key`` (autotuning on the GPU), record them and launch once."""
+        if INTERPRET:
+            blocks, options = self.interpret_blocks, self.interpret_blocks
+            self.kernel.run(*args, grid=grid(blocks), warmup=False, **meta, **blocks)
+        else:
+            self.autotuner.run(*args, grid=grid, warmup=False, **meta)
+            cfg = self.autotuner.best_config
+            blocks, options = cfg.kwargs, cfg.all_kwargs()
+        self.chosen[key] = (blocks["BLOCK_S"], blocks.get("BLOCK_N", meta.get("BLOCK_N")), {**meta, **options})
+
+
+_shrink = _Tuned(_lora_shrink_kernel, _SHRINK_CONFIGS, ["K", "N", "max_rank", "size_class"], _prune_shrink,
+                 # Interpreter blocks: small, below the CPU tests' sizes so that every loop runs twice.
+                 {"BLOCK_S": 16, "BLOCK_K": 16})
 # Accumulating launches run in place: autotuning must restore out after each trial.
-_expand_tuned = triton.autotune(_EXPAND_CONFIGS, key=["N", "max_rank", "size_class"], restore_value=["out_ptr"],
-                                do_bench=_tuning_bench)(_lora_expand_kernel)
+_expand = _Tuned(_lora_expand_kernel, _EXPAND_CONFIGS, ["N", "max_rank", "size_class"], _prune_expand,
+                 {"BLOCK_S": 16, "BLOCK_N": 16, "STAGES": 2}, restore_value=["out_ptr"])
+_shrink_run = _lora_shrink_kernel.run
+_expand_run = _lora_expand_kernel.run
 
-# Interpreter blocks: small, and below the problem sizes of the CPU tests so that every loop runs twice.
-_INTERPRET_SHRINK = {"BLOCK_S": 16, "BLOCK_K": 16}
-_INTERPRET_EXPAND = {"BLOCK_S": 16, "BLOCK_N": 16}
-
-
-def _size_class(num_tokens: int) -> int:
-    """Autotune bucket: decode-sized, mid, prefill-sized batches want different tiles."""
-    return 0 if num_tokens <= 128 else (1 if num_tokens <= 1024 else 2)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def new_workspace(shape, device: torch.device) -> torch.Tensor:
-    """Split-K partial sums; every element is written (tests swap in a NaN-filled one)."""
-    return torch.empty(shape, dtype=torch.float32, device=device)
-
-
-def choose_split_k(num_tokens: int, num_segments: int, K: int, heads: int, device: torch.device) -> int:
-    """Split K (powers of two, at most ``MAX_SPLIT_K``) until the smallest token tiles of the tuning set
-    (one more per segment for its ragged end) fill two waves of SMs, keeping at least 512 K per split.
-
-    A split costs a float32 workspace round trip and a second launch, so prefill batches (many tiles)
-    stay unsplit and decode batches (one token per segment) split."""
-    if device.type != "cuda":
-        return 1
-    smallest = min(cfg.kwargs["BLOCK_S"] for cfg in _SHRINK_CONFIGS)
-    tiles = (triton.cdiv(num_tokens, smallest) + num_segments) * heads
-    target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    split = 1
-    while split < MAX_SPLIT_K and tiles * split < target and K // (2 * split) >= 512:
-        split *= 2
-    return split
+# Interpreter segment scans: one chunk covers the test batches (tests shrink it to cover the loop).
+_INTERPRET_BLOCK_SEG = 16
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -316,50 +374,42 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _pow2_clamp(n: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
+    return max(lo, min(hi, 1 << (max(n, 1) - 1).bit_length()))
 
 
-def launch_shrink(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: torch.Tensor, out_strides, *,
-                  seg_indptr, weight_indices, lora_ranks, permutation, num_segments: int, max_len: int,
-                  num_tokens: int, heads: int, K: int, N: int, max_rank: int, split_k: int = 1) -> None:
-    """Launch the shrink kernel into a fresh ``out``; strides are (t, h, k), (l, h, n, k), (t, h, n).
-
-    With ``split_k > 1``, the partial sums go to a float32 workspace and a second kernel sums them into
-    ``out`` (deterministic: no atomics, no zero-fill).
-    """
+def launch_shrink(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: torch.Tensor, out_strides,
+                  seg_indptr, weight_indices, lora_ranks, permutation, num_segments: int, num_tokens: int,
+                  heads: int, K: int, N: int, max_rank: int) -> None:
+    """Launch the shrink kernel into a fresh ``out`` (every element written); strides are (t, h, k),
+    (l, h, n, k), (t, h, n)."""
     if num_tokens == 0 or N == 0:
         return
-    num_slots = w.shape[0]
-    if split_k > 1:
-        target = out
-        ws = new_workspace((split_k, num_tokens, heads, N), x.device)
-        out, out_strides = ws, ws.stride()[1:]
-        stride_os = ws.stride(0)
-    else:
-        stride_os = 0
-    block_n = 16 if INTERPRET else _pow2_clamp(N, 16, 128)
-    n_blocks_n = triton.cdiv(N, block_n)
-    span = max(1, min(max_len, num_tokens))
-    args = (x, w, out, seg_indptr, weight_indices, lora_ranks, permutation if permutation is not None else seg_indptr,
-            num_segments, num_tokens, num_slots, num_segments, split_k, K, N, max_rank,
-            *x_strides, *w_strides, stride_os, *out_strides, _size_class(num_tokens))
-    meta = dict(HAS_PERMUTATION=permutation is not None, UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(x.dtype),
-                BLOCK_N=block_n)
+    # Autotune bucket: decode-sized, mid, prefill-sized batches want different tiles.
+    size_class = 0 if num_tokens <= 128 else (1 if num_tokens <= 1024 else 2)
+    has_permutation = permutation is not None
+    args = (x, w, out, seg_indptr, weight_indices, lora_ranks, permutation if has_permutation else seg_indptr,
+            num_segments, num_tokens, w.shape[0], K, N, max_rank, *x_strides, *w_strides, *out_strides, size_class)
+    key = (x.dtype, w.dtype, K, N, max_rank, size_class, has_permutation)
+    chosen = _shrink.chosen.get(key)
+    if chosen is None:
+        block_n = 16 if INTERPRET else _pow2_clamp(N, 16, 128)
+        meta = {"HAS_PERMUTATION": has_permutation, "UPCAST": INTERPRET, "DOT_PRECISION": _dot_precision(x.dtype),
+                "BLOCK_SEG": _INTERPRET_BLOCK_SEG if INTERPRET else BLOCK_SEG, "BLOCK_N": block_n}
 
-    def grid(cfg):
-        return (triton.cdiv(span, cfg["BLOCK_S"]) * n_blocks_n * split_k, num_segments + 1, heads)
+        def grid(blocks):
+            # ceil(len / BLOCK_S) summed over the live segments and the tail is at most this.
+            block_s = blocks["BLOCK_S"]
+            return (((num_tokens + block_s - 1) // block_s + num_segments + 1) * ((N + block_n - 1) // block_n), heads)
 
-    if INTERPRET:
-        _lora_shrink_kernel[grid(_INTERPRET_SHRINK)](*args, **meta, **_INTERPRET_SHRINK)
-    else:
-        _shrink_tuned[grid](*args, **meta)
-    if split_k > 1:
-        numel = target.numel()
-        _split_k_reduce_kernel[(triton.cdiv(numel, 1024),)](out, target, numel, split_k, BLOCK=1024)
+        _shrink.first_launch(key, args, meta, grid)
+        return
+    block_s, block_n, options = chosen
+    _shrink_run(*args, grid=(((num_tokens + block_s - 1) // block_s + num_segments + 1) * ((N + block_n - 1) // block_n),
+                             heads), warmup=False, **options)
 
 
-def launch_expand(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: torch.Tensor, out_strides, *,
-                  seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments: int, max_len: int,
+def launch_expand(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: torch.Tensor, out_strides,
+                  seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments: int,
                   num_tokens: int, heads: int, N: int, max_rank: int, accumulate: bool,
                   slice_starts=None, slice_offsets: torch.Tensor | None = None, n_total: int = 0) -> None:
     """Launch the expand kernel; strides are (t, h, k), (l, h, n, k), (t, h, n).
@@ -370,29 +420,39 @@ def launch_expand(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
     """
     if num_tokens == 0 or N == 0 or (accumulate and num_segments == 0):
         return
-    num_slots = w.shape[0]
-    # Under the interpreter a rank chunk of 8 makes the rank loop run twice at the test ranks.
-    # On the GPU, rank chunks above 32 cost registers (and so occupancy) and save nothing: x and W are tiny.
-    block_k = 8 if INTERPRET else _pow2_clamp(max_rank, 16, 32)
-    span = max(1, min(max_len, num_tokens))
-    # A fresh output gets one more segment column, which zero-fills the rows no live segment covers.
-    columns = num_segments if accumulate else num_segments + 1
-    starts = tuple(slice_starts) if slice_starts is not None else (0, 0, 0, 0)
-    slices = 1 if slice_starts is not None else (2 if slice_offsets is not None else 0)
-    tail_column = -1 if accumulate else num_segments
-    args = (x, w, out, seg_indptr, weight_indices, lora_ranks, scalings,
-            permutation if permutation is not None else seg_indptr,
-            slice_offsets if slice_offsets is not None else seg_indptr, *starts[1:],
-            num_segments, num_tokens, num_slots, tail_column, N, n_total, max_rank,
-            *x_strides, *w_strides, *out_strides, _size_class(num_tokens))
-    meta = dict(ACCUMULATE=accumulate, HAS_PERMUTATION=permutation is not None,
-                SLICES=slices, UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(x.dtype),
-                BLOCK_K=block_k)
-
-    def grid(cfg):
-        return (triton.cdiv(span, cfg["BLOCK_S"]) * triton.cdiv(N, cfg["BLOCK_N"]), columns, heads)
-
-    if INTERPRET:
-        _lora_expand_kernel[grid(_INTERPRET_EXPAND)](*args, **meta, **_INTERPRET_EXPAND)
+    has_permutation = permutation is not None
+    if slice_starts is not None:
+        slices, s1, s2, s3 = 1, slice_starts[1], slice_starts[2], slice_starts[3]
+        aligned = not (s1 % 8 or s2 % 8 or s3 % 8)
     else:
-        _expand_tuned[grid](*args, **meta)
+        slices, s1, s2, s3, aligned = (2 if slice_offsets is not None else 0), 0, 0, 0, False
+    size_class = 0 if num_tokens <= 128 else (1 if num_tokens <= 1024 else 2)
+    args = (x, w, out, seg_indptr, weight_indices, lora_ranks, scalings,
+            permutation if has_permutation else seg_indptr,
+            slice_offsets if slice_offsets is not None else seg_indptr, s1, s2, s3,
+            num_segments, num_tokens, w.shape[0], N, n_total, max_rank,
+            *x_strides, *w_strides, *out_strides, size_class)
+    key = (x.dtype, w.dtype, out.dtype, N, max_rank, size_class, accumulate, has_permutation, slices, aligned)
+    tiles_extra = num_segments + (0 if accumulate else 1)
+    chosen = _expand.chosen.get(key)
+    if chosen is None:
+        # The whole stored rank is one dot operand (R <= 128 in practice; x and W are tiny next to base).
+        block_k = _pow2_clamp(max_rank, 16, 1 << 16)
+        meta = {"ACCUMULATE": accumulate, "HAS_PERMUTATION": has_permutation, "SLICES": slices,
+                "ALIGNED_SLICES": aligned, "UPCAST": INTERPRET, "DOT_PRECISION": _dot_precision(x.dtype),
+                "BLOCK_SEG": _INTERPRET_BLOCK_SEG if INTERPRET else BLOCK_SEG, "BLOCK_K": block_k}
+        _expand.first_launch(key, args, meta,
+                             lambda blocks: _expand_grid(num_tokens, tiles_extra, heads, N, blocks["BLOCK_S"],
+                                                         blocks["BLOCK_N"]))
+        return
+    block_s, block_n, options = chosen
+    _expand_run(*args, grid=_expand_grid(num_tokens, tiles_extra, heads, N, block_s, block_n), warmup=False,
+                **options)
+
+
+def _expand_grid(num_tokens: int, tiles_extra: int, heads: int, N: int, block_s: int, block_n: int) -> tuple:
+    """(token-tile bound * column groups, heads): N splits into groups until about EXPAND_PROGRAMS programs
+    exist (two groups at most under the interpreter, which makes the column loop both split and repeat)."""
+    tiles = (num_tokens + block_s - 1) // block_s + tiles_extra
+    groups = min((N + block_n - 1) // block_n, 2 if INTERPRET else (EXPAND_PROGRAMS + tiles * heads - 1) // (tiles * heads))
+    return (tiles * groups, heads)

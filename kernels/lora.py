@@ -1,13 +1,16 @@
 """Segmented LoRA GEMMs: shrink (``sgemm_lora_a``), expand (``sgemm_lora_b``, ``qkv_lora_b``) and the four
 MLA absorbed ``kv_b_proj`` steps (``step_a_q``, ``step_b_q``, ``step_a_v``, ``step_b_v``).
 
-Each public function checks its inputs (GL205), runs one ``torch.library`` custom op (``guardlint::<name>``,
-one Triton launch, see ``_lora_kernels``) and has an exact torch reference (``<name>_reference``) that is
-its definition. Math, shapes and the grid are in the docstrings below and in ``_lora_kernels``.
+Each public function checks its inputs (GL205), then makes one Triton launch (see ``_lora_kernels``):
+directly when eager, through a ``torch.library`` custom op (``guardlint::<name>``) when torch.compile or a
+dispatch mode is watching; each has an exact torch reference (``<name>_reference``) that is its
+definition. Math, shapes and the grid are in the docstrings below and in ``_lora_kernels``.
 """
 from __future__ import annotations
 
 import math
+import operator
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Union
 
@@ -85,9 +88,9 @@ def _check_data(function: str, name: str, t, ndim: int, device: Optional[torch.d
 
 def _check_output(function: str, out, shape: tuple, x: Tensor) -> None:
     _check_data(function, "base_output", out, len(shape), x.device, x.dtype)
-    if tuple(out.shape) != shape:
+    if out.shape != shape:
         raise _bad(function, "base_output", f"shape {shape}", out)
-    if any(st == 0 and n > 1 for st, n in zip(out.stride(), out.shape)):
+    if 0 in out.stride() and any(st == 0 and n > 1 for st, n in zip(out.stride(), out.shape)):
         # Written in place: rows that share memory would race.
         raise _bad(function, "base_output", "a tensor whose elements do not share memory (no expand())", out)
 
@@ -106,8 +109,41 @@ def _check_meta(function: str, name: str, t, device: torch.device, min_len: int,
     return t.contiguous()
 
 
+# Batch infos that passed _check_batch: id -> (weak reference, field values, device, tokens, slots, _Batch).
+# Every layer of a forward calls several kernels with one batch info; checking it once saves ~3 µs a call.
+_checked: dict = {}
+_CHECKED_CAPACITY = 8
+
+
 def _check_batch(function: str, x: Tensor, batch_info, num_slots: int) -> _Batch:
-    """Check batch_info against x (S tokens) and the weight stack (num_slots) and unpack it."""
+    """Check batch_info against x (S tokens) and the weight stack (num_slots) and unpack it.
+
+    A batch info seen before with the same field objects (compared by identity, so a field set to
+    another tensor or int is checked again), x's device, token count and num_slots is not re-checked."""
+    entry = _checked.get(id(batch_info))
+    if entry is not None and entry[0]() is batch_info and entry[3] == x.shape[0] and entry[4] == num_slots \
+            and entry[2] == x.device:
+        now = getattr(batch_info, "__dict__", None)
+        if now is not None and len(now) == len(entry[1]) and all(map(operator.is_, now.values(), entry[1])):
+            return entry[5]
+    batch = _check_batch_fields(function, x, batch_info, num_slots)
+    fields = getattr(batch_info, "__dict__", None)
+    # A contiguous copy of a strided field would go stale when the caller updates the field in place.
+    copied = (batch.seg_indptr is not batch_info.seg_indptr or batch.weight_indices is not batch_info.weight_indices
+              or batch.lora_ranks is not batch_info.lora_ranks or batch.scalings is not batch_info.scalings
+              or batch.permutation is not getattr(batch_info, "permutation", None))
+    if fields is not None and not copied:
+        try:
+            ref = weakref.ref(batch_info)
+        except TypeError:  # __slots__ without __weakref__: checked at every call
+            return batch
+        if len(_checked) >= _CHECKED_CAPACITY:
+            _checked.pop(next(iter(_checked)))
+        _checked[id(batch_info)] = (ref, tuple(fields.values()), x.device, x.shape[0], num_slots, batch)
+    return batch
+
+
+def _check_batch_fields(function: str, x: Tensor, batch_info, num_slots: int) -> _Batch:
     missing = [f for f in ("num_segments", "seg_indptr", "weight_indices", "lora_ranks", "scalings")
                if not hasattr(batch_info, f)]
     if missing:
@@ -334,123 +370,114 @@ def step_b_v_reference(lora_v: Tensor, lora_b: Tensor, batch_info, base_output: 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Custom ops: one per public function, so torch.compile sees one opaque node each. The public functions
-# check their inputs first; the ops launch.
+# Launchers and custom ops. Each public function checks its inputs, then launches through ``_launch``:
+# eagerly it calls the launcher itself (a custom op's dispatch costs 20-50 µs of CPU per call), while
+# torch.compile tracing, fake / functional tensors, dispatch modes and autograd see one opaque custom op
+# per call (``guardlint::<name>``) whose body is the same launcher.
 
 
 def _strides3(t: Tensor) -> tuple:
     """(t, h, last) strides of a 2-D (h absent: 0) or 3-D tensor."""
-    return (t.stride(0), 0, t.stride(1)) if t.dim() == 2 else tuple(t.stride())
+    s = t.stride()
+    return (s[0], 0, s[1]) if len(s) == 2 else s
 
 
-def _meta(seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len, num_tokens):
-    return dict(seg_indptr=seg_indptr, weight_indices=weight_indices, lora_ranks=lora_ranks,
-                permutation=permutation, num_segments=num_segments, max_len=max_len, num_tokens=num_tokens)
-
-
-@torch.library.custom_op("guardlint::sgemm_lora_a", mutates_args=())
-def _sgemm_lora_a_op(x: Tensor, weights: Tensor, seg_indptr: Tensor, weight_indices: Tensor, lora_ranks: Tensor,
-                     scalings: Tensor, permutation: Optional[Tensor], num_segments: int, max_len: int,
-                     stack_num: int, split_k: int) -> Tensor:
+def _sgemm_lora_a_launch(x: Tensor, weights: Tensor, seg_indptr: Tensor, weight_indices: Tensor, lora_ranks: Tensor,
+                         scalings: Tensor, permutation: Optional[Tensor], num_segments: int, stack_num: int) -> Tensor:
     S, K = x.shape
-    N = weights.shape[1]
+    L, N, _ = weights.shape
     out = _new_output((S, N), x.dtype, x.device)
-    if split_k < 1:
-        split_k = _k.choose_split_k(S, num_segments, K, 1, x.device)
-    _k.launch_shrink(x, _strides3(x), weights, (weights.stride(0), 0, weights.stride(1), weights.stride(2)),
-                     out, _strides3(out), **_meta(seg_indptr, weight_indices, lora_ranks, scalings, permutation,
-                                                  num_segments, max_len, S),
-                     heads=1, K=K, N=N, max_rank=N // stack_num, split_k=split_k)
+    ws = weights.stride()
+    _k.launch_shrink(x, _strides3(x), weights, (ws[0], 0, ws[1], ws[2]), out, _strides3(out), seg_indptr,
+                     weight_indices, lora_ranks, permutation, num_segments, S, 1, K, N, N // stack_num)
     return out
+
+
+def _sgemm_lora_b_launch(x: Tensor, weights: Tensor, out: Tensor, seg_indptr: Tensor, weight_indices: Tensor,
+                         lora_ranks: Tensor, scalings: Tensor, permutation: Optional[Tensor], num_segments: int,
+                         accumulate: bool) -> None:
+    ws = weights.stride()
+    _k.launch_expand(x, _strides3(x), weights, (ws[0], 0, ws[1], ws[2]), out, _strides3(out), seg_indptr,
+                     weight_indices, lora_ranks, scalings, permutation, num_segments, x.shape[0], 1, weights.shape[1],
+                     weights.shape[2], accumulate)
+
+
+def _qkv_lora_b_launch(x: Tensor, weights: Tensor, out: Tensor, seg_indptr: Tensor, weight_indices: Tensor,
+                       lora_ranks: Tensor, scalings: Tensor, permutation: Optional[Tensor], num_segments: int,
+                       accumulate: bool, slice_starts: Optional[list[int]], output_offset: Optional[Tensor]) -> None:
+    _, n_total, R = weights.shape
+    if slice_starts is not None:
+        widest = max(slice_starts[1] - slice_starts[0], slice_starts[2] - slice_starts[1],
+                     slice_starts[3] - slice_starts[2])
+    else:
+        widest = n_total  # slice widths live on the device: size the grid for the widest possible
+    xs, ws = x.stride(), weights.stride()
+    _k.launch_expand(x, (xs[0], R * xs[1], xs[1]), weights, (ws[0], 0, ws[1], ws[2]), out, _strides3(out),
+                     seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, x.shape[0], 3,
+                     widest, R, accumulate, slice_starts, output_offset, n_total)
+
+
+def _step_a_launch(x: Tensor, w: Tensor, w_strides: list[int], rank: int, seg_indptr: Tensor, weight_indices: Tensor,
+                   lora_ranks: Tensor, scalings: Tensor, permutation: Optional[Tensor], num_segments: int) -> Tensor:
+    S, H, K = x.shape
+    out = _new_output((S, H, rank), x.dtype, x.device)
+    _k.launch_shrink(x, x.stride(), w, w_strides, out, out.stride(), seg_indptr, weight_indices, lora_ranks,
+                     permutation, num_segments, S, H, K, rank, rank)
+    return out
+
+
+def _step_b_launch(x: Tensor, w: Tensor, w_strides: list[int], out: Tensor, seg_indptr: Tensor, weight_indices: Tensor,
+                   lora_ranks: Tensor, scalings: Tensor, permutation: Optional[Tensor], num_segments: int,
+                   accumulate: bool) -> None:
+    S, H, R = x.shape
+    _k.launch_expand(x, x.stride(), w, w_strides, out, out.stride(), seg_indptr, weight_indices, lora_ranks, scalings,
+                     permutation, num_segments, S, H, out.shape[2], R, accumulate)
+
+
+_sgemm_lora_a_op = torch.library.custom_op("guardlint::sgemm_lora_a", mutates_args=())(_sgemm_lora_a_launch)
+_sgemm_lora_b_op = torch.library.custom_op("guardlint::sgemm_lora_b", mutates_args=("out",))(_sgemm_lora_b_launch)
+_qkv_lora_b_op = torch.library.custom_op("guardlint::qkv_lora_b", mutates_args=("out",))(_qkv_lora_b_launch)
+_step_a_op = torch.library.custom_op("guardlint::lora_step_a", mutates_args=())(_step_a_launch)
+_step_b_op = torch.library.custom_op("guardlint::lora_step_b", mutates_args=("out",))(_step_b_launch)
 
 
 @_sgemm_lora_a_op.register_fake
-def _(x, weights, seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len,
-      stack_num, split_k):
+def _(x, weights, seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, stack_num):
     return x.new_empty((x.shape[0], weights.shape[1]))
 
 
-@torch.library.custom_op("guardlint::sgemm_lora_b", mutates_args=("out",))
-def _sgemm_lora_b_op(x: Tensor, weights: Tensor, out: Tensor, seg_indptr: Tensor, weight_indices: Tensor,
-                     lora_ranks: Tensor, scalings: Tensor, permutation: Optional[Tensor], num_segments: int,
-                     max_len: int, accumulate: bool) -> None:
-    _k.launch_expand(x, _strides3(x), weights, (weights.stride(0), 0, weights.stride(1), weights.stride(2)),
-                     out, _strides3(out), scalings=scalings,
-                     **_meta(seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len,
-                             x.shape[0]),
-                     heads=1, N=weights.shape[1], max_rank=weights.shape[2], accumulate=accumulate)
-
-
-@_sgemm_lora_b_op.register_fake
-def _(x, weights, out, seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len,
-      accumulate):
-    return None
-
-
-@torch.library.custom_op("guardlint::qkv_lora_b", mutates_args=("out",))
-def _qkv_lora_b_op(x: Tensor, weights: Tensor, out: Tensor, seg_indptr: Tensor, weight_indices: Tensor,
-                   lora_ranks: Tensor, scalings: Tensor, permutation: Optional[Tensor], num_segments: int,
-                   max_len: int, accumulate: bool, slice_starts: Optional[list[int]],
-                   output_offset: Optional[Tensor]) -> None:
-    R = weights.shape[2]
-    n_total = weights.shape[1]
-    if slice_starts is not None:
-        widest = max(slice_starts[i + 1] - slice_starts[i] for i in range(3))
-    else:
-        widest = n_total  # slice widths live on the device: size the grid for the widest possible
-    _k.launch_expand(x, (x.stride(0), R * x.stride(1), x.stride(1)), weights,
-                     (weights.stride(0), 0, weights.stride(1), weights.stride(2)), out, _strides3(out),
-                     scalings=scalings,
-                     **_meta(seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len,
-                             x.shape[0]),
-                     heads=3, N=widest, max_rank=R, accumulate=accumulate, slice_starts=slice_starts,
-                     slice_offsets=output_offset, n_total=n_total)
-
-
-@_qkv_lora_b_op.register_fake
-def _(x, weights, out, seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len,
-      accumulate, slice_starts, output_offset):
-    return None
-
-
-@torch.library.custom_op("guardlint::lora_step_a", mutates_args=())
-def _step_a_op(x: Tensor, w: Tensor, w_strides: list[int], rank: int, seg_indptr: Tensor, weight_indices: Tensor,
-               lora_ranks: Tensor, scalings: Tensor, permutation: Optional[Tensor], num_segments: int,
-               max_len: int) -> Tensor:
-    S, H, K = x.shape
-    out = _new_output((S, H, rank), x.dtype, x.device)
-    _k.launch_shrink(x, _strides3(x), w, tuple(w_strides), out, _strides3(out),
-                     **_meta(seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len,
-                             S),
-                     heads=H, K=K, N=rank, max_rank=rank, split_k=_k.choose_split_k(S, num_segments, K, H, x.device))
-    return out
-
-
 @_step_a_op.register_fake
-def _(x, w, w_strides, rank, seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len):
+def _(x, w, w_strides, rank, seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments):
     return x.new_empty((x.shape[0], x.shape[1], rank))
 
 
-@torch.library.custom_op("guardlint::lora_step_b", mutates_args=("out",))
-def _step_b_op(x: Tensor, w: Tensor, w_strides: list[int], out: Tensor, seg_indptr: Tensor, weight_indices: Tensor,
-               lora_ranks: Tensor, scalings: Tensor, permutation: Optional[Tensor], num_segments: int, max_len: int,
-               accumulate: bool) -> None:
-    S, H, R = x.shape
-    _k.launch_expand(x, _strides3(x), w, tuple(w_strides), out, _strides3(out), scalings=scalings,
-                     **_meta(seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len,
-                             S),
-                     heads=H, N=out.shape[2], max_rank=R, accumulate=accumulate)
+for _op in (_sgemm_lora_b_op, _qkv_lora_b_op, _step_b_op):
+    _op.register_fake(lambda *args: None)
+
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_grad_enabled = torch.is_grad_enabled
+_bump_version = torch._C._increment_version
 
 
-@_step_b_op.register_fake
-def _(x, w, w_strides, out, seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len,
-      accumulate):
-    return None
+def _launch(op, launch, out: Optional[Tensor], x: Tensor, w: Tensor, *args):
+    """``launch(x, w, *args)`` directly in plain eager mode, else the custom op ``op`` (same arguments)
+    so that torch.compile, fake and functional tensors, dispatch modes and autograd see one opaque node.
+
+    A direct launch that writes ``out`` in place bumps its version counter, as the op would."""
+    # is_compiling first: under torch.compile it is a constant, and the rest is not traceable.
+    if (_is_compiling() or type(x) is not Tensor or type(w) is not Tensor or _dispatch_modes()
+            or ((x.requires_grad or w.requires_grad) and _grad_enabled())):
+        return op(x, w, *args)
+    result = launch(x, w, *args)
+    if out is not None:
+        _bump_version((out,))
+    return result
 
 
 def _op_batch(batch: _Batch) -> tuple:
     return (batch.seg_indptr, batch.weight_indices, batch.lora_ranks, batch.scalings, batch.permutation,
-            batch.num_segments, batch.max_len)
+            batch.num_segments)
 
 
 def _check_int(function: str, name: str, value, lo: int, hi: Optional[int] = None) -> None:
@@ -464,8 +491,8 @@ def _check_int(function: str, name: str, value, lo: int, hi: Optional[int] = Non
 
 @guard_lora(rank_dim=1)
 def sgemm_lora_a(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, stack_num: int = 1, *,
-                 split_k: Optional[int] = None, backend: Optional[str] = None) -> Tensor:
-    """``sgemm_lora_a(x, weights, batch_info, stack_num=1, *, split_k=None, backend=None) -> (S, stack_num * R)``
+                 backend: Optional[str] = None) -> Tensor:
+    """``sgemm_lora_a(x, weights, batch_info, stack_num=1, *, backend=None) -> (S, stack_num * R)``
 
     Segmented LoRA shrink: ``x @ A[slot].T`` per segment, for ``stack_num`` stacked adapters
     (q/k/v or gate/up share one x).
@@ -480,9 +507,6 @@ def sgemm_lora_a(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, stack_nu
         Segments over x's rows; ``max_len`` set (or derived by the guard).
     stack_num : int
         Number of stacked A matrices.
-    split_k : int, optional
-        Split the K reduction into this many programs (1 = none, at most 8); ``None`` chooses from the
-        token count, K and the SM count.
     backend : str, optional
         ``"triton"`` or ``"torch"`` (the reference); ``None``: triton on CUDA or under the interpreter.
 
@@ -501,12 +525,10 @@ def sgemm_lora_a(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, stack_nu
     if weights.shape[2] != x.shape[1] or weights.shape[1] % stack_num:
         raise _bad(fn, "weights", f"(num_slots, stack_num * R, K={x.shape[1]}) with stack_num={stack_num}", weights)
     _rank_of(fn, "weights", weights.shape[1] // stack_num, weights, "weights.shape[1] // stack_num")
-    if split_k is not None:
-        _check_int(fn, "split_k", split_k, 1, _k.MAX_SPLIT_K)
     batch = _check_batch(fn, x, batch_info, weights.shape[0])
     if backend == "torch":
         return sgemm_lora_a_reference(x, weights, batch_info, stack_num)
-    return _sgemm_lora_a_op(x, weights, *_op_batch(batch), stack_num, -1 if split_k is None else split_k)
+    return _launch(_sgemm_lora_a_op, _sgemm_lora_a_launch, None, x, weights, *_op_batch(batch), stack_num)
 
 
 @guard_lora(rank_dim=2)
@@ -548,7 +570,7 @@ def sgemm_lora_b(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, base_out
     if backend == "torch":
         return sgemm_lora_b_reference(x, weights, batch_info, base_output)
     out = base_output if base_output is not None else _new_output(shape, x.dtype, x.device)
-    _sgemm_lora_b_op(x, weights, out, *_op_batch(batch), base_output is not None)
+    _launch(_sgemm_lora_b_op, _sgemm_lora_b_launch, out, x, weights, out, *_op_batch(batch), base_output is not None)
     return out
 
 
@@ -626,7 +648,7 @@ def qkv_lora_b(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, output_off
         out = _new_output(shape, x.dtype, x.device)
     else:
         out, accumulate = torch.zeros(shape, dtype=x.dtype, device=x.device), True
-    _qkv_lora_b_op(x, weights, out, *_op_batch(batch), accumulate, starts, offsets)
+    _launch(_qkv_lora_b_op, _qkv_lora_b_launch, out, x, weights, out, *_op_batch(batch), accumulate, starts, offsets)
     return out
 
 
@@ -673,7 +695,7 @@ def step_a_q(q_nope: Tensor, lora_b: Tensor, batch_info: LoRABatchInfo, *, qk_no
     b0, b1, b2 = lora_b.stride()
     # W[slot, h, n, k] = B[slot, h * (qk_nope + v) + k, n]
     w_strides = [b0, (qk_nope_head_dim + v_head_dim) * b1, b2, b1]
-    return _step_a_op(q_nope, lora_b, w_strides, R, *_op_batch(batch))
+    return _launch(_step_a_op, _step_a_launch, None, q_nope, lora_b, w_strides, R, *_op_batch(batch))
 
 
 @guard_lora(weights="lora_a", rank_dim=1)
@@ -718,7 +740,8 @@ def step_b_q(lora_q: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, base_out
     out = base_output if base_output is not None else _new_output(shape, lora_q.dtype, lora_q.device)
     a0, a1, a2 = lora_a.stride()
     # W[slot, h, n, k] = A[slot, k, n]
-    _step_b_op(lora_q, lora_a, [a0, 0, a2, a1], out, *_op_batch(batch), base_output is not None)
+    _launch(_step_b_op, _step_b_launch, out, lora_q, lora_a, [a0, 0, a2, a1], out, *_op_batch(batch),
+            base_output is not None)
     return out
 
 
@@ -757,7 +780,7 @@ def step_a_v(attn_latent: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, *,
         return step_a_v_reference(attn_latent, lora_a, batch_info)
     a0, a1, a2 = lora_a.stride()
     # W[slot, h, n, k] = A[slot, n, k]
-    return _step_a_op(attn_latent, lora_a, [a0, 0, a1, a2], R, *_op_batch(batch))
+    return _launch(_step_a_op, _step_a_launch, None, attn_latent, lora_a, [a0, 0, a1, a2], R, *_op_batch(batch))
 
 
 @guard_lora(weights="lora_b", rank_dim=2)
@@ -808,6 +831,6 @@ def step_b_v(lora_v: Tensor, lora_b: Tensor, batch_info: LoRABatchInfo, base_out
     out = base_output if base_output is not None else _new_output(shape, lora_v.dtype, lora_v.device)
     b0, b1, b2 = lora_b.stride()
     # W[slot, h, n, k] = B[slot, h * (qk_nope + v) + qk_nope + n, k]
-    _step_b_op(lora_v, lora_b[:, qk_nope_head_dim:], [b0, (qk_nope_head_dim + v_head_dim) * b1, b1, b2], out,
-               *_op_batch(batch), base_output is not None)
+    _launch(_step_b_op, _step_b_launch, out, lora_v, lora_b[:, qk_nope_head_dim:],
+            [b0, (qk_nope_head_dim + v_head_dim) * b1, b1, b2], out, *_op_batch(batch), base_output is not None)
     return out

@@ -101,9 +101,8 @@ def nan_like(shape, dtype, device):
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    """Fresh outputs and split-K workspaces start as NaN: the kernels must write every element."""
+    """Fresh outputs start as NaN: the kernels must write every element."""
     monkeypatch.setattr(lora, "_new_output", nan_like)
-    monkeypatch.setattr(_lora_kernels, "new_workspace", lambda shape, device: nan_like(shape, torch.float32, device))
 
 
 LAYOUT_NAMES = list(LAYOUTS)
@@ -133,18 +132,6 @@ def test_sgemm_lora_a_matches_reference(case):
     out = sgemm_lora_a(x, w, info, stack_num)
     check(out, sgemm_lora_a_reference(x, w, info, stack_num), sgemm_lora_a_reference(x.double(), w.double(), info,
                                                                                        stack_num))
-
-
-@pytest.mark.parametrize("split_k", [2, 3])
-@pytest.mark.parametrize("name", ["mixed", "graph_padded_permuted"])
-def test_sgemm_lora_a_split_k_matches_reference(name, split_k):
-    info, S = layout(name, 8, seed=3)
-    x = rand(S, 64, dtype=torch.bfloat16, seed=4)
-    w = rand(SLOTS, 16, 64, dtype=torch.bfloat16, seed=5)
-    out = sgemm_lora_a(x, w, info, 2, split_k=split_k)
-    check(out, sgemm_lora_a_reference(x, w, info, 2), sgemm_lora_a_reference(x.double(), w.double(), info, 2))
-    # Splitting changes the summation order only.
-    torch.testing.assert_close(out, sgemm_lora_a(x, w, info, 2, split_k=1), rtol=1.6e-2, atol=3e-2)
 
 
 def untouched_rows(info, S):
@@ -275,15 +262,6 @@ def test_step_b_v_matches_reference(case):
           step_b_v_reference(y.double(), lora_b.double(), info, None if base is None else base.double(), **MLA))
 
 
-def test_mla_step_a_with_split_k(monkeypatch):
-    monkeypatch.setattr(_lora_kernels, "choose_split_k", lambda *args: 3)
-    info, S = layout("graph_padded_permuted", R_MLA)
-    lora_a, lora_b = mla_weights(torch.float32)
-    latent = rand(S, H, KV_RANK, dtype=torch.float32, seed=80)
-    check(step_a_v(latent, lora_a, info), step_a_v_reference(latent, lora_a, info),
-          step_a_v_reference(latent.double(), lora_a.double(), info))
-
-
 def test_mla_steps_compose_to_the_lora_of_kv_b_proj():
     """A_q then B_q is q_nope through the k_nope rows of scaling * B @ A, head by head; same for v."""
     info, S = layout("mixed", R_MLA, permute=True)
@@ -317,15 +295,3 @@ def test_torch_backend_is_the_reference(fn):
         got, ref = sgemm_lora_b(x, w, info, backend="torch"), sgemm_lora_b_reference(x, w, info)
     assert torch.equal(got, ref)
     check(getattr(lora, fn)(x, w, info, backend="triton"), ref, ref.double())
-
-
-def test_choose_split_k_splits_decode_not_prefill(monkeypatch):
-    monkeypatch.setattr(_lora_kernels, "_sm_count", lambda index: 132)  # an H100/H200
-    gpu = torch.device("cuda", 0)
-    # 4096 tokens in 8 segments already give ~260 programs of 16 tokens: no split.
-    assert _lora_kernels.choose_split_k(4096, 8, 4096, 1, gpu) == 1
-    # 64 one-token segments: 68 programs; split K until two waves, keeping >= 512 K per split.
-    assert _lora_kernels.choose_split_k(64, 64, 4096, 1, gpu) == 4
-    assert _lora_kernels.choose_split_k(16, 1, 4096, 1, gpu) == _lora_kernels.MAX_SPLIT_K
-    assert _lora_kernels.choose_split_k(16, 1, 512, 1, gpu) == 1  # K too short to split
-    assert _lora_kernels.choose_split_k(16, 1, 4096, 1, torch.device("cpu")) == 1

@@ -137,7 +137,6 @@ def _errors():
         "x: 3-D": lambda: sgemm_lora_a(x[:, None], w, info),
         "x: integer dtype": lambda: sgemm_lora_a(x.long(), w.long(), info),
         "stack_num: zero": lambda: sgemm_lora_a(x, w, info, stack_num=0),
-        "split_k: too many": lambda: sgemm_lora_a(x, w, info, split_k=64),
         "batch_info.lora_ranks: shorter than the slots": lambda: sgemm_lora_a(x, w, short),
         "batch_info.permutation: wrong length": lambda: sgemm_lora_a(
             x, w, dataclasses.replace(info, permutation=torch.arange(S - 1, dtype=torch.int32))),
@@ -222,7 +221,7 @@ def test_custom_ops_pass_opcheck():
     y, wb = rand(S, 4, **f, seed=3), rand(SLOTS, 20, 4, **f, seed=4)
     y3, la = rand(S, 2, 4, **f, seed=5), rand(SLOTS, 4, 10, **f, seed=6)
     samples = [
-        (torch.ops.guardlint.sgemm_lora_a, (x, w, *batch, 2, 2)),
+        (torch.ops.guardlint.sgemm_lora_a, (x, w, *batch, 2)),
         (torch.ops.guardlint.sgemm_lora_b, (y, wb, torch.zeros(S, 20), *batch, True)),
         (torch.ops.guardlint.qkv_lora_b, (rand(S, 12, **f, seed=7), wb, torch.zeros(S, 20), *batch, False,
                                           [0, 8, 14, 20], None)),

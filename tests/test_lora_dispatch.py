@@ -1,0 +1,210 @@
+"""How a LoRA GEMM call reaches its kernel: eagerly the launcher itself (no custom-op dispatch), the custom
+op under dispatch modes, identical results either way; one launch per call, no host read of batch tensors,
+autotuning once per launch key, batch checks remembered per batch info but never stale.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton.runtime.interpreter as interpreter
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from guardlint.guard import GuardError
+from guardlint.kernels import _lora_kernels
+from guardlint.kernels import lora
+from guardlint.kernels.lora import (qkv_lora_b, sgemm_lora_a, sgemm_lora_a_reference, sgemm_lora_b,
+                                    sgemm_lora_b_reference, step_a_q, step_a_v, step_b_q, step_b_v)
+from test_lora import SLOTS, check, layout, rand
+
+MLA = dict(qk_nope_head_dim=8, v_head_dim=4)
+H, R = 2, 4
+
+
+def calls(name="permuted"):
+    """(public call name, thunk building fresh inputs and calling it, op name) for every custom op."""
+    info, S = layout(name, R)
+    f = dict(dtype=torch.float32)
+    x, a = rand(S, 24, **f, seed=1), rand(SLOTS, 2 * R, 24, **f, seed=2)
+    y, b = rand(S, R, **f, seed=3), rand(SLOTS, 20, R, **f, seed=4)
+    y3, b3 = rand(S, 3 * R, **f, seed=5), rand(SLOTS, 20, R, **f, seed=6)
+    q, lb = rand(S, H, 8, **f, seed=7), rand(SLOTS, H * 12, R, **f, seed=8)
+    yh, la = rand(S, H, R, **f, seed=9), rand(SLOTS, R, 10, **f, seed=10)
+    latent = rand(S, H, 10, **f, seed=11)
+    base = lambda *shape: rand(*shape, **f, seed=12)  # noqa: E731
+    return info, [
+        ("sgemm_lora_a", lambda: sgemm_lora_a(x, a, info, 2), "sgemm_lora_a"),
+        ("sgemm_lora_b", lambda: sgemm_lora_b(y, b, info, base(S, 20)), "sgemm_lora_b"),
+        ("qkv_lora_b", lambda: qkv_lora_b(y3, b3, info, [0, 8, 14, 20], base(S, 20)), "qkv_lora_b"),
+        ("step_a_q", lambda: step_a_q(q, lb, info, **MLA), "lora_step_a"),
+        ("step_b_q", lambda: step_b_q(yh, la, info, base(S, H, 10)), "lora_step_b"),
+        ("step_a_v", lambda: step_a_v(latent, la, info), "lora_step_a"),
+        ("step_b_v", lambda: step_b_v(yh, lb, info, base(S, H, 4), **MLA), "lora_step_b"),
+    ]
+
+
+class RecordOps(TorchDispatchMode):
+    """A dispatch mode that only records the ops it sees (as a tracer or profiler would)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", range(7), ids=[c[0] for c in calls()[1]])
+def test_eager_launch_and_custom_op_give_identical_results(case, monkeypatch):
+    _, entries = calls()
+    name, call, op = entries[case]
+    eager = call()
+    # A dispatch mode on the stack must see the one opaque op, and get the same numbers from it.
+    with RecordOps() as mode:
+        via_op = call()
+    assert f"guardlint.{op}.default" in mode.seen, mode.seen
+    torch.testing.assert_close(via_op, eager, rtol=0, atol=0)
+    # In plain eager mode the op's dispatch is never entered.
+    for attr in ("_sgemm_lora_a_op", "_sgemm_lora_b_op", "_qkv_lora_b_op", "_step_a_op", "_step_b_op"):
+        monkeypatch.setattr(lora, attr, lambda *args: pytest.fail("eager call went through the custom op"))
+    torch.testing.assert_close(call(), eager, rtol=0, atol=0)
+
+
+def test_autograd_inputs_go_through_the_custom_op(monkeypatch):
+    info, S = layout("mixed", 16)
+    x = rand(S, 40, dtype=torch.float32, seed=1).requires_grad_()
+    w = rand(SLOTS, 16, 40, dtype=torch.float32, seed=2)
+    seen = []
+    real = lora._sgemm_lora_a_op
+    monkeypatch.setattr(lora, "_sgemm_lora_a_op", lambda *args: seen.append(1) or real(*args))
+    out = sgemm_lora_a(x, w, info)
+    assert seen == [1]
+    with torch.no_grad():
+        torch.testing.assert_close(out, sgemm_lora_a(x, w, info), rtol=0, atol=0)
+    assert seen == [1], "no autograd: the launcher itself"
+
+
+def test_eager_in_place_launch_bumps_the_version_counter():
+    info, S = layout("mixed", 16)
+    y, b, base = rand(S, 16, dtype=torch.float32, seed=1), rand(SLOTS, 40, 16, dtype=torch.float32, seed=2), \
+        rand(S, 40, dtype=torch.float32, seed=3)
+    before = base._version
+    sgemm_lora_b(y, b, info, base)
+    assert base._version > before
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Grids the interpreter runs."""
+    grids = []
+    original = interpreter.GridExecutor.__call__
+
+    def counted(self, *args, **kwargs):
+        grids.append(self.grid)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+    return grids
+
+
+@pytest.mark.parametrize("name", ["permuted", "graph_padded"])
+def test_one_launch_and_no_host_read_per_call(name, launches, monkeypatch):
+    """With max_len given, nothing on a call's path reads a tensor to the host (each read would be a
+    device sync on a GPU), and each call is one kernel launch: no workspace pass, no zero-fill."""
+    _, entries = calls(name)
+    for _, call, _ in entries:
+        call()  # first calls: autotuning keys, batch checks
+    reads = []
+    for attr in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+        original = getattr(torch.Tensor, attr)
+        monkeypatch.setattr(torch.Tensor, attr, lambda self, *a, _n=attr, _o=original, **k: reads.append(_n)
+                            or _o(self, *a, **k))
+    launches.clear()
+    for _, call, _ in entries:
+        call()
+    monkeypatch.undo()
+    assert reads == []
+    assert len(launches) == len(entries)
+
+
+def test_find_tile_scans_batches_longer_than_one_chunk(monkeypatch):
+    """decode: 9 one-token segments and the tail scanned 4 at a time: three chunks carry the tile count."""
+    monkeypatch.setattr(_lora_kernels, "_INTERPRET_BLOCK_SEG", 4)
+    monkeypatch.setattr(_lora_kernels._shrink, "chosen", {})
+    monkeypatch.setattr(_lora_kernels._expand, "chosen", {})
+    for name in ("decode", "graph_padded_permuted"):
+        info, S = layout(name, 16)
+        x, a = rand(S, 40, dtype=torch.float32, seed=1), rand(SLOTS, 16, 40, dtype=torch.float32, seed=2)
+        check(sgemm_lora_a(x, a, info), sgemm_lora_a_reference(x, a, info),
+              sgemm_lora_a_reference(x.double(), a.double(), info))
+        y, b = rand(S, 16, dtype=torch.float32, seed=3), rand(SLOTS, 40, 16, dtype=torch.float32, seed=4)
+        check(sgemm_lora_b(y, b, info), sgemm_lora_b_reference(y, b, info),
+              sgemm_lora_b_reference(y.double(), b.double(), info))
+
+
+class FakeAutotuner:
+    def __init__(self):
+        self.runs = 0
+        self.best_config = _lora_kernels._SHRINK_CONFIGS[1]
+
+    def run(self, *args, grid, warmup, **meta):
+        self.runs += 1
+        self.grid = grid(self.best_config.kwargs)
+
+
+def test_autotuning_runs_once_per_launch_key(monkeypatch):
+    """GPU path with a stand-in autotuner and kernel: the first call of a key tunes (and launches once),
+    later calls look the options up and launch the kernel directly with the tuned config."""
+    tuner = _lora_kernels._Tuned(_lora_kernels._lora_shrink_kernel, _lora_kernels._SHRINK_CONFIGS, ["K"],
+                                 _lora_kernels._prune_shrink, {"BLOCK_S": 16, "BLOCK_K": 16})
+    fake = FakeAutotuner()
+    tuner.autotuner = fake
+    direct = []
+    monkeypatch.setattr(_lora_kernels, "INTERPRET", False)
+    monkeypatch.setattr(_lora_kernels, "_shrink", tuner)
+    monkeypatch.setattr(_lora_kernels, "_shrink_run", lambda *args, grid, warmup, **kw: direct.append((grid, kw)))
+    x, w, out = torch.zeros(100, 64), torch.zeros(2, 16, 64), torch.zeros(100, 16)
+    seg = torch.tensor([0, 60, 100], dtype=torch.int32)
+    for _ in range(3):
+        _lora_kernels.launch_shrink(x, (64, 0, 1), w, (1024, 0, 64, 1), out, (16, 0, 1), seg, seg, seg, None, 2, 100,
+                                    1, 64, 16, 16)
+    assert fake.runs == 1 and len(direct) == 2
+    cfg = fake.best_config
+    grid, kw = direct[0]
+    # 100 tokens in 2 segments: at most ceil(100 / 32) + 2 + 1 (tail) token tiles, one column block.
+    assert grid == fake.grid == (4 + 3, 1)
+    assert kw["BLOCK_S"] == cfg.kwargs["BLOCK_S"] and kw["num_warps"] == cfg.num_warps
+    assert kw["num_stages"] == cfg.num_stages and kw["BLOCK_N"] == 16 and kw["UPCAST"] is False
+
+
+def test_batch_checks_are_remembered_but_a_replaced_field_is_checked_again():
+    info, S = layout("mixed", 16)
+    x, a = rand(S, 40, dtype=torch.float32, seed=1), rand(SLOTS, 16, 40, dtype=torch.float32, seed=2)
+    sgemm_lora_a(x, a, info)
+    assert id(info) in lora._checked
+    info.lora_ranks = info.lora_ranks[:2]
+    with pytest.raises(GuardError) as err:
+        sgemm_lora_a(x, a, info)
+    assert err.value.code == "GL205" and err.value.argument == "batch_info.lora_ranks"
+    # Another token count is another check (the permutation no longer has one entry per token).
+    info, S = layout("permuted", 16)
+    x = rand(S, 40, dtype=torch.float32, seed=1)
+    sgemm_lora_a(x, a, info)
+    with pytest.raises(GuardError) as err:
+        sgemm_lora_a(x[:-1], a, info)
+    assert err.value.argument == "batch_info.permutation"
+
+
+def test_a_strided_batch_tensor_is_copied_at_every_call_never_remembered():
+    """A non-contiguous seg_indptr is copied for the kernel; the copy must not outlive the call, or an
+    in-place update of the caller's buffer (CUDA-graph style) would go unseen."""
+    info, S = layout("mixed", 16)
+    x, a = rand(S, 40, dtype=torch.float32, seed=1), rand(SLOTS, 16, 40, dtype=torch.float32, seed=2)
+    wide = torch.zeros(2 * info.seg_indptr.shape[0], dtype=torch.int32)
+    wide[::2] = info.seg_indptr
+    info.seg_indptr = wide[::2]
+    first = sgemm_lora_a(x, a, info)
+    check(first, sgemm_lora_a_reference(x, a, info), sgemm_lora_a_reference(x.double(), a.double(), info))
+    wide[2:2 * info.num_segments + 1:2] = 0  # every live segment empties: only the tail remains
+    second = sgemm_lora_a(x, a, info)
+    assert torch.equal(second, torch.zeros_like(second))
