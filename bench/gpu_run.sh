@@ -22,7 +22,7 @@ for s in "$@"; do
     lora) step lora python3 bench/lora.py ;;
     guard) step guard python3 bench/guard_sync.py ;;
     attention-quick) step attention-quick python3 bench/attention.py --quick --no-flashinfer --budget 200 ;;
-    attention) step attention python3 bench/attention.py --write-dispatch --budget "${ATTN_BUDGET:-420}" ;;
+    attention) STEP_TIMEOUT=$(( ${ATTN_BUDGET:-420} + 40 )) step attention python3 bench/attention.py --write-dispatch --budget "${ATTN_BUDGET:-420}" ;;
     *) echo "unknown step $s"; rc=1 ;;
   esac
 done
