@@ -9,6 +9,7 @@ Returns findings with positions and suppressions applied; a problem of the file 
 from __future__ import annotations
 
 import ast
+import gc
 import importlib
 import re
 from dataclasses import dataclass, field
@@ -609,6 +610,10 @@ def syntax_check(data: bytes, path: str) -> FileResult:
     checked when the pre-filter finds a target name in them; syntax errors are reported everywhere)."""
     if len(data) > MAX_BYTES:
         return FileResult(path, [])
+    # The tree is dropped at once and holds no cycles: the collector passes that its allocations
+    # would trigger are pure cost (~15% of this function on the sglang tree).
+    was_enabled = gc.isenabled()
+    gc.disable()
     try:
         ast.parse(data, filename=path)
     except SyntaxError as e:
@@ -625,6 +630,9 @@ def syntax_check(data: bytes, path: str) -> FileResult:
         # Too deep for the ast module but maybe not for the compiler: nothing to report when no rule
         # could match anyway.
         return FileResult(path, [])
+    finally:
+        if was_enabled:
+            gc.enable()
     return FileResult(path, [])
 
 

@@ -29,6 +29,9 @@ SOURCE_SUFFIXES = (".py", ".pyi")
 # Below this many files to parse, starting worker processes (fork + libcst import, ~0.1-0.3 s)
 # costs more than it saves; a 300-line file parses in ~10 ms.
 MIN_PARALLEL = 24
+# Every file gets CPython's parse (GL000 everywhere); False: only the pre-filtered ones are parsed, as
+# before (kept so that the cost can be measured, bench/results/lint_real_tree.md).
+PARSE_EVERY_FILE = True
 # The same in bytes of work: ast.parse takes ~0.3 s per MB, the full check ~6x that.
 MIN_PARALLEL_WORK = 1_500_000
 FULL_CHECK_WEIGHT = 6
@@ -314,6 +317,8 @@ def lint_paths(paths: Sequence[str], settings: Settings, *, strict: bool = False
             findings.extend(file_error(path, f"cannot read: {e.strerror or e}").findings)
             continue
         full = rules.may_match(data)
+        if not full and not PARSE_EVERY_FILE:
+            continue
         name, is_pkg = module_name_for(path) if full else (None, False)
         candidates.append(Candidate(path, data, name, is_pkg, full))
     n_files = len(files)
