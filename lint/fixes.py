@@ -10,6 +10,7 @@ contract's ``params`` order; the engine turns the new call into text edits (``fi
 # allocate twice or advance a generator; the finding then says why there is no fix.
 from __future__ import annotations
 
+import re
 import string
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
@@ -51,7 +52,7 @@ def _code(node: cst.CSTNode) -> str:
 
 
 def _short(node: cst.CSTNode, limit: int = 40) -> str:
-    text = " ".join(_code(node).split())
+    text = re.sub(r"([(\[{]) | ([)\]}])", r"\1\2", " ".join(_code(node).split()))
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -245,6 +245,12 @@ def test_fix_inside_indented_blocks_and_tabs():
     assert fix(src) == src.replace("seg_indptr=p,\n", "seg_indptr=p,\n\t\t\tseg_lens=p[1:] - p[:-1],\n")
 
 
+@pytest.mark.parametrize("path", sorted(FIXTURES.glob("*.py.fixed")), ids=lambda p: p.name)
+def test_fixture_fixes_exactly_to_its_fixed_file(path):
+    source = path.with_suffix("")
+    assert fixed_source(source.read_bytes(), str(source), unsafe_fixes=True) == path.read_bytes()
+
+
 def test_every_fixture_fixes_to_a_parsing_file_and_a_second_fix_changes_nothing():
     for path in sorted(FIXTURES.glob("*.py")):
         data = path.read_bytes()
