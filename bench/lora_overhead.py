@@ -74,7 +74,8 @@ def build(torch, lora, lens, R=16, K=4096, N=4096, H=16, qk=128, v=128, kvr=512,
         indptr.append(indptr[-1] + n)
     info = lora.LoRABatchInfo(
         use_cuda_graph=False, bs=len(lens), num_segments=len(lens),
-        seg_indptr=torch.tensor(indptr, dtype=torch.int32), weight_indices=torch.arange(len(lens), dtype=torch.int32) % L,
+        seg_indptr=torch.tensor(indptr, dtype=torch.int32),
+        weight_indices=torch.arange(len(lens), dtype=torch.int32) % L,
         lora_ranks=torch.full((L,), R, dtype=torch.int32), scalings=torch.ones(L, dtype=torch.float32),
         max_len=max(lens), seg_lens=torch.tensor(lens, dtype=torch.int32))
     e = torch.empty

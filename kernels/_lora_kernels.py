@@ -24,15 +24,18 @@ are written as NaN instead of being read out of bounds (``GUARDLINT_MODE=strict`
 before launch). An expand program walks ``BLOCK_N`` column tiles of one column group; the loop is
 software-pipelined, so its base reads are in flight through ``cp.async`` instead of registers.
 
+HBM at ~4.5 TB/s with ~1 µs of load latency needs ~4.5 MB in flight, ~35 KB per SM of 132: every config
+below keeps more than that queued in cp.async copies (shared memory), not in registers.
+
 ========= ================== ============ ====================== ==========================================
 kernel    K (reduced)        N (written)  blocks on the GPU      why
 ========= ================== ============ ====================== ==========================================
-sgemm_a   hidden (4096)      stack * R    S 16-64, K 128-256,    bound by reading x once: one pass over K,
-                                          N = R (<= 128),        3-5 cp.async stages of 12-24 KB keep about
-                                          4 warps                64 KB per SM in flight without split-K
+sgemm_a   hidden (4096)      stack * R    S 16-64, K 128-256,    bound by reading x once: one pass over K
+                                          N = R (<= 128),        (no split-K, no second launch), 3-6 stages
+                                          4 warps                of 12-24 KB ahead, 48-100 KB per program
 sgemm_b   R (16-128)         N (4096)     S 16-64, N 128-256,    bound by reading and writing base: 2-3
-                                          K = R, 4-8 warps       stages of 8-32 KB of base per program in
-                                                                 flight, every element written once
+                                          K = R, 4-8 warps       stages of 8-16 KB ahead per program, 2-4
+                                                                 programs per SM, each element written once
 qkv_b     R per slice        N_q, N_kv    as sgemm_b             q/k/v slices on grid axis 1
 step_a_q  qk_nope (128)      R            as sgemm_a             per head (axis 1)
 step_b_q  R                  kv_lora_rank as sgemm_b             per head; A shared by the heads
@@ -337,6 +340,7 @@ class _Tuned:
 
     def __init__(self, kernel, configs, key, prune, interpret_blocks, **autotune):
         self.kernel = kernel
+        self.configs, self.prune = configs, prune
         self.autotuner = triton.autotune(configs, key=key, do_bench=_tuning_bench,
                                          prune_configs_by={"early_config_prune": prune}, **autotune)(kernel)
         self.interpret_blocks = interpret_blocks
@@ -344,10 +348,17 @@ class _Tuned:
         self.chosen: dict = {}
 
     def first_launch(self, key, args, meta: dict, grid) -> None:
-        """Choose the blocks for ``key`` (autotuning on the GPU), record them and launch once."""
+        """Choose the blocks for ``key`` (autotuning on the GPU), record them and launch once.
+
+        Under CUDA-graph capture, timing trials are impossible: the first config that fits is launched and
+        nothing is recorded, so the next eager call still tunes."""
         if INTERPRET:
             blocks, options = self.interpret_blocks, self.interpret_blocks
             self.kernel.run(*args, grid=grid(blocks), warmup=False, **meta, **blocks)
+        elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            cfg = self.prune(self.configs, {"x_ptr": args[0]}, **meta)[0]
+            self.kernel.run(*args, grid=grid(cfg.kwargs), warmup=False, **meta, **cfg.all_kwargs())
+            return
         else:
             self.autotuner.run(*args, grid=grid, warmup=False, **meta)
             cfg = self.autotuner.best_config
@@ -364,8 +375,10 @@ _expand = _Tuned(_lora_expand_kernel, _EXPAND_CONFIGS, ["N", "max_rank", "size_c
 _shrink_run = _lora_shrink_kernel.run
 _expand_run = _lora_expand_kernel.run
 
-# Interpreter segment scans: one chunk covers the test batches (tests shrink it to cover the loop).
+# Interpreter segment scans: one chunk covers the test batches; one column group per token tile, so each
+# program loops over all column tiles (tests change both to cover the other paths).
 _INTERPRET_BLOCK_SEG = 16
+_INTERPRET_GROUPS = 1
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -395,17 +408,17 @@ def launch_shrink(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
         block_n = 16 if INTERPRET else _pow2_clamp(N, 16, 128)
         meta = {"HAS_PERMUTATION": has_permutation, "UPCAST": INTERPRET, "DOT_PRECISION": _dot_precision(x.dtype),
                 "BLOCK_SEG": _INTERPRET_BLOCK_SEG if INTERPRET else BLOCK_SEG, "BLOCK_N": block_n}
-
-        def grid(blocks):
-            # ceil(len / BLOCK_S) summed over the live segments and the tail is at most this.
-            block_s = blocks["BLOCK_S"]
-            return (((num_tokens + block_s - 1) // block_s + num_segments + 1) * ((N + block_n - 1) // block_n), heads)
-
-        _shrink.first_launch(key, args, meta, grid)
+        _shrink.first_launch(key, args, meta, lambda blocks: _shrink_grid(num_tokens, num_segments, heads, N,
+                                                                          blocks["BLOCK_S"], block_n))
         return
     block_s, block_n, options = chosen
-    _shrink_run(*args, grid=(((num_tokens + block_s - 1) // block_s + num_segments + 1) * ((N + block_n - 1) // block_n),
-                             heads), warmup=False, **options)
+    _shrink_run(*args, grid=_shrink_grid(num_tokens, num_segments, heads, N, block_s, block_n), warmup=False, **options)
+
+
+def _shrink_grid(num_tokens: int, num_segments: int, heads: int, N: int, block_s: int, block_n: int) -> tuple:
+    """(token-tile bound * column blocks, heads); ceil(len / BLOCK_S) summed over the live segments and
+    the tail is at most ceil(S / BLOCK_S) + num_segments + 1."""
+    return (((num_tokens + block_s - 1) // block_s + num_segments + 1) * ((N + block_n - 1) // block_n), heads)
 
 
 def launch_expand(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: torch.Tensor, out_strides,
@@ -452,7 +465,9 @@ def launch_expand(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
 
 def _expand_grid(num_tokens: int, tiles_extra: int, heads: int, N: int, block_s: int, block_n: int) -> tuple:
     """(token-tile bound * column groups, heads): N splits into groups until about EXPAND_PROGRAMS programs
-    exist (two groups at most under the interpreter, which makes the column loop both split and repeat)."""
+    exist (``_INTERPRET_GROUPS`` groups at most under the interpreter, where each program is slow)."""
     tiles = (num_tokens + block_s - 1) // block_s + tiles_extra
-    groups = min((N + block_n - 1) // block_n, 2 if INTERPRET else (EXPAND_PROGRAMS + tiles * heads - 1) // (tiles * heads))
+    per_head = tiles * heads
+    groups = min((N + block_n - 1) // block_n,
+                 _INTERPRET_GROUPS if INTERPRET else (EXPAND_PROGRAMS + per_head - 1) // per_head)
     return (tiles * groups, heads)

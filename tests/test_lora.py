@@ -10,7 +10,6 @@ import itertools
 import pytest
 import torch
 
-from guardlint.kernels import _lora_kernels
 from guardlint.kernels import lora
 from guardlint.kernels.lora import (LoRABatchInfo, qkv_lora_b, qkv_lora_b_reference, sgemm_lora_a,
                                     sgemm_lora_a_reference, sgemm_lora_b, sgemm_lora_b_reference, step_a_q,

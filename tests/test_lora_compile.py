@@ -57,7 +57,8 @@ SCRIPT = textwrap.dedent(r'''
         return dict(pipelined="async_copy_global_to_local" in k.asm["ttgir"],
                     regs=int(reg.group(1)) if reg else None, local=int(local.group(1)) if local else None,
                     shared=k.metadata.shared,
-                    async_copy_sizes=sorted(set(re.findall(r"cp\.async\.\w+\.shared\.global [^;]*?, (0x[0-9a-f]+|\d+)", ptx))),
+                    async_copy_sizes=sorted(set(re.findall(
+                        r"cp\.async\.\w+\.shared\.global [^;]*?, (0x[0-9a-f]+|\d+)", ptx))),
                     plain_wide_loads=len(re.findall(r"ld\.global\.v[24]", ptx)),
                     stores=sorted(set(re.findall(r"st\.global(\.v\d)?\.b\d+", ptx))))
 

@@ -107,11 +107,10 @@ def launches(monkeypatch):
     return grids
 
 
-@pytest.mark.parametrize("name", ["permuted", "graph_padded"])
-def test_one_launch_and_no_host_read_per_call(name, launches, monkeypatch):
+def test_one_launch_and_no_host_read_per_call(launches, monkeypatch):
     """With max_len given, nothing on a call's path reads a tensor to the host (each read would be a
     device sync on a GPU), and each call is one kernel launch: no workspace pass, no zero-fill."""
-    _, entries = calls(name)
+    _, entries = calls("graph_padded_permuted")
     for _, call, _ in entries:
         call()  # first calls: autotuning keys, batch checks
     reads = []
@@ -127,9 +126,11 @@ def test_one_launch_and_no_host_read_per_call(name, launches, monkeypatch):
     assert len(launches) == len(entries)
 
 
-def test_find_tile_scans_batches_longer_than_one_chunk(monkeypatch):
-    """decode: 9 one-token segments and the tail scanned 4 at a time: three chunks carry the tile count."""
+def test_find_tile_scans_batches_longer_than_one_chunk_and_expand_splits_columns(monkeypatch):
+    """decode: 9 one-token segments and the tail scanned 4 at a time: three chunks carry the tile count.
+    Expand columns in two groups: 3 column tiles of 16, so one group loops twice and one once."""
     monkeypatch.setattr(_lora_kernels, "_INTERPRET_BLOCK_SEG", 4)
+    monkeypatch.setattr(_lora_kernels, "_INTERPRET_GROUPS", 2)
     monkeypatch.setattr(_lora_kernels._shrink, "chosen", {})
     monkeypatch.setattr(_lora_kernels._expand, "chosen", {})
     for name in ("decode", "graph_padded_permuted"):
@@ -140,6 +141,9 @@ def test_find_tile_scans_batches_longer_than_one_chunk(monkeypatch):
         y, b = rand(S, 16, dtype=torch.float32, seed=3), rand(SLOTS, 40, 16, dtype=torch.float32, seed=4)
         check(sgemm_lora_b(y, b, info), sgemm_lora_b_reference(y, b, info),
               sgemm_lora_b_reference(y.double(), b.double(), info))
+        base = rand(S, 40, dtype=torch.float32, seed=5)
+        check(sgemm_lora_b(y, b, info, base.clone()), sgemm_lora_b_reference(y, b, info, base.clone()),
+              sgemm_lora_b_reference(y.double(), b.double(), info, base.double()))
 
 
 class FakeAutotuner:
@@ -175,6 +179,23 @@ def test_autotuning_runs_once_per_launch_key(monkeypatch):
     assert grid == fake.grid == (4 + 3, 1)
     assert kw["BLOCK_S"] == cfg.kwargs["BLOCK_S"] and kw["num_warps"] == cfg.num_warps
     assert kw["num_stages"] == cfg.num_stages and kw["BLOCK_N"] == 16 and kw["UPCAST"] is False
+
+
+def test_first_launch_under_graph_capture_uses_a_fitting_config_and_tunes_later(monkeypatch):
+    tuner = _lora_kernels._Tuned(_lora_kernels._lora_shrink_kernel, _lora_kernels._SHRINK_CONFIGS, ["K"],
+                                 _lora_kernels._prune_shrink, {"BLOCK_S": 16, "BLOCK_K": 16})
+    tuner.autotuner = FakeAutotuner()
+    launched = []
+    monkeypatch.setattr(tuner, "kernel", type("K", (), {"run": lambda self, *a, grid, warmup, **kw:
+                                                        launched.append((grid, kw))})())
+    monkeypatch.setattr(_lora_kernels, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    x = torch.zeros(8, 64)
+    tuner.first_launch("key", (x,), {"BLOCK_N": 16}, lambda blocks: (blocks["BLOCK_S"], 1))
+    assert tuner.autotuner.runs == 0 and tuner.chosen == {}
+    (grid, kw), = launched
+    assert grid == (_lora_kernels._SHRINK_CONFIGS[0].kwargs["BLOCK_S"], 1) and "num_warps" in kw
 
 
 def test_batch_checks_are_remembered_but_a_replaced_field_is_checked_again():
