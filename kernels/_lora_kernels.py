@@ -218,16 +218,13 @@ def _lora_expand_kernel(
         n_lo = tl.minimum(tl.maximum(n_lo, 0), n_total)
         n_hi = tl.minimum(tl.maximum(n_hi, n_lo), n_total)
         width = n_hi - n_lo
-        if ALIGNED_SLICES:
-            # Host-checked multiples of 8: 16-byte accesses stay possible at the slice edges.
-            n_lo = tl.multiple_of(n_lo, 8)
-            width = tl.multiple_of(width, 8)
-        w_head = n_lo.to(tl.int64) * stride_wn
-        out_head = n_lo.to(tl.int64) * stride_on
+        w_off = slot.to(tl.int64) * stride_wl
+        out_off = 0
     else:
+        n_lo = 0
         width = N
-        w_head = head.to(tl.int64) * stride_wh
-        out_head = head.to(tl.int64) * stride_oh
+        w_off = slot.to(tl.int64) * stride_wl + head.to(tl.int64) * stride_wh
+        out_off = head.to(tl.int64) * stride_oh
 
     # Rows of x / out for the tile's sorted positions (a helper call would cost the interpreter a lot).
     offs_s = pos + tl.arange(0, BLOCK_S)
@@ -249,15 +246,45 @@ def _lora_expand_kernel(
 
     blocks_per_group = ((N + BLOCK_N - 1) // BLOCK_N + groups - 1) // groups
     nb_lo = group * blocks_per_group
-    nb_hi = tl.minimum(nb_lo + blocks_per_group, (width + BLOCK_N - 1) // BLOCK_N)
+    nb_hi = nb_lo + blocks_per_group
     # Accumulating with no adapter is a no-op: skip the read and the write of out entirely.
     if ACCUMULATE:
         skip = (rank == 0) & (bad == 0)
     else:
         skip = seg < 0
     nb_hi = tl.where(skip, nb_lo, nb_hi)
-    w_rows = w_ptr + slot.to(tl.int64) * stride_wl + w_head + offs_k[:, None] * stride_wk
-    out_rows = out_ptr + out_head + rows[:, None] * stride_ot
+    out_rows = out_off + rows[:, None] * stride_ot
+    # Slice edges that are multiples of 8 keep every access 16 bytes wide: host-checked ones (a constexpr),
+    # device ones tested here. Rounding to multiples of 8 is what tells the compiler; a hint on the loaded
+    # value would also apply to the other branch.
+    if ALIGNED_SLICES:
+        _expand_columns(xt, w_ptr + w_off, out_ptr, out_rows, (n_lo // 8) * 8, (width // 8) * 8, nb_lo, nb_hi,
+                        t_in, offs_k, k_stored, k_rank, scaling, bad, stride_wn, stride_wk, stride_on,
+                        ACCUMULATE, UPCAST, DOT_PRECISION, BLOCK_N, STAGES)
+    elif SLICES == 2:
+        if ((n_lo % 8) == 0) & ((width % 8) == 0):
+            _expand_columns(xt, w_ptr + w_off, out_ptr, out_rows, (n_lo // 8) * 8, (width // 8) * 8, nb_lo, nb_hi,
+                            t_in, offs_k, k_stored, k_rank, scaling, bad, stride_wn, stride_wk, stride_on,
+                            ACCUMULATE, UPCAST, DOT_PRECISION, BLOCK_N, STAGES)
+        else:
+            _expand_columns(xt, w_ptr + w_off, out_ptr, out_rows, n_lo, width, nb_lo, nb_hi,
+                            t_in, offs_k, k_stored, k_rank, scaling, bad, stride_wn, stride_wk, stride_on,
+                            ACCUMULATE, UPCAST, DOT_PRECISION, BLOCK_N, STAGES)
+    else:
+        _expand_columns(xt, w_ptr + w_off, out_ptr, out_rows, n_lo, width, nb_lo, nb_hi,
+                        t_in, offs_k, k_stored, k_rank, scaling, bad, stride_wn, stride_wk, stride_on,
+                        ACCUMULATE, UPCAST, DOT_PRECISION, BLOCK_N, STAGES)
+
+
+@triton.jit
+def _expand_columns(xt, w_slot_ptr, out_ptr, out_rows, n_lo, width, nb_lo, nb_hi, t_in, offs_k, k_stored, k_rank,
+                    scaling, bad, stride_wn, stride_wk, stride_on, ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
+    """Column tiles ``[nb_lo, nb_hi)`` (clipped to ``width``) of one token tile, from column ``n_lo`` on:
+    ``out = (out if ACCUMULATE) + scaling * xt @ W`` per tile, NaN where ``bad``."""
+    nb_hi = tl.minimum(nb_hi, (width + BLOCK_N - 1) // BLOCK_N)
+    w_rows = w_slot_ptr + n_lo.to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    out_rows = out_ptr + n_lo.to(tl.int64) * stride_on + out_rows
     # Explicit stages: without them only the dot operands (W) would be pipelined, not the base tiles.
     for nb in tl.range(nb_lo, nb_hi, num_stages=STAGES):
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)

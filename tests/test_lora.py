@@ -191,6 +191,22 @@ def test_qkv_lora_b_matches_reference(name, fresh, offsets):
     check(out, ref, ref64)
 
 
+@pytest.mark.parametrize("n_kv", [16, 12], ids=["slices-on-multiples-of-8", "slices-off-multiples-of-8"])
+@pytest.mark.parametrize("offsets", ["host", "device"])
+def test_qkv_lora_b_slice_alignment(offsets, n_kv):
+    """Slice edges on multiples of 8 take the kernels' 16-byte path (decided on the host for host offsets,
+    in the kernel for device ones); both paths are the reference."""
+    R, n_q = 8, 24
+    starts = [0, n_q, n_q + n_kv, n_q + 2 * n_kv]
+    info, S = layout("permuted", R, seed=26)
+    x = rand(S, 3 * R, dtype=torch.bfloat16, seed=27)
+    w = rand(SLOTS, starts[-1], R, dtype=torch.bfloat16, seed=28)
+    base = rand(S, starts[-1], dtype=torch.bfloat16, seed=29)
+    out = qkv_lora_b(x, w, info, starts if offsets == "host" else torch.tensor(starts), base.clone())
+    check(out, qkv_lora_b_reference(x, w, info, starts, base.clone()),
+          qkv_lora_b_reference(x.double(), w.double(), info, starts, base.double()))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
 def test_qkv_lora_b_slices_are_the_sgemm_lora_b_of_each_projection(dtype):
     R, n_q, n_kv = 8, 24, 12
