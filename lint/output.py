@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import PurePath
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Sequence
 
 from guardlint._version import __version__
 from guardlint.contracts import Contract, get as builtin_contract
