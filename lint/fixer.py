@@ -137,7 +137,8 @@ def fix_source(data: bytes, findings: list[Finding], recheck: Callable[[bytes], 
             break
         problem = parse_problem(new)
         if problem is not None:
-            change.error = f"the fixed file would not parse ({problem}); it was not written"
+            change.error = f"the fixed file would not parse ({problem}); " + (
+                "it was not written" if current == data else "the fixes of earlier rounds were kept")
             break
         change.fixed += sum(1 for f in todo if f.fix in done)
         current = new

@@ -5,9 +5,10 @@ parse). Files that can contain a target are fully checked; the others only get C
 syntax error is reported in every file. Both run across processes when there is enough work to pay
 for starting the workers, all files of a run in one pool.
 """
-# Parsing every file with ``ast`` costs about as much as the full check of the pre-filtered ones: on
-# the generated 1216-file tree of bench/lint_speed.py the CLI went from 0.75x to ~1.2x of one
-# process's read + ast.parse, inside the 1.5x budget (bench/results/lint_real_tree.md).
+# Parsing every file with ``ast`` costs about one more ast.parse of the files the pre-filter skips,
+# spread over the workers: on the generated 1216-file tree of bench/lint_speed.py the CLI went from
+# 0.81-1.01x to 1.31-1.39x of one process's read + ast.parse (best of 5, a shared 2-core machine),
+# inside the 1.5x budget (bench/results/lint_real_tree.md).
 from __future__ import annotations
 
 import dataclasses
