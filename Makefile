@@ -31,7 +31,7 @@ demo: $(STAMP)
 	@echo "What you saw: the linter flagged the call sites in examples/vit.py and examples/engine_backend.py"
 	@echo "(vit_fixed.py is clean); the guard derived the missing metadata once per forward instead of"
 	@echo "crashing, and both model twins agree; diagnose mapped the engine's error to its rule and fix."
-	@echo "Next: guardlint explain GL101, guardlint --fix --unsafe-fixes --diff examples/"
+	@echo "Next: guardlint explain GL101, guardlint --diff --unsafe-fixes examples/"
 
 clean:
 	rm -rf $(VENV) build *.egg-info
