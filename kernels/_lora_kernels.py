@@ -192,8 +192,8 @@ def _lora_expand_kernel(
     size_class,  # read by the autotuner's key only
     ACCUMULATE: tl.constexpr, HAS_PERMUTATION: tl.constexpr, SLICES: tl.constexpr, ALIGNED_SLICES: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_SEG: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
+    BLOCK_SEG: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -234,15 +234,18 @@ def _lora_expand_kernel(
         t_in = t_in & (rows >= 0) & (rows < num_tokens)
     else:
         rows = offs_s.to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    k_stored = offs_k < max_rank
-    k_rank = offs_k < rank
-    xt = tl.load(x_ptr + head.to(tl.int64) * stride_xh + rows[:, None] * stride_xt + offs_k[None, :] * stride_xk,
-                 mask=t_in[:, None] & k_stored[None, :], other=0.0)
-    # Columns past the slot's rank may hold anything (even NaN): select, never multiply by 0.
-    xt = tl.where(k_rank[None, :], xt, 0.0)
-    if UPCAST:
-        xt = xt.to(tl.float32)
+    x_rows = x_ptr + head.to(tl.int64) * stride_xh + rows[:, None] * stride_xt
+    if K_CHUNKS == 1:
+        # The whole rank in one dot operand, loaded once for all column tiles.
+        offs_k = tl.arange(0, BLOCK_K)
+        xt = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=t_in[:, None] & (offs_k < max_rank)[None, :],
+                     other=0.0)
+        # Columns past the slot's rank may hold anything (even NaN): select, never multiply by 0.
+        xt = tl.where((offs_k < rank)[None, :], xt, 0.0)
+        if UPCAST:
+            xt = xt.to(tl.float32)
+    else:
+        xt = tl.zeros((BLOCK_S, BLOCK_K), tl.float32)
 
     blocks_per_group = ((N + BLOCK_N - 1) // BLOCK_N + groups - 1) // groups
     nb_lo = group * blocks_per_group
@@ -259,31 +262,34 @@ def _lora_expand_kernel(
     # value would also apply to the other branch.
     if ALIGNED_SLICES:
         _expand_columns(xt, w_ptr + w_off, out_ptr, out_rows, (n_lo // 8) * 8, (width // 8) * 8, nb_lo, nb_hi,
-                        t_in, offs_k, k_stored, k_rank, scaling, bad, stride_wn, stride_wk, stride_on,
-                        ACCUMULATE, UPCAST, DOT_PRECISION, BLOCK_N, STAGES)
+                        t_in, x_rows, stride_xk, rank, max_rank, scaling, bad, stride_wn, stride_wk, stride_on,
+                        ACCUMULATE, UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K, K_CHUNKS, STAGES)
     elif SLICES == 2:
         if ((n_lo % 8) == 0) & ((width % 8) == 0):
             _expand_columns(xt, w_ptr + w_off, out_ptr, out_rows, (n_lo // 8) * 8, (width // 8) * 8, nb_lo, nb_hi,
-                            t_in, offs_k, k_stored, k_rank, scaling, bad, stride_wn, stride_wk, stride_on,
-                            ACCUMULATE, UPCAST, DOT_PRECISION, BLOCK_N, STAGES)
+                            t_in, x_rows, stride_xk, rank, max_rank, scaling, bad, stride_wn, stride_wk, stride_on,
+                            ACCUMULATE, UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K, K_CHUNKS, STAGES)
         else:
             _expand_columns(xt, w_ptr + w_off, out_ptr, out_rows, n_lo, width, nb_lo, nb_hi,
-                            t_in, offs_k, k_stored, k_rank, scaling, bad, stride_wn, stride_wk, stride_on,
-                            ACCUMULATE, UPCAST, DOT_PRECISION, BLOCK_N, STAGES)
+                            t_in, x_rows, stride_xk, rank, max_rank, scaling, bad, stride_wn, stride_wk, stride_on,
+                            ACCUMULATE, UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K, K_CHUNKS, STAGES)
     else:
         _expand_columns(xt, w_ptr + w_off, out_ptr, out_rows, n_lo, width, nb_lo, nb_hi,
-                        t_in, offs_k, k_stored, k_rank, scaling, bad, stride_wn, stride_wk, stride_on,
-                        ACCUMULATE, UPCAST, DOT_PRECISION, BLOCK_N, STAGES)
+                        t_in, x_rows, stride_xk, rank, max_rank, scaling, bad, stride_wn, stride_wk, stride_on,
+                        ACCUMULATE, UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K, K_CHUNKS, STAGES)
 
 
 @triton.jit
-def _expand_columns(xt, w_slot_ptr, out_ptr, out_rows, n_lo, width, nb_lo, nb_hi, t_in, offs_k, k_stored, k_rank,
-                    scaling, bad, stride_wn, stride_wk, stride_on, ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
+def _expand_columns(xt, w_slot_ptr, out_ptr, out_rows, n_lo, width, nb_lo, nb_hi, t_in, x_rows, stride_xk, rank,
+                    max_rank, scaling, bad, stride_wn, stride_wk, stride_on, ACCUMULATE: tl.constexpr,
+                    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    K_CHUNKS: tl.constexpr, STAGES: tl.constexpr):
     """Column tiles ``[nb_lo, nb_hi)`` (clipped to ``width``) of one token tile, from column ``n_lo`` on:
-    ``out = (out if ACCUMULATE) + scaling * xt @ W`` per tile, NaN where ``bad``."""
+    ``out = (out if ACCUMULATE) + scaling * x @ W`` per tile, NaN where ``bad``. The rank is one dot
+    operand ``xt`` (``K_CHUNKS == 1``) or ``K_CHUNKS`` chunks of x re-read per tile (ranks above 128)."""
     nb_hi = tl.minimum(nb_hi, (width + BLOCK_N - 1) // BLOCK_N)
-    w_rows = w_slot_ptr + n_lo.to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    offs_k = tl.arange(0, BLOCK_K)
+    w_cols = w_slot_ptr + n_lo.to(tl.int64) * stride_wn
     out_rows = out_ptr + n_lo.to(tl.int64) * stride_on + out_rows
     # Explicit stages: without them only the dot operands (W) would be pipelined, not the base tiles.
     for nb in tl.range(nb_lo, nb_hi, num_stages=STAGES):
@@ -293,11 +299,25 @@ def _expand_columns(xt, w_slot_ptr, out_ptr, out_rows, n_lo, width, nb_lo, nb_hi
         out_mask = t_in[:, None] & n_in[None, :]
         if ACCUMULATE:
             base = tl.load(out_ptrs, mask=out_mask, other=0.0)
-        wt = tl.load(w_rows + offs_n[None, :] * stride_wn, mask=k_stored[:, None] & n_in[None, :], other=0.0)
-        wt = tl.where(k_rank[:, None], wt, 0.0)
-        if UPCAST:
-            wt = wt.to(tl.float32)
-        acc = tl.dot(xt, wt, input_precision=DOT_PRECISION) * scaling
+        acc = tl.zeros((out_ptrs.shape[0], BLOCK_N), dtype=tl.float32)
+        for c in tl.static_range(K_CHUNKS):
+            k = c * BLOCK_K + offs_k
+            if K_CHUNKS == 1:
+                xc = xt
+            else:
+                xc = tl.load(x_rows + k[None, :] * stride_xk, mask=t_in[:, None] & (k < max_rank)[None, :],
+                             other=0.0)
+                xc = tl.where((k < rank)[None, :], xc, 0.0)
+                if UPCAST:
+                    xc = xc.to(tl.float32)
+            # All stored rank columns are read (16-byte loads); past the slot's rank they are selected away.
+            wt = tl.load(w_cols + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
+                         mask=(k < max_rank)[:, None] & n_in[None, :], other=0.0)
+            wt = tl.where((k < rank)[:, None], wt, 0.0)
+            if UPCAST:
+                wt = wt.to(tl.float32)
+            acc = tl.dot(xc, wt, acc, input_precision=DOT_PRECISION)
+        acc = acc * scaling
         if ACCUMULATE:
             acc = acc + base.to(tl.float32)
         acc = tl.where(bad, float("nan"), acc)
@@ -328,8 +348,11 @@ _EXPAND_CONFIGS = [
     # prefill: 8 KB a stage, three ahead, more programs per SM
     triton.Config({"BLOCK_S": 32, "BLOCK_N": 128, "STAGES": 4}, num_warps=4, num_stages=4),
 ]
-# Shared memory a config may plan for (an H100/H200 SM has 227 KB; leave room for layout conversions).
-_SMEM_BUDGET = 192 * 1024
+# Shared memory a config may plan for by the estimates below: an H100/H200 block may use 227 KB. The
+# shrink's estimate is its pipeline buffers, exactly; the expand's leaves out layout-conversion and
+# operand buffers the compiler adds (up to ~40 KB at rank 128).
+_SHRINK_SMEM_BUDGET = 220 * 1024
+_EXPAND_SMEM_BUDGET = 176 * 1024
 
 
 def _tuning_bench(kernel_call, quantiles):
@@ -338,24 +361,30 @@ def _tuning_bench(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
 
 
-def _fitting(configs, smem_of):
-    """Configs whose pipeline buffers fit the shared-memory budget (the smallest one if none does)."""
-    fit = [c for c in configs if smem_of(c) <= _SMEM_BUDGET]
-    return fit or [min(configs, key=smem_of)]
+def _fitting(configs, smem_of, budget, fallback):
+    """Configs whose pipeline buffers fit the shared-memory budget, else ``fallback`` (small tiles, few
+    stages: it fits whatever the others did not)."""
+    return [c for c in configs if smem_of(c) <= budget] or [fallback]
 
 
 def _prune_shrink(configs, named_args, **meta):
     size = named_args["x_ptr"].element_size()
     block_n = meta["BLOCK_N"]
-    return _fitting(configs, lambda c: (c.num_stages - 1) * (c.kwargs["BLOCK_S"] + block_n)
-                    * c.kwargs["BLOCK_K"] * size)
+    # cp.async pipelines keep num_stages - 1 buffers; wgmma ones (64-row tiles) keep num_stages.
+    return _fitting(configs, lambda c: (c.num_stages - (c.kwargs["BLOCK_S"] < 64)) * (c.kwargs["BLOCK_S"] + block_n)
+                    * c.kwargs["BLOCK_K"] * size, _SHRINK_SMEM_BUDGET,
+                    triton.Config({"BLOCK_S": 16, "BLOCK_K": 128}, num_warps=4, num_stages=3))
 
 
 def _prune_expand(configs, named_args, **meta):
     size = named_args["x_ptr"].element_size()
-    block_k = meta["BLOCK_K"]
-    return _fitting(configs, lambda c: (c.kwargs["STAGES"] - 1) * (c.kwargs["BLOCK_S"] + block_k) * c.kwargs["BLOCK_N"]
-                    * size + c.kwargs["BLOCK_S"] * c.kwargs["BLOCK_N"] * 4)
+    rank = meta["BLOCK_K"] * meta["K_CHUNKS"]
+    # Per stage: the base tile and W's columns; chunked ranks re-read x in the loop, so x too.
+    x_rows = rank if meta["K_CHUNKS"] > 1 else 0
+    return _fitting(configs, lambda c: (c.kwargs["STAGES"] - 1) * (c.kwargs["BLOCK_S"] + rank) * c.kwargs["BLOCK_N"]
+                    * size + (c.kwargs["STAGES"] - 1) * c.kwargs["BLOCK_S"] * x_rows * size
+                    + c.kwargs["BLOCK_S"] * c.kwargs["BLOCK_N"] * 4, _EXPAND_SMEM_BUDGET,
+                    triton.Config({"BLOCK_S": 16, "BLOCK_N": 64, "STAGES": 2}, num_warps=4, num_stages=2))
 
 
 class _Tuned:
@@ -406,6 +435,7 @@ _expand_run = _lora_expand_kernel.run
 # program loops over all column tiles (tests change both to cover the other paths).
 _INTERPRET_BLOCK_SEG = 16
 _INTERPRET_GROUPS = 1
+_EXPAND_MAX_BLOCK_K = 128
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -476,11 +506,14 @@ def launch_expand(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
     tiles_extra = num_segments + (0 if accumulate else 1)
     chosen = _expand.chosen.get(key)
     if chosen is None:
-        # The whole stored rank is one dot operand (R <= 128 in practice; x and W are tiny next to base).
-        block_k = _pow2_clamp(max_rank, 16, 1 << 16)
+        # The whole stored rank is one dot operand up to 128 (x and W are tiny next to base); larger ranks go
+        # in chunks of 128, which keeps W's pipeline buffers within shared memory.
+        block_k = _pow2_clamp(max_rank, 16, _EXPAND_MAX_BLOCK_K)
+        k_chunks = -(-max_rank // block_k)
         meta = {"ACCUMULATE": accumulate, "HAS_PERMUTATION": has_permutation, "SLICES": slices,
                 "ALIGNED_SLICES": aligned, "UPCAST": INTERPRET, "DOT_PRECISION": _dot_precision(x.dtype),
-                "BLOCK_SEG": _INTERPRET_BLOCK_SEG if INTERPRET else BLOCK_SEG, "BLOCK_K": block_k}
+                "BLOCK_SEG": _INTERPRET_BLOCK_SEG if INTERPRET else BLOCK_SEG, "BLOCK_K": block_k,
+                "K_CHUNKS": k_chunks}
         _expand.first_launch(key, args, meta,
                              lambda blocks: _expand_grid(num_tokens, tiles_extra, heads, N, blocks["BLOCK_S"],
                                                          blocks["BLOCK_N"]))

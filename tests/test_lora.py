@@ -191,6 +191,21 @@ def test_qkv_lora_b_matches_reference(name, fresh, offsets):
     check(out, ref, ref64)
 
 
+@pytest.mark.parametrize("fresh", [False, True], ids=["accumulate", "fresh"])
+def test_sgemm_lora_b_rank_in_chunks(fresh, monkeypatch):
+    """Stored ranks above the largest dot operand go in chunks (128 on the GPU; 16 here, so R = 32 is two,
+    and the slot of rank 17 ends inside the second)."""
+    monkeypatch.setattr(lora._k, "_EXPAND_MAX_BLOCK_K", 16)
+    monkeypatch.setattr(lora._k._expand, "chosen", {})
+    R, N = 32, 40
+    info, S = layout("graph_padded_permuted", R, seed=14)
+    x, w = rand(S, R, dtype=torch.bfloat16, seed=15), rand(SLOTS, N, R, dtype=torch.bfloat16, seed=16)
+    base = None if fresh else rand(S, N, dtype=torch.bfloat16, seed=17)
+    out = sgemm_lora_b(x, w, info, None if fresh else base.clone())
+    check(out, sgemm_lora_b_reference(x, w, info, None if fresh else base.clone()),
+          sgemm_lora_b_reference(x.double(), w.double(), info, None if fresh else base.double()))
+
+
 @pytest.mark.parametrize("n_kv", [16, 12], ids=["slices-on-multiples-of-8", "slices-off-multiples-of-8"])
 @pytest.mark.parametrize("offsets", ["host", "device"])
 def test_qkv_lora_b_slice_alignment(offsets, n_kv):
