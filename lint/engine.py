@@ -638,15 +638,17 @@ def syntax_check(data: bytes, path: str) -> FileResult:
 
 def check_source(data: bytes, path: str, rules: RuleSet, *, strict: bool = False,
                  module_name: Optional[str] = None, is_package: bool = False,
-                 keep_module: bool = False) -> FileResult:
+                 keep_module: bool = False, prefilter: bool = False) -> FileResult:
     """Findings of one file's bytes (PEP 263 cookies and a UTF-8 BOM are honoured).
 
     ``module_name`` (dotted, from the file's package) resolves relative imports and makes this
     file's own module-level definitions targets when their qualified name is one. Never raises for
-    a problem of the file: those are GL000 findings.
+    a problem of the file: those are GL000 findings. With ``prefilter``, a file whose CPython tree
+    holds nothing a rule could report is not given to libcst (``prefilter.py``); ``parsed`` is then
+    False.
     """
     try:
-        return _check_source(data, path, rules, strict, module_name, is_package, keep_module)
+        return _check_source(data, path, rules, strict, module_name, is_package, keep_module, prefilter)
     except RecursionError:
         return file_error(path, "nested too deeply to check")
     except MemoryError:
@@ -656,7 +658,7 @@ def check_source(data: bytes, path: str, rules: RuleSet, *, strict: bool = False
                                 f"the file was not checked")
 
 
-def _check_source(data, path, rules, strict, module_name, is_package, keep_module) -> FileResult:
+def _check_source(data, path, rules, strict, module_name, is_package, keep_module, prefilter) -> FileResult:
     if len(data) > MAX_BYTES:
         return file_error(path, f"file too large to check ({len(data) / 1e6:.1f} MB; the limit is "
                                 f"{MAX_BYTES // (1024 * 1024)} MB)")
@@ -672,6 +674,11 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
         return file_error(path, "nested too deeply to parse")
     except ValueError as e:  # null bytes
         return file_error(path, str(e))
+    if prefilter and tree is not None:
+        from .prefilter import tree_filter
+
+        if not tree_filter(rules).may_report(tree, data):
+            return FileResult(path, [])
     try:
         module = cst.parse_module(data)
     except Exception as e:  # ParserSyntaxError, decoding errors, unknown encodings

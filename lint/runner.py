@@ -33,6 +33,9 @@ MIN_PARALLEL = 24
 # Every file gets CPython's parse (GL000 everywhere); False: only the pre-filtered ones are parsed, as
 # before (kept so that the cost can be measured, bench/results/lint_real_tree.md).
 PARSE_EVERY_FILE = True
+# Files past the textual pre-filter go to libcst only when their CPython tree holds something a rule
+# could report (prefilter.py); False: all of them do, as before (kept so that the gain can be measured).
+AST_PREFILTER = True
 # The same in bytes of work: ast.parse takes ~0.3 s per MB, the full check ~6x that.
 MIN_PARALLEL_WORK = 1_500_000
 FULL_CHECK_WEIGHT = 6
@@ -42,7 +45,8 @@ FULL_CHECK_WEIGHT = 6
 class Report:
     findings: list[Finding]
     files: int = 0  # files considered
-    parsed: int = 0  # files that passed the pre-filter and were fully checked
+    parsed: int = 0  # files that passed the textual pre-filter
+    checked: int = 0  # of those, files that passed the tree pre-filter too: parsed by libcst and checked
     results: list = field(default_factory=list)  # FileResult per parsed file, with keep_modules
     changes: list[Change] = field(default_factory=list)  # with fix="apply" or "diff": files with fixes
     fixed: int = 0  # findings whose fix was applied (or, with "diff", would be)
@@ -217,7 +221,8 @@ def _check_one(c: Candidate, rules: RuleSet, strict: bool, keep_module: bool = F
     if not c.full:
         return syntax_check(c.data, c.path)
     return check_source(c.data, c.path, rules, strict=strict, module_name=c.module_name,
-                        is_package=c.is_package, keep_module=keep_module)
+                        is_package=c.is_package, keep_module=keep_module,
+                        prefilter=AST_PREFILTER and not keep_module)
 
 
 def _check_chunk(chunk: list[Candidate]) -> list:
@@ -336,6 +341,7 @@ def lint_paths(paths: Sequence[str], settings: Settings, *, strict: bool = False
         findings.extend(r.findings)
     findings = _keep(findings, settings)
     report = Report(findings, files=n_files, parsed=sum(1 for c in candidates if c.full),
+                    checked=sum(1 for r in results if r.parsed),
                     results=[r for r, c in zip(results, candidates) if c.full] if keep_modules else [])
     if fix is not None:
         _fix(report, candidates, rules, settings, strict, unsafe_fixes, write=fix == "apply")
