@@ -12,18 +12,17 @@ one with findings (``tests/test_lint_prefilter.py`` runs the engine with and wit
 # - dataclasses.replace(..., max_len=None, ...): a keyword named like a field of such a contract
 #   (the callee is not looked at, so an aliased replace is covered).
 # - GL104: .item()/.tolist() without arguments, or int(...) of one argument, whose expression reads a
-#   sequence-length name, inside a def or a for loop (the only places a per-layer context can be).
+#   sequence-length name, under a per-layer forward or a loop over layers (host_sync's contexts).
 # A guard decorator only removes findings, so a file without any of the above has none either way.
 from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
 
-from .patterns import PATTERNS, SYNC_METHODS, is_seqlen_name
+from .patterns import LAYER_LOOP_NAME, PATTERNS, PER_LAYER_CLASS_SUFFIXES, SYNC_METHODS, is_seqlen_name
 from .rules import RuleSet
 
 HOST_SYNC = "GL104"
-_CONTEXTS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.For, ast.AsyncFor)
 
 
 @dataclass(frozen=True)
@@ -110,15 +109,37 @@ def _host_read(call: ast.Call) -> bool:
 
 
 def _any_inside_context(tree: ast.AST, calls: list) -> bool:
+    """Is one of ``calls`` in code that runs per layer, as ``host_sync`` decides it: under the
+    ``forward`` of a class named like a block, layer or attention, or a loop over layers/blocks."""
     wanted = {id(c) for c in calls}
-    stack = [tree]
+    stack: list = [(tree, None)]  # (node, the class whose body it is directly in)
     while stack:
-        node = stack.pop()
-        if isinstance(node, _CONTEXTS):
+        node, owner = stack.pop()
+        t = type(node)
+        if t is ast.ClassDef:
+            inner = node.name
+        elif t is ast.FunctionDef or t is ast.AsyncFunctionDef:
+            if node.name == "forward" and owner and owner.lower().endswith(PER_LAYER_CLASS_SUFFIXES) \
+                    and any(id(n) in wanted for n in ast.walk(node)):
+                return True
+            inner = None
+        elif (t is ast.For or t is ast.AsyncFor) and _loops_over_layers(node.iter):
             if any(id(n) in wanted for n in ast.walk(node)):
                 return True
-            continue
-        stack.extend(ast.iter_child_nodes(node))
+            inner = owner
+        else:
+            inner = owner
+        stack.extend((child, inner) for child in ast.iter_child_nodes(node))
+    return False
+
+
+def _loops_over_layers(iterable: ast.AST) -> bool:
+    for node in ast.walk(iterable):
+        t = type(node)
+        name = node.id if t is ast.Name else node.attr if t is ast.Attribute else \
+            node.arg if t is ast.keyword else None
+        if name and LAYER_LOOP_NAME.search(name):
+            return True
     return False
 
 
