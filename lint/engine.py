@@ -664,6 +664,10 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
                                 f"{MAX_BYTES // (1024 * 1024)} MB)")
     tree = None
     syntax_error: Optional[SyntaxError] = None
+    # As in syntax_check: the tree holds no cycles, so collector passes during the parse are pure
+    # cost, and most files past the textual filter end here when the tree pre-filter drops them.
+    was_enabled = gc.isenabled()
+    gc.disable()
     try:
         tree = ast.parse(data, filename=path)
     except SyntaxError as e:
@@ -674,6 +678,9 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
         return file_error(path, "nested too deeply to parse")
     except ValueError as e:  # null bytes
         return file_error(path, str(e))
+    finally:
+        if was_enabled:
+            gc.enable()
     if prefilter and tree is not None:
         from .prefilter import tree_filter
 
