@@ -223,7 +223,8 @@ def _lora_expand_kernel(
     else:
         n_lo = 0
         width = N
-        w_off = slot.to(tl.int64) * stride_wl + head.to(tl.int64) * stride_wh
+        # Without slices, slice_1 is the first weight row (MLA step B_v: the v rows after the k_nope rows).
+        w_off = slot.to(tl.int64) * stride_wl + head.to(tl.int64) * stride_wh + slice_1.to(tl.int64) * stride_wn
         out_off = head.to(tl.int64) * stride_oh
 
     # Rows of x / out for the tile's sorted positions (a helper call would cost the interpreter a lot).
@@ -481,12 +482,15 @@ def _shrink_grid(num_tokens: int, num_segments: int, heads: int, N: int, block_s
 def launch_expand(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: torch.Tensor, out_strides,
                   seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments: int,
                   num_tokens: int, heads: int, N: int, max_rank: int, accumulate: bool,
-                  slice_starts=None, slice_offsets: torch.Tensor | None = None, n_total: int = 0) -> None:
+                  slice_starts=None, slice_offsets: torch.Tensor | None = None, n_total: int = 0,
+                  w_row: int = 0) -> None:
     """Launch the expand kernel; strides are (t, h, k), (l, h, n, k), (t, h, n).
 
     ``accumulate``: add into ``out`` (rows of no-adapter segments untouched); else write every element of
     ``out``. qkv slices (``heads == 3``): ``slice_starts``, four host ints, or ``slice_offsets``, a device
     int tensor of four; ``N`` is then the widest slice (or an upper bound) and ``n_total`` the stack height.
+    Without slices, ``w_row`` is the first weight row (along the n stride): a view of ``w`` per call would
+    cost ~2 µs.
     """
     if num_tokens == 0 or N == 0 or (accumulate and num_segments == 0):
         return
@@ -495,7 +499,7 @@ def launch_expand(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
         slices, s1, s2, s3 = 1, slice_starts[1], slice_starts[2], slice_starts[3]
         aligned = not (s1 % 8 or s2 % 8 or s3 % 8)
     else:
-        slices, s1, s2, s3, aligned = (2 if slice_offsets is not None else 0), 0, 0, 0, False
+        slices, s1, s2, s3, aligned = (2 if slice_offsets is not None else 0), w_row, 0, 0, False
     size_class = 0 if num_tokens <= 128 else (1 if num_tokens <= 1024 else 2)
     args = (x, w, out, seg_indptr, weight_indices, lora_ranks, scalings,
             permutation if has_permutation else seg_indptr,

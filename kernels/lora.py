@@ -426,12 +426,12 @@ def _step_a_launch(x: Tensor, w: Tensor, w_strides: list[int], rank: int, seg_in
     return out
 
 
-def _step_b_launch(x: Tensor, w: Tensor, w_strides: list[int], out: Tensor, seg_indptr: Tensor, weight_indices: Tensor,
-                   lora_ranks: Tensor, scalings: Tensor, permutation: Optional[Tensor], num_segments: int,
-                   accumulate: bool) -> None:
+def _step_b_launch(x: Tensor, w: Tensor, w_strides: list[int], w_row: int, out: Tensor, seg_indptr: Tensor,
+                   weight_indices: Tensor, lora_ranks: Tensor, scalings: Tensor, permutation: Optional[Tensor],
+                   num_segments: int, accumulate: bool) -> None:
     S, H, R = x.shape
     _k.launch_expand(x, x.stride(), w, w_strides, out, out.stride(), seg_indptr, weight_indices, lora_ranks, scalings,
-                     permutation, num_segments, S, H, out.shape[2], R, accumulate)
+                     permutation, num_segments, S, H, out.shape[2], R, accumulate, w_row=w_row)
 
 
 _sgemm_lora_a_op = torch.library.custom_op("guardlint::sgemm_lora_a", mutates_args=())(_sgemm_lora_a_launch)
@@ -740,7 +740,7 @@ def step_b_q(lora_q: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, base_out
     out = base_output if base_output is not None else _new_output(shape, lora_q.dtype, lora_q.device)
     a0, a1, a2 = lora_a.stride()
     # W[slot, h, n, k] = A[slot, k, n]
-    _launch(_step_b_op, _step_b_launch, out, lora_q, lora_a, [a0, 0, a2, a1], out, *_op_batch(batch),
+    _launch(_step_b_op, _step_b_launch, out, lora_q, lora_a, [a0, 0, a2, a1], 0, out, *_op_batch(batch),
             base_output is not None)
     return out
 
@@ -831,6 +831,6 @@ def step_b_v(lora_v: Tensor, lora_b: Tensor, batch_info: LoRABatchInfo, base_out
     out = base_output if base_output is not None else _new_output(shape, lora_v.dtype, lora_v.device)
     b0, b1, b2 = lora_b.stride()
     # W[slot, h, n, k] = B[slot, h * (qk_nope + v) + qk_nope + n, k]
-    _launch(_step_b_op, _step_b_launch, out, lora_v, lora_b[:, qk_nope_head_dim:],
-            [b0, (qk_nope_head_dim + v_head_dim) * b1, b1, b2], out, *_op_batch(batch), base_output is not None)
+    _launch(_step_b_op, _step_b_launch, out, lora_v, lora_b, [b0, (qk_nope_head_dim + v_head_dim) * b1, b1, b2],
+            qk_nope_head_dim, out, *_op_batch(batch), base_output is not None)
     return out

@@ -226,7 +226,7 @@ def test_custom_ops_pass_opcheck():
         (torch.ops.guardlint.qkv_lora_b, (rand(S, 12, **f, seed=7), wb, torch.zeros(S, 20), *batch, False,
                                           [0, 8, 14, 20], None)),
         (torch.ops.guardlint.lora_step_a, (rand(S, 2, 10, **f, seed=8), la, [40, 0, 10, 1], 4, *batch)),
-        (torch.ops.guardlint.lora_step_b, (y3, la, [40, 0, 1, 10], torch.zeros(S, 2, 10), *batch, True)),
+        (torch.ops.guardlint.lora_step_b, (y3, la, [40, 0, 1, 10], 0, torch.zeros(S, 2, 10), *batch, True)),
     ]
     for op, args in samples:
         torch.library.opcheck(op, args)
