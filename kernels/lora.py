@@ -385,7 +385,7 @@ def _strides3(t: Tensor) -> tuple:
 def _sgemm_lora_a_launch(x: Tensor, weights: Tensor, seg_indptr: Tensor, weight_indices: Tensor, lora_ranks: Tensor,
                          scalings: Tensor, permutation: Optional[Tensor], num_segments: int, stack_num: int) -> Tensor:
     S, K = x.shape
-    L, N, _ = weights.shape
+    N = weights.shape[1]
     out = _new_output((S, N), x.dtype, x.device)
     ws = weights.stride()
     _k.launch_shrink(x, _strides3(x), weights, (ws[0], 0, ws[1], ws[2]), out, _strides3(out), seg_indptr,
@@ -454,6 +454,8 @@ def _(x, w, w_strides, rank, seg_indptr, weight_indices, lora_ranks, scalings, p
 for _op in (_sgemm_lora_b_op, _qkv_lora_b_op, _step_b_op):
     _op.register_fake(lambda *args: None)
 
+# Tensor types launched directly; any other subclass (fake, functional, user dispatch subclasses) gets the op.
+_PLAIN = frozenset((Tensor, torch.nn.Parameter))
 _is_compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _grad_enabled = torch.is_grad_enabled
@@ -466,7 +468,7 @@ def _launch(op, launch, out: Optional[Tensor], x: Tensor, w: Tensor, *args):
 
     A direct launch that writes ``out`` in place bumps its version counter, as the op would."""
     # is_compiling first: under torch.compile it is a constant, and the rest is not traceable.
-    if (_is_compiling() or type(x) is not Tensor or type(w) is not Tensor or _dispatch_modes()
+    if (_is_compiling() or type(x) not in _PLAIN or type(w) not in _PLAIN or _dispatch_modes()
             or ((x.requires_grad or w.requires_grad) and _grad_enabled())):
         return op(x, w, *args)
     result = launch(x, w, *args)

@@ -70,6 +70,21 @@ def test_eager_launch_and_custom_op_give_identical_results(case, monkeypatch):
     torch.testing.assert_close(call(), eager, rtol=0, atol=0)
 
 
+def test_parameter_weights_launch_directly_and_fake_tensors_see_the_op(monkeypatch):
+    info, S = layout("mixed", 16)
+    x = rand(S, 40, dtype=torch.float32, seed=1)
+    w = torch.nn.Parameter(rand(SLOTS, 16, 40, dtype=torch.float32, seed=2), requires_grad=False)
+    expect = sgemm_lora_a(x, w.detach(), info)
+    monkeypatch.setattr(lora, "_sgemm_lora_a_op", lambda *args: pytest.fail("went through the custom op"))
+    torch.testing.assert_close(sgemm_lora_a(x, w, info), expect, rtol=0, atol=0)
+    monkeypatch.undo()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        out = sgemm_lora_a(fake.from_tensor(x), fake.from_tensor(w.detach()), info)
+    assert out.shape == expect.shape and type(out) is not torch.Tensor
+
+
 def test_autograd_inputs_go_through_the_custom_op(monkeypatch):
     info, S = layout("mixed", 16)
     x = rand(S, 40, dtype=torch.float32, seed=1).requires_grad_()
