@@ -1,9 +1,10 @@
 """Runs the linter over paths: discovery, the textual pre-filter, parallel checking, selection, fixes.
 
 Reading and pre-filtering happen in this process (a substring search per file, far cheaper than any
-parse). Files that can contain a target are fully checked; the others only get CPython's parse, so a
-syntax error is reported in every file. Both run across processes when there is enough work to pay
-for starting the workers, all files of a run in one pool.
+parse). Every file gets CPython's parse, so a syntax error is reported in every file; those that can
+contain a target also go through the tree pre-filter (``prefilter.py``), and the ones it keeps are
+checked with libcst. All run across processes when there is enough work to pay for starting the
+workers, all files of a run in one pool.
 """
 # Parsing every file with ``ast`` costs about one more ast.parse of the files the pre-filter skips,
 # spread over the workers: on the generated 1216-file tree of bench/lint_speed.py the CLI went from
