@@ -20,6 +20,8 @@ for s in "$@"; do
   case $s in
     tests) step tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_gpu.py tests/test_guard_vit.py ;;
     lora) step lora python3 bench/lora.py ;;
+    sweep) step sweep python3 bench/lora_sweep.py ;;
+    tests-rev) step tests-rev python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/test_guard_vit.py tests/test_attention_gpu.py ;;
     guard) step guard python3 bench/guard_sync.py ;;
     attention-quick) step attention-quick python3 bench/attention.py --quick --no-flashinfer --budget 200 ;;
     attention) STEP_TIMEOUT=$(( ${ATTN_BUDGET:-420} + 40 )) step attention python3 bench/attention.py --write-dispatch --budget "${ATTN_BUDGET:-420}" ;;
