@@ -17,7 +17,7 @@ def varlen_attention(q, k, v, cu_seqlens, *, sequence_lengths=None, max_seqlen=N
     each token comes from ``sequence_lengths`` (``output_size`` keeps repeat_interleave sync-free)."""
     assert type(max_seqlen) is int and sequence_lengths.dtype == torch.int32
     T = q.shape[0]
-    seq_id = torch.repeat_interleave(torch.arange(sequence_lengths.numel()), sequence_lengths.long(),
+    seq_id = torch.repeat_interleave(torch.arange(sequence_lengths.numel(), device=q.device), sequence_lengths.long(),
                                      output_size=T)
     mask = seq_id[:, None] == seq_id[None, :]
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
