@@ -60,7 +60,7 @@ class _Batch(NamedTuple):
     scalings: Tensor
     permutation: Optional[Tensor]
     num_segments: int
-    max_len: int
+    max_len: Optional[int]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -153,12 +153,14 @@ def _check_batch_fields(function: str, x: Tensor, batch_info, num_slots: int) ->
     if not isinstance(num_segments, int) or isinstance(num_segments, bool) or num_segments < 0:
         raise _bad(function, "batch_info.num_segments", "a Python int >= 0", num_segments)
     max_len = getattr(batch_info, "max_len", None)
-    if max_len is None:
+    # The grid is sized by the token count, not by max_len, so seg_lens alone is enough (as in the engine);
+    # with neither, the batch info is the one the engine rejects, and so is it here.
+    if max_len is None and getattr(batch_info, "seg_lens", None) is None:
         raise GuardError(
             "GL201", argument="batch_info", expected="max_len (a Python int) or seg_lens",
             got=f"max_len=None, seg_lens={describe(getattr(batch_info, 'seg_lens', None))}", function=function,
             detail="LoRA batch_info must provide max_len or seg_lens.")
-    if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 0:
+    if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 0):
         raise _bad(function, "batch_info.max_len", "a Python int >= 0 (a tensor would cost a device sync)",
                    max_len)
     device = x.device
@@ -506,7 +508,7 @@ def sgemm_lora_a(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, stack_nu
     weights : Tensor
         ``(num_slots, stack_num * R, K)``, x's dtype and device; ``R`` is the stored (maximum) rank.
     batch_info : LoRABatchInfo
-        Segments over x's rows; ``max_len`` set (or derived by the guard).
+        Segments over x's rows; ``max_len`` or ``seg_lens`` set (or derived by the guard).
     stack_num : int
         Number of stacked A matrices.
     backend : str, optional
