@@ -23,6 +23,14 @@ LORA_FIELDS = (
 
 PREPARE_IMPORT = (("guardlint.guard", "prepare_varlen_metadata"),)
 
+# GL104's vocabulary, read by the linter's visitor and by the diagnose patterns below: names of metadata whose
+# values a per-layer forward might read back, and suffixes of names that already live on the host
+# (sglang's seq_lens_cpu), where a read is no sync.
+SEQLEN_STEMS = ("cu_seqlens", "seqlens", "seq_lens", "seg_lens", "seg_indptr")
+HOST_SUFFIXES = ("_cpu", "_host", "_list", "_np")
+_STEMS = "|".join(SEQLEN_STEMS)
+_HOST = "|".join(h.lstrip("_") for h in HOST_SUFFIXES)
+
 # One derivation serves GL101 and GL102: prepared metadata carries both values. prepare_varlen_metadata
 # tells token offsets (B+1,) from the engine's packed element indptrs (3(B+1),), so the fix is right
 # whichever form the call passes as cu_seqlens; a naive cu[1:] - cu[:-1] is not.
@@ -286,9 +294,9 @@ GL104 = Contract(
         # Code, not an error text: a host read of device lengths in a frame a traceback quotes (names
         # ending in _cpu/_host/_list/_np already live on the host). Bounded, so a long log stays linear.
         patterns=(
-            r"(?:cu_seqlens|seqlens|seq_lens|seg_lens|seg_indptr)(?!\w*_(?:cpu|host|list|np)\b)\w*\b"
+            rf"(?:{_STEMS})(?!\w*_(?:{_HOST})\b)\w*\b"
             r"[^\n]{0,100}?\.(?:item|tolist)\(\)",
-            r"int\(\(?\w*(?:cu_seqlens|seqlens|seq_lens|seg_lens|seg_indptr)(?!\w*_(?:cpu|host|list|np)\b)"
+            rf"int\(\(?\w*(?:{_STEMS})(?!\w*_(?:{_HOST})\b)"
             r"[^\n]{0,100}?\.max\(\)",
         ),
     ),

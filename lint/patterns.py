@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from guardlint.contracts.catalog import HOST_SUFFIXES, SEQLEN_STEMS
+
 
 @dataclass(frozen=True)
 class PatternSpec:
@@ -35,9 +37,7 @@ class PatternSpec:
 # GL104 per-layer-host-sync. Names of host-read metadata: cu_seqlens, cu_seqlens_q, seq_lens,
 # extend_seq_lens, seqlens, seg_lens, seg_indptr ... Names ending in _cpu/_host/_list already live on
 # the host (sglang's seq_lens_cpu), so reading them back is no sync.
-SEQLEN_NAME = re.compile(
-    r"^(?:\w*_)?(?:cu_seqlens|seqlens|seq_lens|seg_lens|seg_indptr)(?:_\w+)?$")
-HOST_SUFFIXES = ("_cpu", "_host", "_list", "_np")
+SEQLEN_NAME = re.compile(rf"^(?:\w*_)?(?:{'|'.join(SEQLEN_STEMS)})(?:_\w+)?$")
 # Calls that copy a device value to the host: t.item(), t.tolist(); int(t.max()) is matched apart.
 SYNC_METHODS = ("item", "tolist")
 # A forward of a class named like this runs once per layer.
@@ -50,7 +50,8 @@ PATTERNS: dict[str, PatternSpec] = {
     "GL104": PatternSpec(
         code="GL104",
         visitor="host_sync:PerLayerHostSync",
-        needles=(b"seqlens", b"seq_lens", b"seg_lens", b"seg_indptr"),
+        # cu_seqlens contains seqlens: the shorter stems cover every name
+        needles=tuple(stem.encode() for stem in SEQLEN_STEMS if stem != "cu_seqlens"),
         also=((b".item(",), (b".tolist(",), (b"int(", b".max(")),
         # A per-layer place: class *Block/*Layer/*Attention, or a loop over layers/blocks.
         context=(b"block", b"layer", b"attention"),
