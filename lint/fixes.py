@@ -247,6 +247,32 @@ def _set_value(arg: cst.Arg, value: cst.BaseExpression) -> cst.Arg:
     return arg.with_changes(value=value)
 
 
+def _derive_into(contract: Contract, call: cst.Call, passed: dict, missing_in, source_of,
+                 can_import: ImportCheck) -> Outcome:
+    """Write the contract's preferred derivations of what ``missing_in`` reports into ``call``: an
+    argument passed as None (its expression in ``passed``) gets its value replaced in place, an absent
+    one is added as a keyword."""
+    choice = choose_derivations(contract, missing_in, source_of)
+    if isinstance(choice, NoFix):
+        return choice
+    imports = _imports_for(choice.uses, can_import)
+    if isinstance(imports, NoFix):
+        return imports
+    new_call = call
+    words = []
+    for target, _, text in choice.uses:
+        value = cst.parse_expression(text)
+        current = passed.get(target)
+        if current is not None:
+            args = [_set_value(a, value) if a.value is current else a for a in new_call.args]
+            new_call = new_call.with_changes(args=args)
+            words.append(f"Set {target}={text}")
+        else:
+            new_call = append_argument(new_call, keyword_arg(target, value))
+            words.append(f"Add {target}={text}")
+    return Plan(new_call, imports, "; ".join(words))
+
+
 def plan_call(contract: Contract, call: cst.Call, bound_values: dict, can_import: ImportCheck) -> Outcome:
     """Fix for a ``call`` contract: derive what is missing from the call's own arguments. A name
     passed as None gets its value replaced; an absent one is added as a keyword."""
@@ -266,25 +292,7 @@ def plan_call(contract: Contract, call: cst.Call, bound_values: dict, can_import
         problem = _source_problem(name, expr)
         return NoFix(problem) if problem else _code(expr.with_changes(lpar=(), rpar=()))
 
-    choice = choose_derivations(contract, missing_in, source_of)
-    if isinstance(choice, NoFix):
-        return choice
-    imports = _imports_for(choice.uses, can_import)
-    if isinstance(imports, NoFix):
-        return imports
-    new_call = call
-    words = []
-    for target, _, text in choice.uses:
-        value = cst.parse_expression(text)
-        current = bound_values.get(target)
-        if current is not None:  # passed as None: replace that argument in place
-            args = [_set_value(a, value) if a.value is current else a for a in new_call.args]
-            new_call = new_call.with_changes(args=args)
-            words.append(f"Set {target}={text}")
-        else:
-            new_call = append_argument(new_call, keyword_arg(target, value))
-            words.append(f"Add {target}={text}")
-    return Plan(new_call, imports, "; ".join(words))
+    return _derive_into(contract, call, bound_values, missing_in, source_of, can_import)
 
 
 def plan_replace(contract: Contract, call: cst.Call, can_import: ImportCheck) -> Outcome:
@@ -312,21 +320,7 @@ def plan_replace(contract: Contract, call: cst.Call, can_import: ImportCheck) ->
                          f"evaluating it twice may differ")
         return f"{dotted(record)}.{name}"
 
-    choice = choose_derivations(contract, missing_in, source_of)
-    if isinstance(choice, NoFix):
-        return choice
-    imports = _imports_for(choice.uses, can_import)
-    if isinstance(imports, NoFix):
-        return imports
-    new_call = call
-    words = []
-    for target, _, text in choice.uses:
-        value = cst.parse_expression(text)
-        current = keywords[target]
-        new_call = new_call.with_changes(args=[_set_value(a, value) if a.value is current else a
-                                               for a in new_call.args])
-        words.append(f"Set {target}={text}")
-    return Plan(new_call, imports, "; ".join(words))
+    return _derive_into(contract, call, keywords, missing_in, source_of, can_import)
 
 
 def plan_positional(contract: Contract, call: cst.Call, label: str) -> Outcome:
