@@ -43,6 +43,17 @@ def env_meta() -> dict:
     return meta
 
 
+def cpu_name() -> str:
+    """The CPU's model name, recorded beside host-time results (they mean little without it)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def cuda_time_us(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50,
                  setup: Optional[Callable[[], object]] = None) -> float:
     """Median time of ``fn()`` in microseconds, each call bracketed by its own CUDA events.

@@ -26,7 +26,7 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from _util import env_meta, write_results  # noqa: E402
+from _util import cpu_name, env_meta, write_results  # noqa: E402
 
 GOAL_US = 15.0
 GOAL_AUTO_EXTRA_US = 2.0
@@ -274,7 +274,7 @@ def main() -> int:
     table_path.unlink(missing_ok=True)
 
     meta = env_meta()
-    meta.update(cpu=_cpu_name(), cpus=os.cpu_count(), calls_per_batch=args.calls, batches=args.repeats,
+    meta.update(cpu=cpu_name(), cpus=os.cpu_count(), calls_per_batch=args.calls, batches=args.repeats,
                 timer="time.thread_time_ns (CPU) and time.perf_counter_ns (wall): median (best: min) over "
                       "batches run round-robin over the rows",
                 stubbed="Triton JITFunction.run, the SDPA loop and torch varlen_attn (counted no-ops); the Triton "
@@ -287,16 +287,6 @@ def main() -> int:
     print(table)
     failed = [r for r in rows if r.get("meets_goal") is False or str(r.get("note", "")).startswith("ERROR")]
     return 1 if failed else 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from _util import env_meta, write_results  # noqa: E402
+from _util import cpu_name, env_meta, write_results  # noqa: E402
 from guardlint.guard import (guard, guard_cudnn_vision, guard_lora, guard_varlen, mode,  # noqa: E402
                              prepare_varlen_metadata, reset_stats, stats)
 
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
                      "meets_goal": add <= goal})
     s = stats()
     meta = env_meta()
-    meta.update({"cpu": _cpu_name(), "batches": args.batches, "calls_per_batch": args.calls,
+    meta.update({"cpu": cpu_name(), "batches": args.batches, "calls_per_batch": args.calls,
                  "host_reads_during_run": s["host_reads"], "timer": "time.thread_time_ns",
                  "load_average_1min": f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after",
                  "cpus": os.cpu_count()})
@@ -163,16 +163,6 @@ def main(argv=None) -> int:
                           out_dir=args.out_dir)
     print(table)
     return 0 if all(r["meets_goal"] for r in rows) else 1
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return os.uname().machine
 
 
 if __name__ == "__main__":
