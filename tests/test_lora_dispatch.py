@@ -161,6 +161,24 @@ def test_find_tile_scans_batches_longer_than_one_chunk_and_expand_splits_columns
               sgemm_lora_b_reference(y.double(), b.double(), info, base.double()))
 
 
+def test_find_tile_reads_large_slot_tables_at_the_slot(monkeypatch):
+    """Slot tables larger than MAX_BLOCK_SLOTS are not read whole: the rank and scaling are loaded at the
+    program's slot (BLOCK_SLOTS == 0). Same results as the whole-table path, in every layout that matters for the lookup."""
+    monkeypatch.setattr(_lora_kernels, "MAX_BLOCK_SLOTS", 2)
+    monkeypatch.setattr(_lora_kernels._shrink, "chosen", {})
+    monkeypatch.setattr(_lora_kernels._expand, "chosen", {})
+    assert _lora_kernels._block_slots(SLOTS) == 0
+    for name in ("mixed", "graph_padded_permuted"):
+        info, S = layout(name, 16)
+        x, a = rand(S, 40, dtype=torch.float32, seed=1), rand(SLOTS, 16, 40, dtype=torch.float32, seed=2)
+        check(sgemm_lora_a(x, a, info), sgemm_lora_a_reference(x, a, info),
+              sgemm_lora_a_reference(x.double(), a.double(), info))
+        y, b = rand(S, 16, dtype=torch.float32, seed=3), rand(SLOTS, 40, 16, dtype=torch.float32, seed=4)
+        base = rand(S, 40, dtype=torch.float32, seed=5)
+        check(sgemm_lora_b(y, b, info, base.clone()), sgemm_lora_b_reference(y, b, info, base.clone()),
+              sgemm_lora_b_reference(y.double(), b.double(), info, base.double()))
+
+
 class FakeAutotuner:
     def __init__(self):
         self.runs = 0
