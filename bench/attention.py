@@ -7,9 +7,9 @@
 # and 128, bfloat16, non-causal; plus a sweep of 8 images of 256..8192 tokens at head dim 80. Our Triton
 # kernel, the SDPA loop and torch's varlen attention run in this process; each FlashInfer configuration
 # runs in its own subprocess (bench/_attention_worker.py): a CUDA fault poisons the context. Then the
-# dispatch table is built from all of those times, written, and loaded here, and ``auto`` is timed last, in
-# this process and with the same timer, in alternation with the backend it picks called directly (a pick
-# of FlashInfer runs FlashInfer in this process then). Writes bench/results/attention.{json,md,png}
+# dispatch table is built from those first times, written, and loaded here. Last, ``auto`` and every backend
+# that passed (FlashInfer ones too, now known not to fault) are timed again in this process, interleaved,
+# and those side-by-side medians are the reported times and ratios (the first ones stay as alone_us). Writes bench/results/attention.{json,md,png}
 # (attention_smoke.* for --cpu-smoke) and, with --write-dispatch, kernels/attention_dispatch.json, the
 # table ``backend="auto"`` reads. Prints a table last.
 from __future__ import annotations
@@ -33,7 +33,7 @@ START = time.time()
 LOCAL = ("triton", "sdpa", "torch-varlen")
 FLASHINFER = ("flashinfer-fa2", "flashinfer-fa3", "flashinfer-cudnn")
 WORKER_TIMEOUT = {"flashinfer-fa3": 240, "flashinfer-fa2": 150, "flashinfer-cudnn": 150, "warm": 300}
-AUTO_ROUNDS = 3  # auto and its pick timed alternately this many times each (median of the medians)
+AUTO_ROUNDS = 3  # side-by-side rounds: each times auto and every passing backend once (median per backend)
 RESERVE_S = 20  # kept back from --budget for writing the results
 GOAL_D80_US = 1180.0  # the best D=80 anchor (SDPA loop) for 6 images
 GOAL_D128_RATIO = 1.25
@@ -146,22 +146,27 @@ def local_rows(cases, args, cuda: bool, warm_proc) -> list:
     return rows
 
 
-def auto_rows(cases, args, cuda: bool, entries: list) -> list:
-    """``auto`` per case, after the table of this run is loaded: correctness, then auto and the backend it
-    picks called directly, timed alternately (the same timer as every other row)."""
+def side_by_side(cases, args, cuda: bool, entries: list, rows: list) -> list:
+    """``auto`` per case, once the table of this run is loaded, timed in this process in alternation with
+    every backend that passed here or in its subprocess: ``AUTO_ROUNDS`` rounds, each timing every one of
+    them once (the same timer as every other row), median per backend. The first, separate measurements
+    (``alone_us``) built the table; the side-by-side medians replace them in ``time_us``, so the ratios
+    in the table and the goals come from one process, one timer and interleaved calls (the GPU's clocks
+    drift by several percent over a run). Returns the auto rows; the others are updated in place."""
     import statistics
 
     import torch
 
     from _attention_cases import host_us, make_inputs, max_abs_error, passes, reference, row, time_us
     from guardlint.kernels import attention, varlen_attention
+    from guardlint.kernels.attention import CONCRETE
 
     device = torch.device("cuda" if cuda else "cpu")
     table_best = {e["case"]: e["best"] for e in entries}
-    rows = []
+    out_rows = []
     for case in cases:
         if remaining(args) < 10:
-            rows.append(row(case, "auto", ok=False, note=f"skipped: the --budget of {args.budget:.0f}s is spent"))
+            out_rows.append(row(case, "auto", ok=False, note=f"skipped: the --budget of {args.budget:.0f}s is spent"))
             continue
         q, k, v, cu, offsets, plan = make_inputs(case, device, torch.bfloat16)
         try:
@@ -172,24 +177,36 @@ def auto_rows(cases, args, cuda: bool, entries: list) -> list:
                 # The table's fastest backend cannot run in this process: say why, in the row itself.
                 note += f"; table best {best} not runnable here: {attention._why_not(best, q) or 'unknown'}"
             auto = lambda: varlen_attention(q, k, v, cu, metadata=plan, backend="auto")  # noqa: E731
-            direct = lambda: varlen_attention(q, k, v, cu, metadata=plan, backend=pick)  # noqa: E731
             out = auto()  # also loads what the pick needs (FlashInfer's modules, plans) before timing
             err = max_abs_error(out, reference(case, q, k, v, offsets))
             del out
             if not passes(err):
-                rows.append(row(case, "auto", err=err, note=f"WRONG RESULT (max abs error {err:.3g}); {note}"))
+                out_rows.append(row(case, "auto", err=err, note=f"WRONG RESULT (max abs error {err:.3g}); {note}"))
                 continue
-            auto_times, direct_times = [], []
+            others = {r["backend"]: r for r in rows
+                      if r.get("case") == case.name and r["backend"] in CONCRETE and r.get("ok") and r.get("time_us")
+                      and attention._runnable(r["backend"], q, k, case.head_dim ** -0.5, case.causal)}
+            calls = {"auto": auto}
+            for backend in others:
+                calls[backend] = lambda b=backend: varlen_attention(q, k, v, cu, metadata=plan, backend=b)
+                calls[backend]()  # plans and modules loaded before timing
+            times = {name: [] for name in calls}
             for _ in range(AUTO_ROUNDS):
-                auto_times.append(time_us(auto, cuda=cuda, warmup=args.warmup, iters=args.iters))
-                direct_times.append(time_us(direct, cuda=cuda, warmup=args.warmup, iters=args.iters))
-            t_auto, t_direct = statistics.median(auto_times), statistics.median(direct_times)
-            rows.append(row(case, "auto", time=t_auto, err=err, host=host_us(auto, cuda=cuda),
-                            note=f"{note}; {pick} called directly beside it: {t_direct:.1f} us"))
-            rows[-1]["pick"], rows[-1]["pick_us"] = pick, t_direct
-            log(f"time  {case.name:18s} {'auto':13s} {t_auto:9.1f} us  ({pick} directly: {t_direct:.1f} us)")
+                for name, fn in calls.items():
+                    times[name].append(time_us(fn, cuda=cuda, warmup=args.warmup, iters=args.iters))
+            medians = {name: statistics.median(t) for name, t in times.items()}
+            for backend, r in others.items():
+                r["alone_us"] = r["time_us"]
+                r["time_us"] = medians[backend]
+                r["tflops"] = case.flops / (medians[backend] * 1e-6) / 1e12
+            t_auto = medians["auto"]
+            t_pick = medians.get(pick)
+            out_rows.append(row(case, "auto", time=t_auto, err=err, host=host_us(auto, cuda=cuda),
+                                note=note + (f"; {pick} beside it: {t_pick:.1f} us" if t_pick else "")))
+            out_rows[-1]["pick"], out_rows[-1]["pick_us"] = pick, t_pick
+            log(f"side by side {case.name:18s} " + ", ".join(f"{n} {t:.1f}" for n, t in medians.items()))
         except Exception as exc:
-            rows.append(row(case, "auto", ok=False, note=f"error: {type(exc).__name__}: {exc}"[:300]))
+            out_rows.append(row(case, "auto", ok=False, note=f"error: {type(exc).__name__}: {exc}"[:300]))
             log(f"auto  {case.name}: {type(exc).__name__}: {exc}")
             if cuda:
                 try:
@@ -197,7 +214,7 @@ def auto_rows(cases, args, cuda: bool, entries: list) -> list:
                 except Exception:
                     break  # a fault leaves the context unusable: report what there is
         del q, k, v
-    return rows
+    return out_rows
 
 
 def dispatch_entries(cases, rows, device_name: str, capability: tuple) -> list:
@@ -355,6 +372,8 @@ def main() -> int:
     meta = env_meta()
     meta.update(heads=16 if not args.cpu_smoke else 2, dtype="bfloat16", warmup=args.warmup, iters=args.iters,
                 timing="median of per-call CUDA events (bench/_util.cuda_time_us), public API with a prepared plan; "
+                "time_us: median of 3 interleaved rounds in one process (every backend and auto side by side); "
+                "alone_us: the first, separate measurement (FlashInfer in its own process) that built the table; "
                 "host_us: median host time of one call, nothing synchronised (what the CPU spends per call)"
                 if cuda else "host clock, CPU smoke run (not a measurement)")
     log(f"{len(cases)} cases on {meta.get('gpu', 'cpu')}: {', '.join(c.name for c in cases)}")
@@ -393,14 +412,14 @@ def main() -> int:
     # auto reads exactly the table just written: point it there and forget earlier choices.
     os.environ[dispatch.TABLE_ENV] = str(table_file)
     dispatch.reset()
-    for r in auto_rows(cases, args, cuda, entries):
+    for r in side_by_side(cases, args, cuda, entries, rows):
         (errors if "error" in r else rows).append(r)
     if not args.write_dispatch:
         table_file.unlink(missing_ok=True)
 
     best = annotate(cases, rows)
     outcome = goals(cases, rows, best) if cuda else []
-    columns = ["case", "backend", "time_us", "tflops", "vs_best", "host_us", "max_abs_err", "note"]
+    columns = ["case", "backend", "time_us", "tflops", "vs_best", "alone_us", "host_us", "max_abs_err", "note"]
     order = {b: i for i, b in enumerate(("triton", "auto", "sdpa", "torch-varlen", *FLASHINFER, "fa3-pad128"))}
     case_order = {c.name: i for i, c in enumerate(cases)}
     rows.sort(key=lambda r: (case_order.get(r.get("case"), 99), order.get(r.get("backend"), 99)))
