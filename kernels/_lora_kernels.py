@@ -71,85 +71,51 @@ EXPAND_PROGRAMS = 512
 @triton.jit
 def _find_tile(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, num_segments, num_tokens, num_slots,
                max_rank, tile, with_tail, HAS_SCALING: tl.constexpr, BLOCK_S: tl.constexpr,
-               BLOCK_SEG: tl.constexpr, BLOCK_SLOTS: tl.constexpr, ONE_TRIP: tl.constexpr):
+               BLOCK_SEG: tl.constexpr):
     """Segment of flattened token tile ``tile`` (-1 past the last tile), its first sorted position and
     stop, and its adapter: slot, rank, scaling, and whether slot or rank is out of range (``bad``).
 
     Segment ``num_segments`` is the tail ``[seg_indptr[num_segments], S)``, counted only when
-    ``with_tail``; it and missing tiles have rank 0.
-
-    ``ONE_TRIP``: every load is independent of the others (one memory round trip before the program's
-    tiles can be addressed): the segment's bounds and slot are selected from the vectors just scanned, and
-    the rank and scaling from the whole per-slot tables (``BLOCK_SLOTS`` >= num_slots; 0 reads them at the
-    slot, one round trip later, for tables too large for registers). That costs three more block-wide
-    reductions, so it pays only where the loads are on the critical path (see ONE_TRIP_EXPAND). Without
-    it, the bounds, slot and rank are read at the segment once it is known: three short round trips."""
-    if ONE_TRIP and BLOCK_SLOTS > 0:
-        slots_all = tl.arange(0, BLOCK_SLOTS)
-        ranks_all = tl.load(lora_ranks_ptr + slots_all, mask=slots_all < num_slots, other=0).to(tl.int32)
-        if HAS_SCALING:
-            scalings_all = tl.load(scalings_ptr + slots_all, mask=slots_all < num_slots, other=0.0).to(tl.float32)
+    ``with_tail``; it and missing tiles have rank 0."""
     n_cols = num_segments + with_tail
     # Columns (segments) that end at or before the tile precede it: their count is the tile's column, their
     # tiles the column's first tile. Both in one int64 sum: count in the low 32 bits, tiles above.
     before = tl.full((), 0, tl.int64)
     done = tl.full((), 0, tl.int32)
-    # The found column's bounds and slot, packed the same way: lo in the low 32 bits, stop above; slot + 1
-    # (0: no such column).
-    bounds = tl.full((), 0, tl.int64)
-    slot1 = tl.full((), 0, tl.int32)
     for g0 in range(0, n_cols, BLOCK_SEG):
         g = g0 + tl.arange(0, BLOCK_SEG)
         live = g < num_segments
         lo = tl.load(seg_indptr_ptr + tl.minimum(g, num_segments), mask=g < n_cols, other=0).to(tl.int32)
         hi = tl.load(seg_indptr_ptr + g + 1, mask=live, other=0).to(tl.int32)
-        if ONE_TRIP:
-            wi = tl.load(weight_indices_ptr + g, mask=live, other=0).to(tl.int32)
         # Clamp so that a corrupt seg_indptr can skip tokens but never address memory outside x; the
         # tail ends at S, columns past it are empty.
         lo = tl.minimum(tl.maximum(lo, 0), num_tokens)
         hi = tl.minimum(tl.maximum(tl.where(live, hi, tl.where(g < n_cols, num_tokens, 0)), lo), num_tokens)
         n_tiles = (hi - lo + BLOCK_S - 1) // BLOCK_S
         ends = tl.cumsum(n_tiles, 0) + done
-        if ONE_TRIP:
-            # The tile's column is the first whose tiles end after it.
-            mine = (ends > tile) & (ends - n_tiles <= tile) & (g < n_cols)
-            bounds += tl.sum(tl.where(mine, hi.to(tl.int64) * 4294967296 + lo, 0), 0)
-            slot1 += tl.sum(tl.where(mine & live, wi + 1, 0), 0)
         before += tl.sum(tl.where(ends <= tile, n_tiles.to(tl.int64) * 4294967296 + 1, 0), 0)
         done += tl.sum(n_tiles, 0)
     seg = (before & 4294967295).to(tl.int32)
     first = (before >> 32).to(tl.int32)
     found = seg < n_cols
     live = found & (seg < num_segments)
-    if ONE_TRIP:
-        lo = (bounds & 4294967295).to(tl.int32)
-        stop = tl.where(found, (bounds >> 32).to(tl.int32), 0)
-        slot = tl.where(live, slot1 - 1, 0)
-    else:
-        # Scalar loads of the lines just read (L1 hits), then the slot.
-        lo = tl.load(seg_indptr_ptr + tl.minimum(seg, num_segments), mask=found, other=0).to(tl.int32)
-        hi = tl.load(seg_indptr_ptr + seg + 1, mask=live, other=0).to(tl.int32)
-        slot = tl.load(weight_indices_ptr + seg, mask=live, other=0).to(tl.int32)
-        lo = tl.minimum(tl.maximum(lo, 0), num_tokens)
-        stop = tl.where(found, tl.minimum(tl.maximum(tl.where(live, hi, num_tokens), lo), num_tokens), 0)
+    # Scalar loads of the lines just read (L1 hits).
+    lo = tl.load(seg_indptr_ptr + tl.minimum(seg, num_segments), mask=found, other=0).to(tl.int32)
+    hi = tl.load(seg_indptr_ptr + seg + 1, mask=live, other=0).to(tl.int32)
+    slot = tl.load(weight_indices_ptr + seg, mask=live, other=0).to(tl.int32)
+    lo = tl.minimum(tl.maximum(lo, 0), num_tokens)
+    stop = tl.where(found, tl.minimum(tl.maximum(tl.where(live, hi, num_tokens), lo), num_tokens), 0)
     pos = tl.where(found, lo + (tile - first) * BLOCK_S, 0)
     seg = tl.where(found, seg, -1)
 
     slot_bad = (slot < 0) | (slot >= num_slots)
     ok = live & (slot_bad == 0)
-    if ONE_TRIP and BLOCK_SLOTS > 0:
-        rank = tl.where(ok, tl.sum(tl.where(slots_all == slot, ranks_all, 0), 0), 0)
-        if HAS_SCALING:
-            scaling = tl.where(ok, tl.sum(tl.where(slots_all == slot, scalings_all, 0.0), 0), 0.0)
-        else:
-            scaling = 1.0
+    rank = tl.load(lora_ranks_ptr + slot, mask=ok, other=0).to(tl.int32)
+    # Loaded beside the rank, not after it: one round trip less before the loads that matter.
+    if HAS_SCALING:
+        scaling = tl.load(scalings_ptr + slot, mask=ok, other=0.0).to(tl.float32)
     else:
-        rank = tl.load(lora_ranks_ptr + slot, mask=ok, other=0).to(tl.int32)
-        if HAS_SCALING:
-            scaling = tl.load(scalings_ptr + slot, mask=ok, other=0.0).to(tl.float32)
-        else:
-            scaling = 1.0
+        scaling = 1.0
     bad = live & (slot_bad | (rank < 0) | (rank > max_rank))
     rank = tl.where(bad, 0, rank)
     slot = tl.where(ok, slot, 0)
@@ -170,8 +136,7 @@ def _lora_shrink_kernel(
     stride_ot, stride_oh, stride_on,
     size_class,  # read by the autotuner's key only
     HAS_PERMUTATION: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_SEG: tl.constexpr, BLOCK_SLOTS: tl.constexpr, ONE_TRIP: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_SEG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -180,7 +145,7 @@ def _lora_shrink_kernel(
     pid_n = pid % n_blocks_n
     seg, pos, stop, slot, rank, _, bad = _find_tile(
         seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, lora_ranks_ptr, num_segments, num_tokens, num_slots,
-        max_rank, tile, 1, False, BLOCK_S, BLOCK_SEG, BLOCK_SLOTS, ONE_TRIP)
+        max_rank, tile, 1, False, BLOCK_S, BLOCK_SEG)
     # Rows of x / out for the tile's sorted positions (a helper call would cost the interpreter a lot).
     offs_s = pos + tl.arange(0, BLOCK_S)
     t_in = offs_s < stop
@@ -227,8 +192,8 @@ def _lora_expand_kernel(
     size_class,  # read by the autotuner's key only
     ACCUMULATE: tl.constexpr, HAS_PERMUTATION: tl.constexpr, SLICES: tl.constexpr, ALIGNED_SLICES: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_SEG: tl.constexpr, BLOCK_SLOTS: tl.constexpr, ONE_TRIP: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_CHUNKS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_SEG: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -240,7 +205,7 @@ def _lora_expand_kernel(
     group = pid % groups
     seg, pos, stop, slot, rank, scaling, bad = _find_tile(
         seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, num_segments, num_tokens, num_slots,
-        max_rank, tile, with_tail, True, BLOCK_S, BLOCK_SEG, BLOCK_SLOTS, ONE_TRIP)
+        max_rank, tile, with_tail, True, BLOCK_S, BLOCK_SEG)
     if SLICES != 0:
         # q/k/v slices: weight rows and output columns [off[h], off[h+1]), from host ints (SLICES == 1)
         # or a device tensor (SLICES == 2, clamped to the weight stack: its values are never read on the host).
@@ -483,20 +448,6 @@ def _pow2_clamp(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, 1 << (max(n, 1) - 1).bit_length()))
 
 
-# Which tile lookup each kernel uses (_find_tile), by side-by-side H200 timings of the prefill r=16 case
-# (bench/results/lora_variants.md): the expand gains from one round trip, whose loads come before its
-# base tiles can stream; the shrink does not (its extra reductions cost more than the round trips saved).
-ONE_TRIP_EXPAND = True
-ONE_TRIP_SHRINK = False
-# Per-slot tables (ranks, scalings) up to this many slots are read whole by every program, in the same round
-# trip as the segment scan; larger ones are read at the program's slot, one round trip later.
-MAX_BLOCK_SLOTS = 1024
-
-
-def _block_slots(num_slots: int) -> int:
-    return 0 if num_slots > MAX_BLOCK_SLOTS else _pow2_clamp(num_slots, 16, MAX_BLOCK_SLOTS)
-
-
 def launch_shrink(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: torch.Tensor, out_strides,
                   seg_indptr, weight_indices, lora_ranks, permutation, num_segments: int, num_tokens: int,
                   heads: int, K: int, N: int, max_rank: int) -> None:
@@ -509,14 +460,12 @@ def launch_shrink(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
     has_permutation = permutation is not None
     args = (x, w, out, seg_indptr, weight_indices, lora_ranks, permutation if has_permutation else seg_indptr,
             num_segments, num_tokens, w.shape[0], K, N, max_rank, *x_strides, *w_strides, *out_strides, size_class)
-    block_slots = _block_slots(w.shape[0])
-    key = (x.dtype, w.dtype, K, N, max_rank, size_class, has_permutation, block_slots)
+    key = (x.dtype, w.dtype, K, N, max_rank, size_class, has_permutation)
     chosen = _shrink.chosen.get(key)
     if chosen is None:
         block_n = 16 if INTERPRET else _pow2_clamp(N, 16, 128)
         meta = {"HAS_PERMUTATION": has_permutation, "UPCAST": INTERPRET, "DOT_PRECISION": _dot_precision(x.dtype),
-                "BLOCK_SEG": _INTERPRET_BLOCK_SEG if INTERPRET else BLOCK_SEG, "BLOCK_SLOTS": block_slots,
-                "ONE_TRIP": ONE_TRIP_SHRINK, "BLOCK_N": block_n}
+                "BLOCK_SEG": _INTERPRET_BLOCK_SEG if INTERPRET else BLOCK_SEG, "BLOCK_N": block_n}
         _shrink.first_launch(key, args, meta, lambda blocks: _shrink_grid(num_tokens, num_segments, heads, N,
                                                                           blocks["BLOCK_S"], block_n))
         return
@@ -557,9 +506,7 @@ def launch_expand(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
             slice_offsets if slice_offsets is not None else seg_indptr, s1, s2, s3,
             num_segments, num_tokens, w.shape[0], N, n_total, max_rank,
             *x_strides, *w_strides, *out_strides, size_class)
-    block_slots = _block_slots(w.shape[0])
-    key = (x.dtype, w.dtype, out.dtype, N, max_rank, size_class, accumulate, has_permutation, slices, aligned,
-           block_slots)
+    key = (x.dtype, w.dtype, out.dtype, N, max_rank, size_class, accumulate, has_permutation, slices, aligned)
     tiles_extra = num_segments + (0 if accumulate else 1)
     chosen = _expand.chosen.get(key)
     if chosen is None:
@@ -569,8 +516,7 @@ def launch_expand(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
         k_chunks = -(-max_rank // block_k)
         meta = {"ACCUMULATE": accumulate, "HAS_PERMUTATION": has_permutation, "SLICES": slices,
                 "ALIGNED_SLICES": aligned, "UPCAST": INTERPRET, "DOT_PRECISION": _dot_precision(x.dtype),
-                "BLOCK_SEG": _INTERPRET_BLOCK_SEG if INTERPRET else BLOCK_SEG, "BLOCK_SLOTS": block_slots,
-                "ONE_TRIP": ONE_TRIP_EXPAND, "BLOCK_K": block_k,
+                "BLOCK_SEG": _INTERPRET_BLOCK_SEG if INTERPRET else BLOCK_SEG, "BLOCK_K": block_k,
                 "K_CHUNKS": k_chunks}
         _expand.first_launch(key, args, meta,
                              lambda blocks: _expand_grid(num_tokens, tiles_extra, heads, N, blocks["BLOCK_S"],

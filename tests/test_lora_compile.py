@@ -81,11 +81,9 @@ SCRIPT = textwrap.dedent(r'''
     for dtype in ("bf16", "fp32"):
         ptr = dict(x_ptr="*" + dtype, w_ptr="*" + dtype, out_ptr="*" + dtype, scalings_ptr="*fp32")
         prec = "ieee" if dtype == "fp32" else "tf32"
-        base_s = dict(HAS_PERMUTATION=False, UPCAST=False, DOT_PRECISION=prec, BLOCK_SEG=K.BLOCK_SEG,
-                      BLOCK_SLOTS=16, ONE_TRIP=K.ONE_TRIP_SHRINK)
+        base_s = dict(HAS_PERMUTATION=False, UPCAST=False, DOT_PRECISION=prec, BLOCK_SEG=K.BLOCK_SEG)
         base_e = dict(ACCUMULATE=True, HAS_PERMUTATION=False, SLICES=0, ALIGNED_SLICES=False, UPCAST=False,
-                      DOT_PRECISION=prec, BLOCK_SEG=K.BLOCK_SEG, BLOCK_SLOTS=16, ONE_TRIP=K.ONE_TRIP_EXPAND,
-                      K_CHUNKS=1)
+                      DOT_PRECISION=prec, BLOCK_SEG=K.BLOCK_SEG, K_CHUNKS=1)
         # Every tuning config in bf16 at rank 16; the other specializations with one config.
         configs = K._SHRINK_CONFIGS if dtype == "bf16" else K._SHRINK_CONFIGS[:1]
         for i, cfg in enumerate(configs):

@@ -161,28 +161,6 @@ def test_find_tile_scans_batches_longer_than_one_chunk_and_expand_splits_columns
               sgemm_lora_b_reference(y.double(), b.double(), info, base.double()))
 
 
-@pytest.mark.parametrize("max_block_slots", [2, 1024], ids=["slot-tables-read-at-slot", "slot-tables-whole"])
-def test_find_tile_both_lookups_agree(monkeypatch, max_block_slots):
-    """Each kernel with the other tile lookup (one round trip <-> loads at the segment) and with slot tables
-    too large to read whole (BLOCK_SLOTS == 0): results as the references, in the layouts the lookup can
-    get wrong (empty segments, a padded graph buffer, permutation)."""
-    monkeypatch.setattr(_lora_kernels, "MAX_BLOCK_SLOTS", max_block_slots)
-    monkeypatch.setattr(_lora_kernels, "ONE_TRIP_SHRINK", not _lora_kernels.ONE_TRIP_SHRINK)
-    monkeypatch.setattr(_lora_kernels, "ONE_TRIP_EXPAND", not _lora_kernels.ONE_TRIP_EXPAND)
-    monkeypatch.setattr(_lora_kernels._shrink, "chosen", {})
-    monkeypatch.setattr(_lora_kernels._expand, "chosen", {})
-    assert (_lora_kernels._block_slots(SLOTS) == 0) == (max_block_slots < SLOTS)
-    for name in ("mixed", "graph_padded_permuted"):
-        info, S = layout(name, 16)
-        x, a = rand(S, 40, dtype=torch.float32, seed=1), rand(SLOTS, 16, 40, dtype=torch.float32, seed=2)
-        check(sgemm_lora_a(x, a, info), sgemm_lora_a_reference(x, a, info),
-              sgemm_lora_a_reference(x.double(), a.double(), info))
-        y, b = rand(S, 16, dtype=torch.float32, seed=3), rand(SLOTS, 40, 16, dtype=torch.float32, seed=4)
-        base = rand(S, 40, dtype=torch.float32, seed=5)
-        check(sgemm_lora_b(y, b, info, base.clone()), sgemm_lora_b_reference(y, b, info, base.clone()),
-              sgemm_lora_b_reference(y.double(), b.double(), info, base.double()))
-
-
 class FakeAutotuner:
     def __init__(self):
         self.runs = 0
