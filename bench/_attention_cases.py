@@ -109,8 +109,8 @@ def passes(err: float) -> bool:
 
 
 def time_us(fn: Callable[[], object], *, cuda: bool, warmup: int, iters: int) -> float:
-    """Median microseconds per call: CUDA events around each call (bench/_util.cuda_time_us) on a GPU,
-    the host clock on a CPU smoke run."""
+    """Median microseconds per call: CUDA events around each call, calls queued back to back
+    (bench/_util.cuda_time_us) on a GPU; the host clock on a CPU smoke run."""
     if cuda:
         from _util import cuda_time_us
 

@@ -371,7 +371,8 @@ def main() -> int:
     name = "attention_smoke" if args.cpu_smoke else "attention"
     meta = env_meta()
     meta.update(heads=16 if not args.cpu_smoke else 2, dtype="bfloat16", warmup=args.warmup, iters=args.iters,
-                timing="median of per-call CUDA events (bench/_util.cuda_time_us), public API with a prepared plan; "
+                timing="median of per-call CUDA events, calls queued back to back (bench/_util.cuda_time_us), "
+                "public API with a prepared plan; "
                 "time_us: median of 3 interleaved rounds in one process (every backend and auto side by side); "
                 "alone_us: the first, separate measurement (FlashInfer in its own process) that built the table; "
                 "host_us: median host time of one call, nothing synchronised (what the CPU spends per call)"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import itertools
-import statistics
 import sys
 from pathlib import Path
 
@@ -31,22 +30,9 @@ def _load_bench():
 
 def amortised_us(torch, fns) -> float:
     """Median device time per call of ``fns`` (one callable per input set), captured 16 at a time."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            fns[i % len(fns)]()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(times)
+    from _util import amortised_graph_us
+
+    return amortised_graph_us(fns, calls=CALLS, replays=REPLAYS)
 
 
 def main() -> int:
