@@ -33,7 +33,7 @@ START = time.time()
 LOCAL = ("triton", "sdpa", "torch-varlen")
 FLASHINFER = ("flashinfer-fa2", "flashinfer-fa3", "flashinfer-cudnn")
 WORKER_TIMEOUT = {"flashinfer-fa3": 240, "flashinfer-fa2": 150, "flashinfer-cudnn": 150, "warm": 300}
-AUTO_ROUNDS = 3  # side-by-side rounds: each times auto and every passing backend once (median per backend)
+AUTO_ROUNDS = 7  # side-by-side rounds: each times auto and every passing backend once (median per backend)
 RESERVE_S = 20  # kept back from --budget for writing the results
 GOAL_D80_US = 1180.0  # the best D=80 anchor (SDPA loop) for 6 images
 GOAL_D128_RATIO = 1.25
@@ -149,7 +149,7 @@ def local_rows(cases, args, cuda: bool, warm_proc) -> list:
 def side_by_side(cases, args, cuda: bool, entries: list, rows: list) -> list:
     """``auto`` per case, once the table of this run is loaded, timed in this process in alternation with
     every backend that passed here or in its subprocess: ``AUTO_ROUNDS`` rounds, each timing every one of
-    them once (the same timer as every other row), median per backend. The first, separate measurements
+    them once in a rotated order (the same timer as every other row), median per backend. The first, separate measurements
     (``alone_us``) built the table; the side-by-side medians replace them in ``time_us``, so the ratios
     in the table and the goals come from one process, one timer and interleaved calls (the GPU's clocks
     drift by several percent over a run). Returns the auto rows; the others are updated in place."""
@@ -191,9 +191,11 @@ def side_by_side(cases, args, cuda: bool, entries: list, rows: list) -> list:
                 calls[backend] = lambda b=backend: varlen_attention(q, k, v, cu, metadata=plan, backend=b)
                 calls[backend]()  # plans and modules loaded before timing
             times = {name: [] for name in calls}
-            for _ in range(AUTO_ROUNDS):
-                for name, fn in calls.items():
-                    times[name].append(time_us(fn, cuda=cuda, warmup=args.warmup, iters=args.iters))
+            names = list(calls)
+            for i in range(AUTO_ROUNDS):
+                # Each round starts one backend later: none is always first after a pause (clocks ramp).
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    times[name].append(time_us(calls[name], cuda=cuda, warmup=args.warmup, iters=args.iters))
             medians = {name: statistics.median(t) for name, t in times.items()}
             for backend, r in others.items():
                 r["alone_us"] = r["time_us"]
@@ -373,7 +375,7 @@ def main() -> int:
     meta.update(heads=16 if not args.cpu_smoke else 2, dtype="bfloat16", warmup=args.warmup, iters=args.iters,
                 timing="median of per-call CUDA events, calls queued back to back (bench/_util.cuda_time_us), "
                 "public API with a prepared plan; "
-                "time_us: median of 3 interleaved rounds in one process (every backend and auto side by side); "
+                "time_us: median of 7 interleaved rounds in one process (every backend and auto side by side); "
                 "alone_us: the first, separate measurement (FlashInfer in its own process) that built the table; "
                 "host_us: median host time of one call, nothing synchronised (what the CPU spends per call)"
                 if cuda else "host clock, CPU smoke run (not a measurement)")
