@@ -9,9 +9,9 @@
 # runs in its own subprocess (bench/_attention_worker.py): a CUDA fault poisons the context. Then the
 # dispatch table is built from those first times, written, and loaded here. Last, ``auto`` and every backend
 # that passed (FlashInfer ones too, now known not to fault) are timed again in this process, interleaved,
-# and those side-by-side medians are the reported times and ratios (the first ones stay as alone_us). Writes bench/results/attention.{json,md,png}
-# (attention_smoke.* for --cpu-smoke) and, with --write-dispatch, kernels/attention_dispatch.json, the
-# table ``backend="auto"`` reads. Prints a table last.
+# and those side-by-side medians are the reported times and ratios (the first ones stay as alone_us).
+# Writes bench/results/attention.{json,md,png} (attention_smoke.* for --cpu-smoke) and, with
+# --write-dispatch, kernels/attention_dispatch.json, the table ``backend="auto"`` reads. Prints a table last.
 from __future__ import annotations
 
 import argparse
@@ -149,10 +149,11 @@ def local_rows(cases, args, cuda: bool, warm_proc) -> list:
 def side_by_side(cases, args, cuda: bool, entries: list, rows: list) -> list:
     """``auto`` per case, once the table of this run is loaded, timed in this process in alternation with
     every backend that passed here or in its subprocess: ``AUTO_ROUNDS`` rounds, each timing every one of
-    them once in a rotated order (the same timer as every other row), median per backend. The first, separate measurements
-    (``alone_us``) built the table; the side-by-side medians replace them in ``time_us``, so the ratios
-    in the table and the goals come from one process, one timer and interleaved calls (the GPU's clocks
-    drift by several percent over a run). Returns the auto rows; the others are updated in place."""
+    them once in a rotated order (the same timer as every other row), median per backend. The first,
+    separate measurements (``alone_us``) built the table; the side-by-side medians replace them in
+    ``time_us``, so the ratios in the table and the goals come from one process, one timer and interleaved
+    calls (the GPU's clocks drift by several percent over a run). Returns the auto rows; the others are
+    updated in place."""
     import statistics
 
     import torch

@@ -381,15 +381,16 @@ def main() -> int:
     name = "lora_smoke" if args.cpu_smoke else "lora"
     meta = env_meta()
     meta.update(dtype="bfloat16", copy_bandwidth_gbs=round(bandwidth, 1), warmup=args.warmup, iters=args.iters,
-                timing=("us: median of per-call CUDA events, calls queued back to back, public API (guard + checks + launch), warm L2; "
+                timing=("us: median of per-call CUDA events, calls queued back to back, public API "
+                        "(guard + checks + launch), warm L2; "
                         "graph_us: the same call replayed from a CUDA graph after an L2 flush (device time plus the "
                         "graph's launch); device_us: amortised device time, 16 calls per CUDA graph cycling over 4 "
                         "input sets (bench/_util.amortised_graph_us), the figure the goals and pct_of_floor use; "
                         "torch_us: torch per-segment loop with host-side segment bounds"
                         if cuda else "host clock, CPU smoke run through the Triton interpreter (not a measurement)"),
                 floor="bytes (inputs read once, outputs written once) / copy bandwidth")
-    columns = ["case", "kernel", "variant", "config", "us", "graph_us", "device_us", "torch_us", "floor_us", "pct_of_floor",
-               "x_vs_torch", "goal_us", "max_abs_err", "max_rel_err"]
+    columns = ["case", "kernel", "variant", "config", "us", "graph_us", "device_us", "torch_us", "floor_us",
+               "pct_of_floor", "x_vs_torch", "goal_us", "max_abs_err", "max_rel_err"]
     plot(rows, cases, name)
     table = write_results(name, rows, columns, meta=meta,
                           title="Segmented LoRA GEMMs, bf16 (time in us, median per call)")
