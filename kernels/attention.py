@@ -1,7 +1,8 @@
 """Varlen (packed) attention: ``varlen_attention`` over several backends, and ``cudnn_vision_attention``,
 a drop-in for the engine's flashinfer_cudnn vision backend. Both are guarded: missing metadata is derived
-once. Backends: ``triton`` (ours, native odd head dims), ``flashinfer`` (ragged FA2/FA3, cuDNN prefill),
-``sdpa`` (torch loop, the CPU default), ``torch-varlen`` and ``auto`` (fastest measured).
+once. Backends: ``triton`` (ours, native odd head dims), ``gluon`` (ours, warp-specialized, Hopper D=64/128),
+``flashinfer`` (ragged FA2/FA3, cuDNN prefill), ``sdpa`` (torch loop, the CPU default), ``torch-varlen`` and
+``auto`` (fastest measured).
 """
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ from . import _attention_flashinfer as fi
 from . import _attention_torch as torch_paths
 from . import _attention_triton as triton_path
 
-BACKENDS = ("auto", "triton", "sdpa", "torch-varlen", "flashinfer", "flashinfer-fa2", "flashinfer-fa3",
+BACKENDS = ("auto", "triton", "gluon", "sdpa", "torch-varlen", "flashinfer", "flashinfer-fa2", "flashinfer-fa3",
             "flashinfer-cudnn")
 # Concrete backends that ``auto`` may pick (the names used in the dispatch table).
-CONCRETE = ("triton", "sdpa", "torch-varlen", "flashinfer-fa2", "flashinfer-fa3", "flashinfer-cudnn")
+CONCRETE = ("triton", "gluon", "sdpa", "torch-varlen", "flashinfer-fa2", "flashinfer-fa3", "flashinfer-cudnn")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
@@ -51,6 +52,45 @@ def _run_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal):
     return triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal)
 
 
+# -- the Gluon path (Hopper): imported on first use, absent when this Triton has no Gluon --------------
+
+_gluon_state: list = []
+
+
+def _gluon():
+    """``_attention_gluon``, or None when ``triton.experimental.gluon`` does not import (asked once)."""
+    if not _gluon_state:
+        try:
+            from . import _attention_gluon
+        except Exception:  # noqa: BLE001 - an older or partial Triton: the backend is simply unavailable
+            _attention_gluon = None
+        _gluon_state.append(_attention_gluon)
+    return _gluon_state[0]
+
+
+@torch.library.custom_op("guardlint::varlen_attention_gluon", mutates_args=())
+def varlen_attention_gluon_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                              max_seqlen: int, softmax_scale: float) -> torch.Tensor:
+    """``torch.ops.guardlint.varlen_attention_gluon``: the Gluon kernel (non-causal) as one opaque op."""
+    return _gluon_eager(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
+
+
+@varlen_attention_gluon_op.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _gluon_eager(q, k, v, cu_seqlens, max_seqlen: int, scale: float) -> torch.Tensor:
+    gluon_path = _gluon()
+    if not gluon_path.supports(q, k, v, False):
+        # The plan is per shape; strides are checked here, per call: a layout TMA cannot read runs on Triton.
+        return triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, False)
+    batch = cu_seqlens.shape[0] - 1
+    by_length = batch > 1 and q.shape[0] != batch * max_seqlen
+    order = triton_path.sequence_order(cu_seqlens) if by_length else cu_seqlens
+    return gluon_path.varlen_attention_gluon(q, k, v, cu_seqlens, max_seqlen, scale, order, by_length)
+
+
 # -- validation (GL106: what no backend can take) ---------------------------------------------------
 
 def _bad(argument: str, expected: str, got: str, function: str, detail: str = "") -> GuardError:
@@ -59,7 +99,7 @@ def _bad(argument: str, expected: str, got: str, function: str, detail: str = ""
 
 def _cannot_run(backend: str, q: torch.Tensor, function: str) -> GuardError:
     """A backend that cannot take these inputs here: GL301 when there is no GPU at all, else GL106."""
-    if backend == "triton" and not torch.cuda.is_available():
+    if backend in ("triton", "gluon") and not torch.cuda.is_available():
         return GuardError("GL301", argument="backend", function=function, expected="a CUDA device for Triton",
                           got=f"{backend!r} with q on {q.device} and no GPU driver", detail=_why_not(backend, q))
     # The catalog's own advice for a backend that cannot run the inputs (not the reshape one).
@@ -163,6 +203,9 @@ def _runnable(name: str, q: torch.Tensor, k: torch.Tensor, scale: float, causal:
         return q.device.type == "cuda" or triton_path.INTERPRET
     if name == "torch-varlen":
         return torch_paths.torch_varlen_supports(q, k, scale, causal)
+    if name == "gluon":
+        # v is checked per call (the runner falls back to Triton for a layout TMA cannot read).
+        return _gluon() is not None and _gluon().supports(q, k, k, causal)
     if name.startswith("flashinfer-"):
         return fi.supports(name[len("flashinfer-"):], q.shape[2], q.dtype, q.device)
     return False
@@ -180,6 +223,11 @@ def _why_not(name: str, q: torch.Tensor) -> str:
                 f"FA3 {sorted(fi.FA3_HEAD_DIMS)} (Hopper), cuDNN {sorted(fi.CUDNN_HEAD_DIMS)} (bfloat16)")
     if name == "torch-varlen":
         return torch_paths._probe_varlen_attn() or "torch varlen_attn takes float16/bfloat16 CUDA tensors"
+    if name == "gluon":
+        if _gluon() is None:
+            return "this Triton has no Gluon (triton.experimental.gluon)"
+        return (f"the Gluon kernel takes a Hopper GPU (sm_90), head dims {list(_gluon().HEAD_DIMS)}, float16/"
+                "bfloat16, non-causal, q/k/v with contiguous heads")
     return ""
 
 
@@ -298,12 +346,18 @@ def _run_ragged(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal
     return fi.ragged(q.contiguous(), k.contiguous(), v.contiguous(), offsets, scale, causal, variant)
 
 
+def _run_gluon(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function):
+    if torch.compiler.is_compiling():
+        return varlen_attention_gluon_op(q, k, v, cu_seqlens, max_seqlen, scale)
+    return _gluon_eager(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
 def _run_empty(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function):
     return torch.zeros_like(q)
 
 
 _RUNNERS = {
-    "triton": _run_triton_backend, "sdpa": _run_sdpa, "torch-varlen": _run_torch_varlen,
+    "triton": _run_triton_backend, "gluon": _run_gluon, "sdpa": _run_sdpa, "torch-varlen": _run_torch_varlen,
     "flashinfer-cudnn": _run_cudnn,
     "flashinfer-fa2": lambda *a: _run_ragged(*a, variant="fa2"),
     "flashinfer-fa3": lambda *a: _run_ragged(*a, variant="fa3"),
@@ -314,7 +368,7 @@ def _runner(name: str, q, cu_seqlens, function: str):
     """The function that runs backend ``name`` on inputs of these shapes (checked here, once per shape)."""
     if q.shape[0] == 0 or cu_seqlens.shape[0] < 2:
         return _run_empty
-    if name == "triton" and (cu_seqlens.shape[0] - 1 > _MAX_GRID_YZ or q.shape[1] > _MAX_GRID_YZ):
+    if name in ("triton", "gluon") and (cu_seqlens.shape[0] - 1 > _MAX_GRID_YZ or q.shape[1] > _MAX_GRID_YZ):
         raise _bad("cu_seqlens", f"at most {_MAX_GRID_YZ} sequences and heads per launch (CUDA grid y/z)",
                    describe(cu_seqlens), function)
     return _RUNNERS[name]
@@ -384,7 +438,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             max_seqlen, scale, causal, backend) and remembered, so later layers go straight to the launch.
         softmax_scale: default ``head_dim ** -0.5``.
         causal: mask keys after the query within each sequence.
-        backend: ``"auto"`` (fastest measured), ``"triton"``, ``"sdpa"``, ``"torch-varlen"``,
+        backend: ``"auto"`` (fastest measured), ``"triton"``, ``"gluon"`` (Hopper, D 64/128, non-causal,
+            16-bit; other layouts of the same shapes run on Triton), ``"sdpa"``, ``"torch-varlen"``,
             ``"flashinfer"`` (best FlashInfer variant; head dims it cannot run go to ``triton``),
             ``"flashinfer-fa2"``, ``"flashinfer-fa3"``, ``"flashinfer-cudnn"``.
 

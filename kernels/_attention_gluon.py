@@ -1,0 +1,290 @@
+"""Varlen attention forward for Hopper (sm_90) in Gluon: warp-specialized, FlashAttention-3 style.
+
+Gluon is Triton's explicit-layout dialect: warps, shared memory, barriers and asynchronous tensor-core
+instructions are spelled out instead of left to the compiler. This kernel uses that for the two things
+the Triton kernel cannot get from its compiler on Hopper (every wgmma there is waited on at once):
+
+- **warp specialization**: one producer warp issues TMA loads of K/V tiles into a ring of shared-memory
+  stages; two consumer warpgroups, each owning 64 query rows of a 128-row tile, run on their own
+  (each is its own partition, synchronised only through mbarriers), so one's softmax overlaps the
+  other's matrix multiplies on the SM;
+- **in-warpgroup pipelining**: a consumer issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, waits
+  for S_j alone, and runs the softmax of tile j while the PV product of tile j-1 is still in flight.
+
+Scope: bf16/fp16, head dims 64 and 128, non-causal, q/k/v with contiguous heads (``stride(1) == D``):
+the shapes where the Triton kernel is furthest from FlashAttention-3. Everything else stays on the
+Triton kernel. Same math and the same grid as ``_attention_triton`` (per sequence, longest first).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
+ROWS_PER_WG = 64
+BLOCK_N = 128  # keys per K/V tile
+HEAD_DIMS = (64, 128)
+LOG2E = 1.4426950408889634
+# Registers per thread of each consumer warpgroup (setmaxnreg); the producer warp keeps 24.
+CONSUMER_REGS = 240
+
+
+def stages_for(head_dim: int) -> int:
+    """K/V ring depth that fits shared memory (227 KB): Q 32 KB + stages * (K + V) at D=128 -> 3 stages."""
+    per_stage = 2 * BLOCK_N * head_dim * 2
+    q_bytes = BLOCK_M * head_dim * 2
+    return max(2, min(4, (226 * 1024 - q_bytes) // per_stage))
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_bars,
+              o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale,
+              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+              PINGPONG: gl.constexpr):
+    for w in gl.static_range(2):
+        mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + w * ROWS, q_col], q_bars.index(w), q_smem.index(w))
+    for j in range(n_tiles):
+        s = j % STAGES
+        # A stage is free once both consumers released it; fresh barriers pass the first round.
+        mbarrier.wait(free_bars.index(s), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_bars.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], k_bars.index(s), k_smem.index(s))
+        mbarrier.expect(v_bars.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_bars.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _wait_turn(turn_bars, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: a consumer issues its k-th batch of wgmma only after the other issued its own; WG 0 first."""
+    if PINGPONG:
+        if WG == 0:
+            mbarrier.wait(turn_bars.index(0), (k - 1) & 1, pred=k > 0)
+        else:
+            mbarrier.wait(turn_bars.index(1), k & 1)
+
+
+@gluon.jit
+def _pass_turn(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_i, l_i, p_op, seq_len, qk_scale,
+             WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+             STAGES: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr):
+    """Issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; softmax of S_j while the PV product runs."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s = j % STAGES
+    prev = (j - 1) % STAGES
+    mbarrier.wait(k_bars.index(s), (j // STAGES) & 1)
+    mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
+    _wait_turn(turn_bars, j, WG, PINGPONG)
+    s_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+    acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+    _pass_turn(turn_bars, WG, PINGPONG)
+    # wgmma groups retire in order: one outstanding = S_j done, O += P_{j-1} V_{j-1} still running.
+    scores, _ = warpgroup_mma_wait(1, deps=[s_tok, k_smem.index(s)])
+    if MASK:
+        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        scores = gl.where((offs_n < seq_len)[None, :], scores, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
+    p = gl.exp2(scores * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc, _, _ = warpgroup_mma_wait(0, deps=[acc, p_op, v_smem.index(prev)])
+    mbarrier.arrive(free_bars.index(prev), count=1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+    return acc, m_new, l_i, p_op
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_bars, o_ptr, o_row, stride_ot, o_col,
+              rows_left, seq_len, n_tiles, qk_scale, WG: gl.constexpr, ROWS: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+
+    mbarrier.wait(q_bars.index(WG), 0)
+    q = q_smem.index(WG)
+
+    # Tile 0: S_0, its softmax, P_0 (the first tile always holds key 0, so every row max is finite).
+    mbarrier.wait(k_bars.index(0), 0)
+    _wait_turn(turn_bars, 0, WG, PINGPONG)
+    s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+    _pass_turn(turn_bars, WG, PINGPONG)
+    scores, _, _ = warpgroup_mma_wait(0, deps=[s_tok, q, k_smem.index(0)])
+    offs_n = gl.arange(0, BLOCK_N, layout=col_s)
+    scores = gl.where((offs_n < seq_len)[None, :], scores, float("-inf"))
+    m_i = gl.max(scores, 1) * qk_scale
+    p = gl.exp2(scores * qk_scale - m_i[:, None])
+    l_i = gl.sum(p, 1)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    # Full key tiles need no mask; the last tile (maybe partial: keys past the sequence end) does.
+    for j in range(1, n_tiles - 1):
+        acc, m_i, l_i, p_op = _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_i, l_i,
+                                       p_op, seq_len, qk_scale, WG, ROWS, BLOCK_N, HEAD_DIM, STAGES, PINGPONG,
+                                       False)
+    if n_tiles > 1:
+        acc, m_i, l_i, p_op = _kv_step(n_tiles - 1, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc,
+                                       m_i, l_i, p_op, seq_len, qk_scale, WG, ROWS, BLOCK_N, HEAD_DIM, STAGES,
+                                       PINGPONG, True)
+
+    last = (n_tiles - 1) % STAGES
+    mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // STAGES) & 1)
+    _wait_turn(turn_bars, n_tiles, WG, PINGPONG)
+    acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+    _pass_turn(turn_bars, WG, PINGPONG)
+    acc, _, _ = warpgroup_mma_wait(0, deps=[acc, p_op, v_smem.index(last)])
+
+    out = acc * gl.convert_layout(1.0 / l_i, row_o)[:, None]
+    rows = gl.arange(0, ROWS, layout=row_o)
+    cols = gl.arange(0, HEAD_DIM, layout=col_o)
+    ptrs = o_ptr + (o_row + WG * ROWS + rows).to(gl.int64)[:, None] * stride_ot + o_col + cols[None, :]
+    gl.store(ptrs, out.to(dtype), mask=(rows < rows_left - WG * ROWS)[:, None])
+
+
+@gluon.jit
+def _consumer_wg0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_bars,
+                  o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale,
+                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  PINGPONG: gl.constexpr):
+    _consumer(q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_bars, o_ptr, q_row, stride_ot, q_col,
+              rows_left, seq_len, n_tiles, qk_scale, 0, ROWS, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)
+
+
+@gluon.jit
+def _consumer_wg1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_bars,
+                  o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale,
+                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  PINGPONG: gl.constexpr):
+    _consumer(q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_bars, o_ptr, q_row, stride_ot, q_col,
+              rows_left, seq_len, n_tiles, qk_scale, 1, ROWS, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)
+
+
+@gluon.jit
+def _varlen_attention_fwd_ws(q_desc, k_desc, v_desc, o_ptr, cu_seqlens, seq_order, stride_ot, total_tokens,
+                             qk_scale, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                             SORTED: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                             STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                             PINGPONG: gl.constexpr):
+    pid_m = gl.program_id(0)
+    head = gl.program_id(1)
+    seq = gl.program_id(2)
+    if SORTED:
+        seq = gl.minimum(gl.maximum(gl.load(seq_order + seq), 0), gl.num_programs(2) - 1)
+    # Clamped so that any cu_seqlens content stays inside q/k/v/o (TMA coordinates are 32-bit).
+    seq_start = gl.load(cu_seqlens + seq)
+    seq_end = gl.load(cu_seqlens + seq + 1)
+    seq_start = gl.minimum(gl.maximum(seq_start, 0), total_tokens).to(gl.int32)
+    seq_end = gl.minimum(gl.maximum(seq_end, seq_start), total_tokens).to(gl.int32)
+    seq_len = seq_end - seq_start
+    if pid_m * (2 * ROWS) >= seq_len:
+        return
+    n_tiles = gl.cdiv(seq_len, BLOCK_N)
+    q_row = seq_start + pid_m * (2 * ROWS)
+    q_col = head * HEAD_DIM
+    kv_col = (head // GROUP) * HEAD_DIM
+    rows_left = seq_len - pid_m * (2 * ROWS)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(turn_bars.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+        mbarrier.init(free_bars.index(i), count=2)  # released by both consumers
+
+    # The argument tuples are spelled out in the call: a tuple held in a variable loses its constexprs.
+    gl.warp_specialize([
+        (_consumer_wg0, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_bars,
+                         o_ptr, q_row, seq_start, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale,
+                         ROWS, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
+        (_consumer_wg1, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_bars,
+                         o_ptr, q_row, seq_start, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale,
+                         ROWS, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_bars,
+                     o_ptr, q_row, seq_start, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale,
+                     ROWS, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
+    """Whether this kernel takes these inputs: a Hopper GPU, bf16/fp16, D 64/128, non-causal, each of q/k/v
+    with contiguous heads and rows 16-byte aligned (what a TMA descriptor over (tokens, heads * D) needs)."""
+    if causal or q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if q.shape[2] not in HEAD_DIMS or q.shape[0] >= 2 ** 31 or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    for t in (q, k, v):
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2] or (t.stride(0) * t.element_size()) % 16 \
+                or t.data_ptr() % 16:
+            return False
+    return True
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    total, heads, head_dim = t.shape
+    gl_dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
+    return TensorDescriptor(t, [total, heads * head_dim], [t.stride(0), 1], [rows, head_dim], layout)
+
+
+def new_output(q: torch.Tensor) -> torch.Tensor:
+    """The output buffer: (tokens, heads, D) contiguous, uninitialised (every row of every sequence is
+    written; tests replace it with a NaN-filled one to prove that)."""
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def varlen_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                           max_seqlen: int, softmax_scale: float, order: torch.Tensor, sorted_order: bool,
+                           out: Optional[torch.Tensor] = None, *, consumer_regs: int = CONSUMER_REGS,
+                           pingpong: bool = True) -> torch.Tensor:
+    """Launch on validated inputs that ``supports`` accepted. ``order``: the sequences longest first when
+    ``sorted_order`` (``_attention_triton.sequence_order``), else any int tensor (unread). ``out``: a
+    contiguous tensor like q, or None for a new one."""
+    total_tokens, num_heads, head_dim = q.shape
+    batch = cu_seqlens.shape[0] - 1
+    if out is None:
+        out = new_output(q)
+    if total_tokens == 0 or batch <= 0 or max_seqlen <= 0:
+        return out
+    grid = (triton.cdiv(max_seqlen, BLOCK_M), num_heads, batch)
+    _varlen_attention_fwd_ws[grid](
+        _descriptor(q, ROWS_PER_WG), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, cu_seqlens, order,
+        out.stride(0), total_tokens, softmax_scale * LOG2E,
+        NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, SORTED=sorted_order,
+        ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N, STAGES=stages_for(head_dim), CONSUMER_REGS=consumer_regs,
+        PINGPONG=pingpong, num_warps=4)
+    return out
