@@ -261,6 +261,12 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, [total, heads * head_dim], [t.stride(0), 1], [rows, head_dim], layout)
 
 
+def describe(head_dim: int) -> str:
+    """The launch settings, for benchmark tables."""
+    return (f"2 consumer warpgroups x {ROWS_PER_WG} rows + 1 TMA warp, BLOCK_N={BLOCK_N}, "
+            f"stages={stages_for(head_dim)}, ping-pong")
+
+
 def new_output(q: torch.Tensor) -> torch.Tensor:
     """The output buffer: (tokens, heads, D) contiguous, uninitialised (every row of every sequence is
     written; tests replace it with a NaN-filled one to prove that)."""
@@ -288,3 +294,47 @@ def varlen_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N, STAGES=stages_for(head_dim), CONSUMER_REGS=consumer_regs,
         PINGPONG=pingpong, num_warps=4)
     return out
+
+
+def hopper_resources(head_dim: int, dtype: str = "bf16") -> dict:
+    """Compile the kernel for sm_90a without a GPU and read its resources from Triton's bundled ptxas:
+    registers per thread (at launch; setmaxnreg moves them between partitions), spill bytes, shared
+    memory, and the per-partition register counts. Used by the CPU tests and ``bench/_attention_ptxas.py``."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = _varlen_attention_fwd_ws
+    gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+
+    def desc(rows: int) -> str:
+        return f"tensordesc<{dtype}[{rows}, {head_dim}],{gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)!r}>"
+
+    signature = {name: "constexpr" for name in fn.arg_names}
+    signature.update(q_desc=desc(ROWS_PER_WG), k_desc=desc(BLOCK_N), v_desc=desc(BLOCK_N), o_ptr="*" + dtype,
+                     cu_seqlens="*i32", seq_order="*i32", stride_ot="i32", total_tokens="i32", qk_scale="fp32")
+    constants = dict(NUM_HEADS=16, GROUP=1, HEAD_DIM=head_dim, SORTED=True, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N,
+                     STAGES=stages_for(head_dim), CONSUMER_REGS=CONSUMER_REGS, PINGPONG=True)
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("o_ptr", "cu_seqlens", "seq_order",
+                                                                          "stride_ot")}
+    compiled = triton.compile(GluonASTSource(fn, signature, constexprs=constants, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    ptx = compiled.asm["ptx"]
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
+        fh.write(ptx)
+    try:
+        report = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", fh.name, "-o", os.devnull],
+                                capture_output=True, text=True, check=True).stderr
+    finally:
+        os.unlink(fh.name)
+    spill = re.search(r"(\d+) bytes spill stores", report)
+    return {"head_dim": head_dim, "dtype": dtype, "registers": int(re.search(r"Used (\d+) registers", report).group(1)),
+            "spill_bytes": int(spill.group(1)) if spill else 0, "shared_bytes": compiled.metadata.shared,
+            "partition_registers": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+            "wgmma_waits": sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)})}

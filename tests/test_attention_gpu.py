@@ -92,6 +92,66 @@ def test_triton_under_torch_compile():
     assert_matches(out - 1, q, k, v, offsets, False)
 
 
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+hopper_only = pytest.mark.skipif(not _hopper(), reason="the Gluon kernel runs on Hopper (sm_90) only")
+
+
+@pytest.fixture
+def poisoned_gluon_output(monkeypatch):
+    from guardlint.kernels import _attention_gluon as gluon_path
+
+    monkeypatch.setattr(gluon_path, "new_output", lambda q: torch.full(q.shape, float("nan"), dtype=q.dtype,
+                                                                       device=q.device))
+
+
+@hopper_only
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gluon_matches_float64(head_dim, dtype, poisoned_gluon_output):
+    # Lengths 0 and 1, partial last key tiles, a sequence with two 128-row query tiles, GQA 8:2.
+    q, k, v, cu, offsets = make_batch(LENGTHS + [2048, 130], 8, 2, head_dim, dtype, seed=head_dim)
+    out = varlen_attention(q, k, v, cu, backend="gluon")
+    assert_matches(out, q, k, v, offsets, False)
+
+
+@hopper_only
+def test_gluon_equal_lengths_int64_offsets_and_a_scale(poisoned_gluon_output):
+    q, k, v, cu, offsets = make_batch([256] * 6, 16, 16, 128, torch.bfloat16, seed=3)
+    out = varlen_attention(q, k, v, cu.long(), backend="gluon", softmax_scale=0.05)
+    assert_matches(out, q, k, v, offsets, False, scale=0.05)
+
+
+@hopper_only
+def test_gluon_reads_a_fused_qkv_buffer_and_hands_other_layouts_to_triton():
+    from guardlint.kernels import _attention_gluon as gluon_path
+
+    q0, k0, v0, cu, offsets = make_batch([300, 0, 77, 1000], 8, 8, 128, torch.bfloat16, seed=9)
+    qkv = torch.cat([q0, k0, v0], dim=1)  # (T, 3H, D): row stride 3*H*D, heads contiguous
+    q, k, v = qkv[:, :8], qkv[:, 8:16], qkv[:, 16:]
+    assert gluon_path.supports(q, k, v, False)
+    assert_matches(varlen_attention(q, k, v, cu, backend="gluon"), q, k, v, offsets, False)
+    # A head-major copy viewed token-major: heads not contiguous, so the call runs on the Triton kernel.
+    v_t = v0.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not gluon_path.supports(q0, k0, v_t, False)
+    assert_matches(varlen_attention(q0, k0, v_t, cu, backend="gluon"), q0, k0, v_t, offsets, False)
+
+
+@hopper_only
+def test_gluon_under_torch_compile():
+    q, k, v, cu, offsets = make_batch([100, 5, 260], 8, 4, 128, torch.bfloat16)
+    lengths = cu[1:] - cu[:-1]
+
+    def forward(q, k, v, cu, lengths):
+        return varlen_attention(q, k, v, cu, sequence_lengths=lengths, max_seqlen=260, backend="gluon") + 1
+
+    torch._dynamo.reset()
+    out = torch.compile(forward, fullgraph=True)(q, k, v, cu, lengths)
+    assert_matches(out - 1, q, k, v, offsets, False)
+
+
 def test_triton_launches_without_the_autotuner_after_its_first_pick(monkeypatch):
     q, k, v, cu, offsets = make_batch([300, 0, 77, 1000], 8, 8, 80, torch.bfloat16, seed=5)
     first = varlen_attention(q, k, v, cu, backend="triton")  # tunes this key (or reuses an earlier pick)

@@ -1,0 +1,106 @@
+"""The Gluon (Hopper) attention kernel without a GPU: it compiles for sm_90a within the register and
+shared-memory budget (Triton's bundled ptxas), its schedule keeps the PV product in flight while S is
+waited on, and the ``gluon`` backend refuses every call it cannot take. Its numbers against float64 are
+checked on the GPU (tests/test_attention_gpu.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from guardlint.guard import GuardError
+from guardlint.kernels import _attention_gluon as gluon_path
+from guardlint.kernels import attention, varlen_attention
+
+SHARED_MEMORY_PER_BLOCK = 227 * 1024
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16"), (128, "fp16")])
+def test_compiles_for_hopper_without_spills(head_dim, dtype):
+    res = gluon_path.hopper_resources(head_dim, dtype)
+    assert res["spill_bytes"] == 0
+    assert res["shared_bytes"] <= SHARED_MEMORY_PER_BLOCK
+    # setmaxnreg: the producer warp gives registers up, the consumer warpgroups take them.
+    assert gluon_path.CONSUMER_REGS in res["partition_registers"] and 24 in res["partition_registers"]
+    # "wait until one group is left" is what lets the softmax of S_j run while P_{j-1} V_{j-1} is in flight.
+    assert res["wgmma_waits"] == [0, 1]
+
+
+@pytest.mark.parametrize("head_dim", gluon_path.HEAD_DIMS)
+def test_the_kv_ring_fits_shared_memory(head_dim):
+    stages = gluon_path.stages_for(head_dim)
+    q_bytes = gluon_path.BLOCK_M * head_dim * 2
+    assert stages >= 2
+    assert q_bytes + stages * 2 * gluon_path.BLOCK_N * head_dim * 2 <= SHARED_MEMORY_PER_BLOCK - 1024
+
+
+@dataclass
+class FakeTensor:
+    """What ``supports`` reads of a tensor, so the CUDA branches can be checked without a GPU."""
+    shape: tuple
+    strides: tuple
+    dtype: torch.dtype = torch.bfloat16
+    ptr: int = 1 << 20
+    device: torch.device = torch.device("cuda", 0)
+
+    def stride(self, dim):
+        return self.strides[dim]
+
+    def element_size(self):
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def data_ptr(self):
+        return self.ptr
+
+
+def packed(tokens=64, heads=4, head_dim=128, **kw):
+    return FakeTensor((tokens, heads, head_dim), (heads * head_dim, head_dim, 1), **kw)
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({}, True),
+    ({"dtype": torch.float16}, True),
+    ({"dtype": torch.float32}, False),                                      # wgmma here is 16-bit only
+    ({"head_dim": 80}, False),                                              # Triton's kernel runs 80 natively
+    ({"ptr": (1 << 20) + 8}, False),                                        # TMA needs 16-byte aligned bases
+    ({"device": torch.device("cpu")}, False),
+])
+def test_supports(monkeypatch, change, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    head_dim = change.pop("head_dim", 128)
+    q = packed(head_dim=head_dim, **change)
+    kv = packed(heads=2, head_dim=head_dim, **change)
+    assert gluon_path.supports(q, kv, kv, causal=False) is expected
+
+
+def test_supports_refuses_causal_other_gpus_and_strided_heads(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    q, kv = packed(), packed(heads=2)
+    assert not gluon_path.supports(q, kv, kv, causal=True)
+    # A v slice of a fused qkv buffer: rows of 3 * H * D, heads still contiguous -> TMA reads it.
+    fused = FakeTensor((64, 2, 128), (3 * 2 * 128, 128, 1))
+    assert gluon_path.supports(q, kv, fused, causal=False)
+    # Heads not contiguous (a transposed view): no (tokens, heads * D) descriptor exists.
+    assert not gluon_path.supports(q, kv, FakeTensor((64, 2, 128), (128, 64 * 128, 1)), causal=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert not gluon_path.supports(q, kv, kv, causal=False)  # wgmma is Hopper's; Blackwell has tcgen05
+
+
+def test_backend_gluon_without_a_gpu_is_a_coded_error():
+    q = torch.randn(12, 4, 128)
+    k = v = torch.randn(12, 2, 128)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    assert not attention._runnable("gluon", q, k, 128 ** -0.5, False)
+    with pytest.raises(GuardError) as err:
+        varlen_attention(q, k, v, cu, backend="gluon")
+    assert err.value.argument == "backend" and err.value.code in ("GL301", "GL106")
+    assert "gluon" in str(err.value)
+
+
+def test_auto_on_the_cpu_never_picks_gluon():
+    q = torch.randn(12, 4, 128)
+    k = torch.randn(12, 2, 128)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    assert attention.select_backend(q, k, cu, 7) == "sdpa"
+    assert "gluon" in attention.BACKENDS and "gluon" in attention.CONCRETE
