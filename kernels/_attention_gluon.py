@@ -17,6 +17,7 @@ Triton kernel. Same math and the same grid as ``_attention_triton`` (per sequenc
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -204,7 +205,7 @@ def _varlen_attention_fwd_ws(q_desc, k_desc, v_desc, o_ptr, cu_seqlens, seq_orde
     seq_len = seq_end - seq_start
     if pid_m * (2 * ROWS) >= seq_len:
         return
-    n_tiles = gl.cdiv(seq_len, BLOCK_N)
+    n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
     q_row = seq_start + pid_m * (2 * ROWS)
     q_col = head * HEAD_DIM
     kv_col = (head // GROUP) * HEAD_DIM
@@ -245,7 +246,8 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) ->
     with contiguous heads and rows 16-byte aligned (what a TMA descriptor over (tokens, heads * D) needs)."""
     if causal or q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if q.shape[2] not in HEAD_DIMS or q.shape[0] >= 2 ** 31 or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if q.shape[2] not in HEAD_DIMS or q.shape[0] >= 2 ** 31 or not _is_hopper(
+            q.device.index if q.device.index is not None else torch.cuda.current_device()):
         return False
     for t in (q, k, v):
         if t.stride(2) != 1 or t.stride(1) != t.shape[2] or (t.stride(0) * t.element_size()) % 16 \
@@ -254,11 +256,23 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) ->
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
+    # Building a layout costs ~8 us of Python: once per tile shape and dtype.
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16 if dtype == torch.bfloat16
+                                                else gl.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """TMA descriptor over (tokens, heads * D), tiles of ``rows`` tokens x one head."""
     total, heads, head_dim = t.shape
-    gl_dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
-    return TensorDescriptor(t, [total, heads * head_dim], [t.stride(0), 1], [rows, head_dim], layout)
+    return TensorDescriptor(t, [total, heads * head_dim], [t.stride(0), 1], [rows, head_dim],
+                            _smem_layout(rows, head_dim, t.dtype))
 
 
 def describe(head_dim: int) -> str:
@@ -299,7 +313,8 @@ def varlen_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 def hopper_resources(head_dim: int, dtype: str = "bf16") -> dict:
     """Compile the kernel for sm_90a without a GPU and read its resources from Triton's bundled ptxas:
     registers per thread (at launch; setmaxnreg moves them between partitions), spill bytes, shared
-    memory, and the per-partition register counts. Used by the CPU tests and ``bench/_attention_ptxas.py``."""
+    memory, and the per-partition register counts. Call it in a process without TRITON_INTERPRET (the tests
+    spawn one)."""
     import os
     import re
     import subprocess
