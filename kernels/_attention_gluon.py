@@ -241,9 +241,10 @@ def _varlen_attention_fwd_ws(q_desc, k_desc, v_desc, o_ptr, cu_seqlens, seq_orde
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, pointers: bool = True) -> bool:
     """Whether this kernel takes these inputs: a Hopper GPU, bf16/fp16, D 64/128, non-causal, each of q/k/v
-    with contiguous heads and rows 16-byte aligned (what a TMA descriptor over (tokens, heads * D) needs)."""
+    with contiguous heads and rows 16-byte aligned (what a TMA descriptor over (tokens, heads * D) needs).
+    ``pointers=False`` leaves out the base-address check (tensors without storage: torch.compile's fakes)."""
     if causal or q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if q.shape[2] not in HEAD_DIMS or q.shape[0] >= 2 ** 31 or not _is_hopper(
@@ -251,7 +252,7 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) ->
         return False
     for t in (q, k, v):
         if t.stride(2) != 1 or t.stride(1) != t.shape[2] or (t.stride(0) * t.element_size()) % 16 \
-                or t.data_ptr() % 16:
+                or (pointers and t.data_ptr() % 16):
             return False
     return True
 

@@ -204,8 +204,9 @@ def _runnable(name: str, q: torch.Tensor, k: torch.Tensor, scale: float, causal:
     if name == "torch-varlen":
         return torch_paths.torch_varlen_supports(q, k, scale, causal)
     if name == "gluon":
-        # v is checked per call (the runner falls back to Triton for a layout TMA cannot read).
-        return _gluon() is not None and _gluon().supports(q, k, k, causal)
+        # v and the base addresses are checked per call, on real tensors (the runner falls back to Triton
+        # for a layout TMA cannot read); torch.compile resolves the backend on fakes, which have no address.
+        return _gluon() is not None and _gluon().supports(q, k, k, causal, pointers=False)
     if name.startswith("flashinfer-"):
         return fi.supports(name[len("flashinfer-"):], q.shape[2], q.dtype, q.device)
     return False
