@@ -6,10 +6,7 @@ for sm_90a (Hopper). Needs no GPU: Triton compiles to PTX and its bundled ptxas 
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real, not for the interpreter
@@ -22,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import env_meta, write_results  # noqa: E402
 
 from guardlint.kernels import _attention_triton as kernel  # noqa: E402
+from guardlint.kernels._ptxas import sm90_resources  # noqa: E402
 
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 228 * 1024
 INT_ARGS = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot", "stride_oh",
@@ -45,19 +42,14 @@ def resources(head_dim: int, dtype: str, cfg) -> dict:
     compiled = triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
-        fh.write(compiled.asm["ptx"])
-    report = subprocess.run([str(PTXAS), "-v", "--gpu-name", "sm_90a", fh.name, "-o", os.devnull],
-                            capture_output=True, text=True).stderr
-    os.unlink(fh.name)
-    regs = int(re.search(r"Used (\d+) registers", report).group(1))
-    spill = re.search(r"(\d+) bytes spill stores", report)
+    res = sm90_resources(compiled.asm["ptx"])
+    regs = res["registers"]
     shared = compiled.metadata.shared
     threads = 32 * cfg.num_warps
     per_sm = min(REGISTERS_PER_SM // (regs * threads), SHARED_PER_SM // (shared + 1024))
     return {"head_dim": head_dim, "dtype": dtype, "BLOCK_M": cfg.kwargs["BLOCK_M"], "BLOCK_N": cfg.kwargs["BLOCK_N"],
             "warps": cfg.num_warps, "stages": cfg.num_stages, "registers": regs,
-            "spill_bytes": int(spill.group(1)) if spill else 0, "shared_kb": round(shared / 1024, 1),
+            "spill_bytes": res["spill_bytes"], "shared_kb": round(shared / 1024, 1),
             "programs_per_sm": per_sm}
 
 

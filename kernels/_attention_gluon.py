@@ -27,11 +27,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import _attention_triton as triton_path
+
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 ROWS_PER_WG = 64
 BLOCK_N = 128  # keys per K/V tile
 HEAD_DIMS = (64, 128)
-LOG2E = 1.4426950408889634
 # Registers per thread of each consumer warpgroup (setmaxnreg); the producer warp keeps 24.
 CONSUMER_REGS = 240
 
@@ -43,11 +44,20 @@ def stages_for(head_dim: int) -> int:
     return max(2, min(4, (226 * 1024 - q_bytes) // per_stage))
 
 
+# Every partition takes (descs, bufs, bars, place, WG, ROWS, BLOCK_N, HEAD_DIM, STAGES): worker partitions
+# must share one signature. descs: TMA descriptors of q, k, v; bufs: shared-memory Q tiles (one per
+# consumer) and the K, V rings; bars: mbarriers (Q ready per consumer, K ready, V ready, stage free,
+# ping-pong turns); place: (o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles,
+# qk_scale) of this program's tile; WG: the consumer's index (0 or 1; unused by the producer).
+
+
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_bars,
-              o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale,
-              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              PINGPONG: gl.constexpr):
+def _producer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    q_desc, k_desc, v_desc = descs
+    q_smem, k_smem, v_smem = bufs
+    q_bars, k_bars, v_bars, free_bars, turn_bars = bars
+    o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale = place
     for w in gl.static_range(2):
         mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row + w * ROWS, q_col], q_bars.index(w), q_smem.index(w))
@@ -62,40 +72,33 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_
 
 
 @gluon.jit
-def _wait_turn(turn_bars, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
+def _wait_turn(turn_bars, k, WG: gl.constexpr):
     """Ping-pong: a consumer issues its k-th batch of wgmma only after the other issued its own; WG 0 first."""
-    if PINGPONG:
-        if WG == 0:
-            mbarrier.wait(turn_bars.index(0), (k - 1) & 1, pred=k > 0)
-        else:
-            mbarrier.wait(turn_bars.index(1), k & 1)
+    if WG == 0:
+        mbarrier.wait(turn_bars.index(0), (k - 1) & 1, pred=k > 0)
+    else:
+        mbarrier.wait(turn_bars.index(1), k & 1)
 
 
 @gluon.jit
-def _pass_turn(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    if PINGPONG:
-        mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+def _pass_turn(turn_bars, WG: gl.constexpr):
+    mbarrier.arrive(turn_bars.index(1 - WG), count=1)
 
 
 @gluon.jit
 def _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_i, l_i, p_op, seq_len, qk_scale,
-             WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-             STAGES: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr):
+             WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, MASK: gl.constexpr):
     """Issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; softmax of S_j while the PV product runs."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s = j % STAGES
     prev = (j - 1) % STAGES
     mbarrier.wait(k_bars.index(s), (j // STAGES) & 1)
     mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
-    _wait_turn(turn_bars, j, WG, PINGPONG)
+    _wait_turn(turn_bars, j, WG)
     s_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
                           use_acc=False, is_async=True)
     acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-    _pass_turn(turn_bars, WG, PINGPONG)
+    _pass_turn(turn_bars, WG)
     # wgmma groups retire in order: one outstanding = S_j done, O += P_{j-1} V_{j-1} still running.
     scores, _ = warpgroup_mma_wait(1, deps=[s_tok, k_smem.index(s)])
     if MASK:
@@ -113,9 +116,11 @@ def _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_bars, o_ptr, o_row, stride_ot, o_col,
-              rows_left, seq_len, n_tiles, qk_scale, WG: gl.constexpr, ROWS: gl.constexpr,
-              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+def _consumer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    q_smem, k_smem, v_smem = bufs
+    q_bars, k_bars, v_bars, free_bars, turn_bars = bars
+    o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale = place
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -132,10 +137,10 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_ba
 
     # Tile 0: S_0, its softmax, P_0 (the first tile always holds key 0, so every row max is finite).
     mbarrier.wait(k_bars.index(0), 0)
-    _wait_turn(turn_bars, 0, WG, PINGPONG)
+    _wait_turn(turn_bars, 0, WG)
     s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
                           use_acc=False, is_async=True)
-    _pass_turn(turn_bars, WG, PINGPONG)
+    _pass_turn(turn_bars, WG)
     scores, _, _ = warpgroup_mma_wait(0, deps=[s_tok, q, k_smem.index(0)])
     offs_n = gl.arange(0, BLOCK_N, layout=col_s)
     scores = gl.where((offs_n < seq_len)[None, :], scores, float("-inf"))
@@ -147,51 +152,32 @@ def _consumer(q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_ba
     # Full key tiles need no mask; the last tile (maybe partial: keys past the sequence end) does.
     for j in range(1, n_tiles - 1):
         acc, m_i, l_i, p_op = _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_i, l_i,
-                                       p_op, seq_len, qk_scale, WG, ROWS, BLOCK_N, HEAD_DIM, STAGES, PINGPONG,
-                                       False)
+                                       p_op, seq_len, qk_scale, WG, ROWS, BLOCK_N, STAGES, s_layout, o_layout,
+                                       p_layout, False)
     if n_tiles > 1:
         acc, m_i, l_i, p_op = _kv_step(n_tiles - 1, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc,
-                                       m_i, l_i, p_op, seq_len, qk_scale, WG, ROWS, BLOCK_N, HEAD_DIM, STAGES,
-                                       PINGPONG, True)
+                                       m_i, l_i, p_op, seq_len, qk_scale, WG, ROWS, BLOCK_N, STAGES, s_layout,
+                                       o_layout, p_layout, True)
 
     last = (n_tiles - 1) % STAGES
     mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // STAGES) & 1)
-    _wait_turn(turn_bars, n_tiles, WG, PINGPONG)
+    _wait_turn(turn_bars, n_tiles, WG)
     acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-    _pass_turn(turn_bars, WG, PINGPONG)
+    _pass_turn(turn_bars, WG)
     acc, _, _ = warpgroup_mma_wait(0, deps=[acc, p_op, v_smem.index(last)])
 
     out = acc * gl.convert_layout(1.0 / l_i, row_o)[:, None]
     rows = gl.arange(0, ROWS, layout=row_o)
     cols = gl.arange(0, HEAD_DIM, layout=col_o)
-    ptrs = o_ptr + (o_row + WG * ROWS + rows).to(gl.int64)[:, None] * stride_ot + o_col + cols[None, :]
+    ptrs = o_ptr + (q_row + WG * ROWS + rows).to(gl.int64)[:, None] * stride_ot + q_col + cols[None, :]
     gl.store(ptrs, out.to(dtype), mask=(rows < rows_left - WG * ROWS)[:, None])
 
 
 @gluon.jit
-def _consumer_wg0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_bars,
-                  o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale,
-                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  PINGPONG: gl.constexpr):
-    _consumer(q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_bars, o_ptr, q_row, stride_ot, q_col,
-              rows_left, seq_len, n_tiles, qk_scale, 0, ROWS, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)
-
-
-@gluon.jit
-def _consumer_wg1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_bars,
-                  o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale,
-                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  PINGPONG: gl.constexpr):
-    _consumer(q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_bars, o_ptr, q_row, stride_ot, q_col,
-              rows_left, seq_len, n_tiles, qk_scale, 1, ROWS, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)
-
-
-@gluon.jit
 def _varlen_attention_fwd_ws(q_desc, k_desc, v_desc, o_ptr, cu_seqlens, seq_order, stride_ot, total_tokens,
-                             qk_scale, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                             SORTED: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                             STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                             PINGPONG: gl.constexpr):
+                             qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, SORTED: gl.constexpr,
+                             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr):
     pid_m = gl.program_id(0)
     head = gl.program_id(1)
     seq = gl.program_id(2)
@@ -205,11 +191,7 @@ def _varlen_attention_fwd_ws(q_desc, k_desc, v_desc, o_ptr, cu_seqlens, seq_orde
     seq_len = seq_end - seq_start
     if pid_m * (2 * ROWS) >= seq_len:
         return
-    n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
     q_row = seq_start + pid_m * (2 * ROWS)
-    q_col = head * HEAD_DIM
-    kv_col = (head // GROUP) * HEAD_DIM
-    rows_left = seq_len - pid_m * (2 * ROWS)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -227,17 +209,16 @@ def _varlen_attention_fwd_ws(q_desc, k_desc, v_desc, o_ptr, cu_seqlens, seq_orde
         mbarrier.init(v_bars.index(i), count=1)
         mbarrier.init(free_bars.index(i), count=2)  # released by both consumers
 
-    # The argument tuples are spelled out in the call: a tuple held in a variable loses its constexprs.
+    descs = (q_desc, k_desc, v_desc)
+    bufs = (q_smem, k_smem, v_smem)
+    bars = (q_bars, k_bars, v_bars, free_bars, turn_bars)
+    place = (o_ptr, q_row, seq_start, stride_ot, head * HEAD_DIM, (head // GROUP) * HEAD_DIM,
+             seq_len - pid_m * (2 * ROWS), seq_len, (seq_len + BLOCK_N - 1) // BLOCK_N, qk_scale)
+    # Constexprs go in the call itself: a tuple held in a variable turns them into runtime values.
     gl.warp_specialize([
-        (_consumer_wg0, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_bars,
-                         o_ptr, q_row, seq_start, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale,
-                         ROWS, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
-        (_consumer_wg1, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_bars,
-                         o_ptr, q_row, seq_start, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale,
-                         ROWS, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, turn_bars,
-                     o_ptr, q_row, seq_start, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale,
-                     ROWS, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
+        (_consumer, (descs, bufs, bars, place, 0, ROWS, BLOCK_N, HEAD_DIM, STAGES)),
+        (_consumer, (descs, bufs, bars, place, 1, ROWS, BLOCK_N, HEAD_DIM, STAGES)),
+        (_producer, (descs, bufs, bars, place, 0, ROWS, BLOCK_N, HEAD_DIM, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -289,68 +270,53 @@ def new_output(q: torch.Tensor) -> torch.Tensor:
 
 
 def varlen_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                           max_seqlen: int, softmax_scale: float, order: torch.Tensor, sorted_order: bool,
-                           out: Optional[torch.Tensor] = None, *, consumer_regs: int = CONSUMER_REGS,
-                           pingpong: bool = True) -> torch.Tensor:
-    """Launch on validated inputs that ``supports`` accepted. ``order``: the sequences longest first when
-    ``sorted_order`` (``_attention_triton.sequence_order``), else any int tensor (unread). ``out``: a
-    contiguous tensor like q, or None for a new one."""
+                           max_seqlen: int, softmax_scale: float) -> torch.Tensor:
+    """Launch on validated inputs that ``supports`` accepted; a new contiguous output like q."""
     total_tokens, num_heads, head_dim = q.shape
     batch = cu_seqlens.shape[0] - 1
-    if out is None:
-        out = new_output(q)
+    out = new_output(q)
     if total_tokens == 0 or batch <= 0 or max_seqlen <= 0:
         return out
+    by_length = triton_path.longest_first(batch, total_tokens, max_seqlen)
+    order = triton_path.sequence_order(cu_seqlens) if by_length else cu_seqlens
     grid = (triton.cdiv(max_seqlen, BLOCK_M), num_heads, batch)
     _varlen_attention_fwd_ws[grid](
         _descriptor(q, ROWS_PER_WG), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, cu_seqlens, order,
-        out.stride(0), total_tokens, softmax_scale * LOG2E,
-        NUM_HEADS=num_heads, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, SORTED=sorted_order,
-        ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N, STAGES=stages_for(head_dim), CONSUMER_REGS=consumer_regs,
-        PINGPONG=pingpong, num_warps=4)
+        out.stride(0), total_tokens, softmax_scale * triton_path.LOG2E, GROUP=num_heads // k.shape[1],
+        HEAD_DIM=head_dim, SORTED=by_length, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N, STAGES=stages_for(head_dim),
+        CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
     return out
 
 
 def hopper_resources(head_dim: int, dtype: str = "bf16") -> dict:
-    """Compile the kernel for sm_90a without a GPU and read its resources from Triton's bundled ptxas:
-    registers per thread (at launch; setmaxnreg moves them between partitions), spill bytes, shared
-    memory, and the per-partition register counts. Call it in a process without TRITON_INTERPRET (the tests
-    spawn one)."""
-    import os
+    """Compile the kernel for sm_90a without a GPU and read its resources: registers per thread at launch
+    (setmaxnreg then moves them between partitions), spill bytes, shared memory, the per-partition register
+    counts and the wgmma wait depths. Call it in a process without TRITON_INTERPRET (the tests spawn one)."""
     import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
 
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+
+    from ._ptxas import sm90_resources
 
     fn = _varlen_attention_fwd_ws
     gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
 
     def desc(rows: int) -> str:
-        return f"tensordesc<{dtype}[{rows}, {head_dim}],{gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)!r}>"
+        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
+        return f"tensordesc<{dtype}[{rows}, {head_dim}],{layout!r}>"
 
     signature = {name: "constexpr" for name in fn.arg_names}
     signature.update(q_desc=desc(ROWS_PER_WG), k_desc=desc(BLOCK_N), v_desc=desc(BLOCK_N), o_ptr="*" + dtype,
                      cu_seqlens="*i32", seq_order="*i32", stride_ot="i32", total_tokens="i32", qk_scale="fp32")
-    constants = dict(NUM_HEADS=16, GROUP=1, HEAD_DIM=head_dim, SORTED=True, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N,
-                     STAGES=stages_for(head_dim), CONSUMER_REGS=CONSUMER_REGS, PINGPONG=True)
+    constants = dict(GROUP=1, HEAD_DIM=head_dim, SORTED=True, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N,
+                     STAGES=stages_for(head_dim), CONSUMER_REGS=CONSUMER_REGS)
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("o_ptr", "cu_seqlens", "seq_order",
                                                                           "stride_ot")}
     compiled = triton.compile(GluonASTSource(fn, signature, constexprs=constants, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     ptx = compiled.asm["ptx"]
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
-        fh.write(ptx)
-    try:
-        report = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", fh.name, "-o", os.devnull],
-                                capture_output=True, text=True, check=True).stderr
-    finally:
-        os.unlink(fh.name)
-    spill = re.search(r"(\d+) bytes spill stores", report)
-    return {"head_dim": head_dim, "dtype": dtype, "registers": int(re.search(r"Used (\d+) registers", report).group(1)),
-            "spill_bytes": int(spill.group(1)) if spill else 0, "shared_bytes": compiled.metadata.shared,
-            "partition_registers": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+    return {"head_dim": head_dim, "dtype": dtype, **sm90_resources(ptx), "shared_bytes": compiled.metadata.shared,
+            "partition_registers": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                                      ptx)}),
             "wgmma_waits": sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)})}

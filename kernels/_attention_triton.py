@@ -322,13 +322,18 @@ def sequence_order(cu_seqlens: torch.Tensor) -> torch.Tensor:
 _launches: dict = {}
 
 
+def longest_first(batch: int, total_tokens: int, max_seqlen: int) -> bool:
+    """Whether sequences are visited longest first: equal lengths (every sequence max_seqlen long) need no
+    order; any other batch does."""
+    return batch > 1 and total_tokens != batch * max_seqlen
+
+
 def _launch_key(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool) -> tuple:
     """(key of ``_launches``, length class, whether sequences are visited longest first)."""
     total_tokens, num_heads, head_dim = q.shape
     batch = cu_seqlens.shape[0] - 1
     size_class = 0 if max_seqlen <= SHORT_SEQLEN else 1
-    # Equal lengths (every sequence max_seqlen long) need no order; any other batch is visited longest first.
-    by_length = batch > 1 and total_tokens != batch * max_seqlen
+    by_length = longest_first(batch, total_tokens, max_seqlen)
     key = (head_dim, num_heads // k.shape[1], causal, size_class, q.dtype, cu_seqlens.dtype, by_length)
     return key, size_class, by_length
 

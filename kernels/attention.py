@@ -85,10 +85,7 @@ def _gluon_eager(q, k, v, cu_seqlens, max_seqlen: int, scale: float) -> torch.Te
     if not gluon_path.supports(q, k, v, False):
         # The plan is per shape; strides are checked here, per call: a layout TMA cannot read runs on Triton.
         return triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, False)
-    batch = cu_seqlens.shape[0] - 1
-    by_length = batch > 1 and q.shape[0] != batch * max_seqlen
-    order = triton_path.sequence_order(cu_seqlens) if by_length else cu_seqlens
-    return gluon_path.varlen_attention_gluon(q, k, v, cu_seqlens, max_seqlen, scale, order, by_length)
+    return gluon_path.varlen_attention_gluon(q, k, v, cu_seqlens, max_seqlen, scale)
 
 
 # -- validation (GL106: what no backend can take) ---------------------------------------------------
@@ -206,7 +203,8 @@ def _runnable(name: str, q: torch.Tensor, k: torch.Tensor, scale: float, causal:
     if name == "gluon":
         # v and the base addresses are checked per call, on real tensors (the runner falls back to Triton
         # for a layout TMA cannot read); torch.compile resolves the backend on fakes, which have no address.
-        return _gluon() is not None and _gluon().supports(q, k, k, causal, pointers=False)
+        gluon_path = _gluon()
+        return gluon_path is not None and gluon_path.supports(q, k, k, causal, pointers=False)
     if name.startswith("flashinfer-"):
         return fi.supports(name[len("flashinfer-"):], q.shape[2], q.dtype, q.device)
     return False

@@ -117,9 +117,22 @@ def test_backend_gluon_without_a_gpu_is_a_coded_error():
     assert "gluon" in str(err.value)
 
 
-def test_auto_on_the_cpu_never_picks_gluon():
-    q = torch.randn(12, 4, 128)
-    k = torch.randn(12, 2, 128)
-    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
-    assert attention.select_backend(q, k, cu, 7) == "sdpa"
-    assert "gluon" in attention.BACKENDS and "gluon" in attention.CONCRETE
+def test_a_table_that_ranks_gluon_first_only_routes_calls_it_can_run():
+    """The dispatch table may rank gluon fastest; a call gluon cannot take goes to the next backend."""
+    from guardlint.kernels import _attention_dispatch as dispatch
+
+    entry = {"device": "NVIDIA H200", "capability": [9, 0], "head_dim": 128, "dtype": "bfloat16", "causal": False,
+             "batch": 6, "max_seqlen": 8192, "total_tokens": 16448,
+             "times_us": {"gluon": 1254.0, "triton": 1592.0, "sdpa": 1304.0}}
+    q = torch.randn(12, 4, 128, dtype=torch.bfloat16)
+    k = torch.randn(12, 2, 128, dtype=torch.bfloat16)
+
+    def choose(runnable):
+        return dispatch.choose(device_type="cuda", device_name="NVIDIA H200", capability=(9, 0), head_dim=128,
+                               dtype="bfloat16", causal=False, batch=6, max_seqlen=8192, total_tokens=16448,
+                               runnable=runnable, entries=[entry])
+
+    runnable = lambda name: attention._runnable(name, q, k, 128 ** -0.5, False)  # noqa: E731
+    assert not runnable("gluon")  # CPU tensors
+    assert choose(runnable) == "sdpa"
+    assert choose(lambda name: name == "gluon" or runnable(name)) == "gluon"

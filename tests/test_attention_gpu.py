@@ -80,18 +80,6 @@ def test_triton_runs_inside_cuda_graph_capture_with_a_prepared_plan():
     assert not torch.equal(captured, eager)
 
 
-def test_triton_under_torch_compile():
-    q, k, v, cu, offsets = make_batch([100, 5, 260], 8, 4, 80, torch.bfloat16)
-    lengths = cu[1:] - cu[:-1]
-
-    def forward(q, k, v, cu, lengths):
-        return varlen_attention(q, k, v, cu, sequence_lengths=lengths, max_seqlen=260, backend="triton") + 1
-
-    torch._dynamo.reset()
-    out = torch.compile(forward, fullgraph=True)(q, k, v, cu, lengths)
-    assert_matches(out - 1, q, k, v, offsets, False)
-
-
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -139,13 +127,13 @@ def test_gluon_reads_a_fused_qkv_buffer_and_hands_other_layouts_to_triton():
     assert_matches(varlen_attention(q0, k0, v_t, cu, backend="gluon"), q0, k0, v_t, offsets, False)
 
 
-@hopper_only
-def test_gluon_under_torch_compile():
-    q, k, v, cu, offsets = make_batch([100, 5, 260], 8, 4, 128, torch.bfloat16)
+@pytest.mark.parametrize("backend,head_dim", [("triton", 80), pytest.param("gluon", 128, marks=hopper_only)])
+def test_under_torch_compile(backend, head_dim):
+    q, k, v, cu, offsets = make_batch([100, 5, 260], 8, 4, head_dim, torch.bfloat16)
     lengths = cu[1:] - cu[:-1]
 
     def forward(q, k, v, cu, lengths):
-        return varlen_attention(q, k, v, cu, sequence_lengths=lengths, max_seqlen=260, backend="gluon") + 1
+        return varlen_attention(q, k, v, cu, sequence_lengths=lengths, max_seqlen=260, backend=backend) + 1
 
     torch._dynamo.reset()
     out = torch.compile(forward, fullgraph=True)(q, k, v, cu, lengths)
