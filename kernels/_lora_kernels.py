@@ -129,7 +129,8 @@ _BATCH_SCALARS = ["num_segments", "num_tokens", "num_slots", "size_class"]
 
 @triton.jit(do_not_specialize=_BATCH_SCALARS)
 def _lora_shrink_kernel(
-    x_ptr, w_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, permutation_ptr,
+    x_ptr, w_ptr, out_ptr, partials_ptr, arrivals_ptr, seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr,
+    permutation_ptr,
     num_segments, num_tokens, num_slots, K, N, max_rank,
     stride_xt, stride_xh, stride_xk,
     stride_wl, stride_wh, stride_wn, stride_wk,
@@ -137,8 +138,11 @@ def _lora_shrink_kernel(
     size_class,  # read by the autotuner's key only
     HAS_PERMUTATION: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_SEG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    # SPLIT_K consecutive programs share one output tile, each reducing one slice of K.
+    part = tl.program_id(0) % SPLIT_K
+    pid = tl.program_id(0) // SPLIT_K
     head = tl.program_id(1)
     n_blocks_n = (N + BLOCK_N - 1) // BLOCK_N
     tile = pid // n_blocks_n
@@ -160,10 +164,13 @@ def _lora_shrink_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + head.to(tl.int64) * stride_xh + rows[:, None] * stride_xt
     w_cols = w_ptr + slot.to(tl.int64) * stride_wl + head.to(tl.int64) * stride_wh + offs_n[None, :] * stride_wn
-    # Rank 0 (no adapter, the tail, no tile) writes zeros without reading x.
-    k_end = tl.where(rank > 0, K, 0)
+    # Rank 0 (no adapter, the tail, no tile) writes zeros without reading x. A part's slice of K is a
+    # whole number of BLOCK_K steps; the last parts may get less, or nothing.
+    k_per = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K
+    k_lo = part * k_per
+    k_end = tl.where(rank > 0, tl.minimum(K, k_lo + k_per), k_lo)
     acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, k_end, BLOCK_K):
+    for k0 in range(k_lo, k_end, BLOCK_K):
         k = k0 + offs_k
         # Masks on K (a multiple of 16 when specialized) keep the loads 16 bytes wide.
         xt = tl.load(x_rows + k[None, :] * stride_xk, mask=t_in[:, None] & (k < K)[None, :], other=0.0)
@@ -174,11 +181,37 @@ def _lora_shrink_kernel(
             xt = xt.to(tl.float32)
             wt = wt.to(tl.float32)
         acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
+    out_ptrs = out_ptr + head.to(tl.int64) * stride_oh + rows[:, None] * stride_ot + offs_n[None, :] * stride_on
+    if SPLIT_K == 1:
+        _shrink_store(acc, out_ptrs, t_in, n_in, offs_n, rank, max_rank, bad)
+    elif (rank == 0) | bad:
+        # Nothing was reduced: zeros (or NaN) straight from the first part.
+        if part == 0:
+            _shrink_store(acc, out_ptrs, t_in, n_in, offs_n, rank, max_rank, bad)
+    elif seg >= 0:
+        # Each part leaves its float32 partial in its own cell and counts itself in; the part that arrives
+        # last (the counter was zeroed for this launch) adds the partials in part order, so the sum does
+        # not depend on arrival order, and writes the tile.
+        tile_id = head.to(tl.int64) * (tl.num_programs(0) // SPLIT_K) + pid
+        cell = tl.arange(0, BLOCK_S)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        cells = partials_ptr + tile_id * (SPLIT_K * BLOCK_S * BLOCK_N)
+        tl.store(cells + part * (BLOCK_S * BLOCK_N) + cell, acc)
+        # Every thread's partial is written before the counter moves (barrier, then a release atomic).
+        tl.debug_barrier()
+        if tl.atomic_add(arrivals_ptr + tile_id, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+            for p in tl.static_range(SPLIT_K):
+                # .cg: from L2, where the other parts' writes are, never a stale L1 line.
+                total += tl.load(cells + p * (BLOCK_S * BLOCK_N) + cell, cache_modifier=".cg")
+            _shrink_store(total, out_ptrs, t_in, n_in, offs_n, rank, max_rank, bad)
+
+
+@triton.jit
+def _shrink_store(acc, out_ptrs, t_in, n_in, offs_n, rank, max_rank, bad):
     # Columns are stacks of R; in each stack only the slot's first r columns are the product.
     acc = tl.where(((offs_n % max_rank) < rank)[None, :], acc, 0.0)
     acc = tl.where(bad, float("nan"), acc)
-    out_ptrs = out_ptr + head.to(tl.int64) * stride_oh + rows[:, None] * stride_ot + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_in[:, None] & n_in[None, :])
+    tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=t_in[:, None] & n_in[None, :])
 
 
 @triton.jit(do_not_specialize=_BATCH_SCALARS)
@@ -325,23 +358,32 @@ def _expand_columns(xt, w_slot_ptr, out_ptr, out_rows, n_lo, width, nb_lo, nb_hi
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-# Shrink streams x once, in one pass over K: bytes in flight per SM come from cp.async stages, not from
-# more programs, so each config keeps about 48-96 KB of x and W in flight (r = 16).
+# Shrink streams x once. A prefill-sized batch (size class 2, more than 1024 tokens) fills the GPU with its
+# token tiles alone, one pass over K each: bytes in flight per SM come from cp.async stages, so each config
+# keeps about 48-96 KB of x and W in flight (r = 16). A smaller batch has too few tiles for 132 SMs: its
+# configs split K over SPLIT_K programs per tile (float32 partials, summed by the last to finish).
 _SHRINK_CONFIGS = [
-    # decode and small batches: the most programs; 16 KB a stage, 3 stages ahead
-    triton.Config({"BLOCK_S": 16, "BLOCK_K": 256}, num_warps=4, num_stages=4),
+    # small batches, no split: 16 KB a stage, 3 stages ahead
+    triton.Config({"BLOCK_S": 16, "BLOCK_K": 256, "SPLIT_K": 1}, num_warps=4, num_stages=4),
     # prefill: one 32-token tile per SM at 4096 tokens, 24 KB a stage
-    triton.Config({"BLOCK_S": 32, "BLOCK_K": 256}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_S": 32, "BLOCK_K": 256, "SPLIT_K": 1}, num_warps=4, num_stages=4),
     # prefill, half the stage size, twice as deep: the same bytes in flight in smaller requests
-    triton.Config({"BLOCK_S": 32, "BLOCK_K": 128}, num_warps=4, num_stages=7),
+    triton.Config({"BLOCK_S": 32, "BLOCK_K": 128, "SPLIT_K": 1}, num_warps=4, num_stages=7),
     # long batches: W re-read from L2 once per 64 tokens
-    triton.Config({"BLOCK_S": 64, "BLOCK_K": 128}, num_warps=4, num_stages=5),
+    triton.Config({"BLOCK_S": 64, "BLOCK_K": 128, "SPLIT_K": 1}, num_warps=4, num_stages=5),
+    # decode and small batches: 16-token tiles, K in 4 or 8 slices
+    triton.Config({"BLOCK_S": 16, "BLOCK_K": 256, "SPLIT_K": 4}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_S": 16, "BLOCK_K": 256, "SPLIT_K": 8}, num_warps=4, num_stages=3),
+    # small batches of long segments: 32-token tiles, K in 4 slices
+    triton.Config({"BLOCK_S": 32, "BLOCK_K": 256, "SPLIT_K": 4}, num_warps=4, num_stages=4),
 ]
 # Expand reads and writes out once. Wide N tiles give 16-byte accesses across a whole warp; the base
 # tiles of the next stages travel by cp.async into shared memory, so a program holds 2-3 tiles in flight.
 _EXPAND_CONFIGS = [
     # decode (one token per segment): the 16-row minimum of the tensor-core dot, widest columns
     triton.Config({"BLOCK_S": 16, "BLOCK_N": 256, "STAGES": 3}, num_warps=4, num_stages=3),
+    # decode: narrower columns, one stage deeper, twice the programs
+    triton.Config({"BLOCK_S": 16, "BLOCK_N": 128, "STAGES": 4}, num_warps=4, num_stages=4),
     # prefill: 16 KB of base a stage, 8 warps to issue it
     triton.Config({"BLOCK_S": 32, "BLOCK_N": 256, "STAGES": 3}, num_warps=8, num_stages=3),
     # prefill: taller tiles, W (L2) read once per 64 tokens
@@ -368,13 +410,29 @@ def _fitting(configs, smem_of, budget, fallback):
     return [c for c in configs if smem_of(c) <= budget] or [fallback]
 
 
+def _size_class(num_tokens: int, num_segments: int) -> int:
+    """Autotune bucket: 0, 1, 2 for up to 128, up to 1024 and more tokens; plus 3 when segments average 8
+    tokens or fewer (decode): taller token tiles would only hold padding."""
+    size = 0 if num_tokens <= 128 else (1 if num_tokens <= 1024 else 2)
+    return size + 3 * (num_tokens <= 8 * num_segments)
+
+
+def _by_batch(configs, size_class: int):
+    """Configs for the batch shape: 16-token tiles only for short segments."""
+    return [c for c in configs if c.kwargs["BLOCK_S"] == 16 or size_class < 3]
+
+
 def _prune_shrink(configs, named_args, **meta):
     size = named_args["x_ptr"].element_size()
     block_n = meta["BLOCK_N"]
+    size_class, K = named_args["size_class"], named_args["K"]
+    # Split K only where tiles are few (up to 1024 tokens) and every slice keeps at least two steps.
+    kept = [c for c in _by_batch(configs, size_class)
+            if c.kwargs["SPLIT_K"] == 1 or (size_class % 3 < 2 and K >= 2 * c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"])]
     # cp.async pipelines keep num_stages - 1 buffers; wgmma ones (64-row tiles) keep num_stages.
-    return _fitting(configs, lambda c: (c.num_stages - (c.kwargs["BLOCK_S"] < 64)) * (c.kwargs["BLOCK_S"] + block_n)
+    return _fitting(kept, lambda c: (c.num_stages - (c.kwargs["BLOCK_S"] < 64)) * (c.kwargs["BLOCK_S"] + block_n)
                     * c.kwargs["BLOCK_K"] * size, _SHRINK_SMEM_BUDGET,
-                    triton.Config({"BLOCK_S": 16, "BLOCK_K": 128}, num_warps=4, num_stages=3))
+                    triton.Config({"BLOCK_S": 16, "BLOCK_K": 128, "SPLIT_K": 1}, num_warps=4, num_stages=3))
 
 
 def _prune_expand(configs, named_args, **meta):
@@ -382,7 +440,8 @@ def _prune_expand(configs, named_args, **meta):
     rank = meta["BLOCK_K"] * meta["K_CHUNKS"]
     # Per stage: the base tile and W's columns; chunked ranks re-read x in the loop, so x too.
     x_rows = rank if meta["K_CHUNKS"] > 1 else 0
-    return _fitting(configs, lambda c: (c.kwargs["STAGES"] - 1) * (c.kwargs["BLOCK_S"] + rank) * c.kwargs["BLOCK_N"]
+    return _fitting(_by_batch(configs, named_args["size_class"]),
+                    lambda c: (c.kwargs["STAGES"] - 1) * (c.kwargs["BLOCK_S"] + rank) * c.kwargs["BLOCK_N"]
                     * size + (c.kwargs["STAGES"] - 1) * c.kwargs["BLOCK_S"] * x_rows * size
                     + c.kwargs["BLOCK_S"] * c.kwargs["BLOCK_N"] * 4, _EXPAND_SMEM_BUDGET,
                     triton.Config({"BLOCK_S": 16, "BLOCK_N": 64, "STAGES": 2}, num_warps=4, num_stages=2))
@@ -413,7 +472,7 @@ class _Tuned:
             blocks, options = self.interpret_blocks, self.interpret_blocks
             self.kernel.run(*args, grid=grid(blocks), warmup=False, **meta, **blocks)
         elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            cfg = self.prune(self.configs, {"x_ptr": args[0]}, **meta)[0]
+            cfg = self.prune(self.configs, dict(zip(self.kernel.arg_names, args)), **meta)[0]
             self.kernel.run(*args, grid=grid(cfg.kwargs), warmup=False, **meta, **cfg.all_kwargs())
             return
         else:
@@ -423,9 +482,10 @@ class _Tuned:
         self.chosen[key] = (blocks["BLOCK_S"], blocks.get("BLOCK_N", meta.get("BLOCK_N")), {**meta, **options})
 
 
+# Split-K arrival counters start each launch at zero: trials too.
 _shrink = _Tuned(_lora_shrink_kernel, _SHRINK_CONFIGS, ["K", "N", "max_rank", "size_class"], _prune_shrink,
                  # Interpreter blocks: small, below the CPU tests' sizes so that every loop runs twice.
-                 {"BLOCK_S": 16, "BLOCK_K": 16})
+                 {"BLOCK_S": 16, "BLOCK_K": 16, "SPLIT_K": 1}, reset_to_zero=["arrivals_ptr"])
 # Accumulating launches run in place: autotuning must restore out after each trial.
 _expand = _Tuned(_lora_expand_kernel, _EXPAND_CONFIGS, ["N", "max_rank", "size_class"], _prune_expand,
                  {"BLOCK_S": 16, "BLOCK_N": 16, "STAGES": 2}, restore_value=["out_ptr"])
@@ -455,28 +515,73 @@ def launch_shrink(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
     (l, h, n, k), (t, h, n)."""
     if num_tokens == 0 or N == 0:
         return
-    # Autotune bucket: decode-sized, mid, prefill-sized batches want different tiles.
-    size_class = 0 if num_tokens <= 128 else (1 if num_tokens <= 1024 else 2)
+    size_class = _size_class(num_tokens, num_segments)
     has_permutation = permutation is not None
-    args = (x, w, out, seg_indptr, weight_indices, lora_ranks, permutation if has_permutation else seg_indptr,
-            num_segments, num_tokens, w.shape[0], K, N, max_rank, *x_strides, *w_strides, *out_strides, size_class)
-    key = (x.dtype, w.dtype, K, N, max_rank, size_class, has_permutation)
+    block_seg = _block_seg(num_segments)
+    key = (x.dtype, w.dtype, K, N, max_rank, size_class, has_permutation, block_seg)
     chosen = _shrink.chosen.get(key)
+    tail = (num_segments, num_tokens, w.shape[0], K, N, max_rank, *x_strides, *w_strides, *out_strides, size_class)
+    head = (x, w, out)
+    tables = (seg_indptr, weight_indices, lora_ranks, permutation if has_permutation else seg_indptr)
     if chosen is None:
         block_n = 16 if INTERPRET else _pow2_clamp(N, 16, 128)
         meta = {"HAS_PERMUTATION": has_permutation, "UPCAST": INTERPRET, "DOT_PRECISION": _dot_precision(x.dtype),
-                "BLOCK_SEG": _INTERPRET_BLOCK_SEG if INTERPRET else BLOCK_SEG, "BLOCK_N": block_n}
-        _shrink.first_launch(key, args, meta, lambda blocks: _shrink_grid(num_tokens, num_segments, heads, N,
-                                                                          blocks["BLOCK_S"], block_n))
+                "BLOCK_SEG": block_seg, "BLOCK_N": block_n}
+
+        def grid(blocks):
+            return _shrink_grid(num_tokens, num_segments, heads, N, blocks["BLOCK_S"], block_n,
+                                blocks.get("SPLIT_K", 1))
+        # Split buffers large enough for every config the tuner may try (the interpreter's fixed blocks).
+        configs = ([_shrink.interpret_blocks] if INTERPRET else
+                   [c.kwargs for c in _prune_shrink(_SHRINK_CONFIGS, {"x_ptr": x, "size_class": size_class, "K": K},
+                                                    **meta)])
+        partials, arrivals = _split_buffers(x.device, [(grid(blocks), blocks) for blocks in configs], block_n)
+        _shrink.first_launch(key, head + (partials, arrivals) + tables + tail, meta, grid)
         return
     block_s, block_n, options = chosen
-    _shrink_run(*args, grid=_shrink_grid(num_tokens, num_segments, heads, N, block_s, block_n), warmup=False, **options)
+    split = options.get("SPLIT_K", 1)
+    grid = _shrink_grid(num_tokens, num_segments, heads, N, block_s, block_n, split)
+    partials, arrivals = _split_buffers(x.device, [(grid, options)], block_n)
+    _shrink_run(*head, partials, arrivals, *tables, *tail, grid=grid, warmup=False, **options)
 
 
-def _shrink_grid(num_tokens: int, num_segments: int, heads: int, N: int, block_s: int, block_n: int) -> tuple:
-    """(token-tile bound * column blocks, heads); ceil(len / BLOCK_S) summed over the live segments and
-    the tail is at most ceil(S / BLOCK_S) + num_segments + 1."""
-    return (((num_tokens + block_s - 1) // block_s + num_segments + 1) * ((N + block_n - 1) // block_n), heads)
+def _shrink_grid(num_tokens: int, num_segments: int, heads: int, N: int, block_s: int, block_n: int,
+                 split: int = 1) -> tuple:
+    """(token-tile bound * column blocks * K slices, heads); ceil(len / BLOCK_S) summed over the live
+    segments and the tail is at most ceil(S / BLOCK_S) + num_segments + 1."""
+    return (((num_tokens + block_s - 1) // block_s + num_segments + 1) * ((N + block_n - 1) // block_n) * split, heads)
+
+
+_NO_SPLIT: dict = {}
+
+
+def _split_buffers(device: torch.device, launches, block_n: int) -> tuple:
+    """Float32 partials and zeroed arrival counters for split-K launches ``[(grid, blocks), ...]``, sized
+    for the largest; one-element stand-ins (cached per device) when none splits K. Allocated per call: the
+    caching allocator keeps them stream-ordered, so concurrent streams and captured graphs never share a
+    counter, at the price of one small memset per split launch."""
+    cells = tiles = 0
+    for grid, blocks in launches:
+        split = blocks.get("SPLIT_K", 1)
+        if split > 1:
+            tiles = max(tiles, grid[0] // split * grid[1])
+            cells = max(cells, grid[0] * grid[1] * blocks["BLOCK_S"] * block_n)
+    if tiles:
+        return (torch.empty(cells, dtype=torch.float32, device=device),
+                torch.zeros(tiles, dtype=torch.int32, device=device))
+    stand_in = _NO_SPLIT.get(device)
+    if stand_in is None:
+        stand_in = _NO_SPLIT[device] = (torch.empty(1, dtype=torch.float32, device=device),
+                                        torch.zeros(1, dtype=torch.int32, device=device))
+    return stand_in
+
+
+def _block_seg(num_segments: int) -> int:
+    """Segments scanned per step of the tile search: 32 (one warp's vector, warp-local sums) when the batch
+    and its tail fit, else BLOCK_SEG."""
+    if INTERPRET:
+        return _INTERPRET_BLOCK_SEG
+    return 32 if num_segments < 32 else BLOCK_SEG
 
 
 def launch_expand(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: torch.Tensor, out_strides,
@@ -500,13 +605,15 @@ def launch_expand(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
         aligned = not (s1 % 8 or s2 % 8 or s3 % 8)
     else:
         slices, s1, s2, s3, aligned = (2 if slice_offsets is not None else 0), w_row, 0, 0, False
-    size_class = 0 if num_tokens <= 128 else (1 if num_tokens <= 1024 else 2)
+    size_class = _size_class(num_tokens, num_segments)
+    block_seg = _block_seg(num_segments)
     args = (x, w, out, seg_indptr, weight_indices, lora_ranks, scalings,
             permutation if has_permutation else seg_indptr,
             slice_offsets if slice_offsets is not None else seg_indptr, s1, s2, s3,
             num_segments, num_tokens, w.shape[0], N, n_total, max_rank,
             *x_strides, *w_strides, *out_strides, size_class)
-    key = (x.dtype, w.dtype, out.dtype, N, max_rank, size_class, accumulate, has_permutation, slices, aligned)
+    key = (x.dtype, w.dtype, out.dtype, N, max_rank, size_class, accumulate, has_permutation, slices, aligned,
+           block_seg)
     tiles_extra = num_segments + (0 if accumulate else 1)
     chosen = _expand.chosen.get(key)
     if chosen is None:
@@ -516,7 +623,7 @@ def launch_expand(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
         k_chunks = -(-max_rank // block_k)
         meta = {"ACCUMULATE": accumulate, "HAS_PERMUTATION": has_permutation, "SLICES": slices,
                 "ALIGNED_SLICES": aligned, "UPCAST": INTERPRET, "DOT_PRECISION": _dot_precision(x.dtype),
-                "BLOCK_SEG": _INTERPRET_BLOCK_SEG if INTERPRET else BLOCK_SEG, "BLOCK_K": block_k,
+                "BLOCK_SEG": block_seg, "BLOCK_K": block_k,
                 "K_CHUNKS": k_chunks}
         _expand.first_launch(key, args, meta,
                              lambda blocks: _expand_grid(num_tokens, tiles_extra, heads, N, blocks["BLOCK_S"],

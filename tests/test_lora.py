@@ -325,3 +325,40 @@ def test_torch_backend_is_the_reference(fn):
         got, ref = sgemm_lora_b(x, w, info, backend="torch"), sgemm_lora_b_reference(x, w, info)
     assert torch.equal(got, ref)
     check(getattr(lora, fn)(x, w, info, backend="triton"), ref, ref.double())
+
+
+@pytest.mark.parametrize("split", [3, 4])
+@pytest.mark.parametrize("name", ["mixed", "graph_padded_permuted", "decode"])
+def test_shrink_split_k_matches_reference(name, split, monkeypatch):
+    """K reduced by ``split`` programs per tile, float32 partials summed by the last to arrive: 40 columns in
+    16-wide steps make slices of 16, 16 and 8 (and an empty fourth at 4). The second call launches from the
+    recorded options with freshly zeroed counters."""
+    monkeypatch.setattr(lora._k._shrink, "interpret_blocks", {"BLOCK_S": 16, "BLOCK_K": 16, "SPLIT_K": split})
+    monkeypatch.setattr(lora._k._shrink, "chosen", {})
+    info, S = layout(name, 16, seed=3)
+    x, w = rand(S, 40, dtype=torch.float32, seed=1), rand(SLOTS, 16, 40, dtype=torch.float32, seed=2)
+    for _ in range(2):
+        check(sgemm_lora_a(x, w, info), sgemm_lora_a_reference(x, w, info),
+              sgemm_lora_a_reference(x.double(), w.double(), info))
+    # Heads on grid axis 1: each (head, tile) has its own partials and counter.
+    info, S = layout(name, R_MLA, seed=3)
+    lora_a, _ = mla_weights(torch.bfloat16)
+    latent = rand(S, H, KV_RANK, dtype=torch.bfloat16, seed=61)
+    check(step_a_v(latent, lora_a, info), step_a_v_reference(latent, lora_a, info),
+          step_a_v_reference(latent.double(), lora_a.double(), info))
+
+
+def test_shrink_split_k_poisons_bad_slots_and_zeroes_rank_0(monkeypatch):
+    """A split tile with an out-of-range slot is written (NaN) by its first part alone, as is a rank-0 tile
+    (zeros): neither waits on a counter."""
+    monkeypatch.setattr(lora._k._shrink, "interpret_blocks", {"BLOCK_S": 16, "BLOCK_K": 16, "SPLIT_K": 2})
+    monkeypatch.setattr(lora._k._shrink, "chosen", {})
+    info, S = layout("mixed", 16)
+    info.weight_indices = info.weight_indices.clone()
+    info.weight_indices[0] = 10 ** 6  # segment 0: rows 0..4; slot 2 (segment 2, row 5) has rank 0
+    x, w = rand(S, 40, dtype=torch.float32, seed=7), rand(SLOTS, 16, 40, dtype=torch.float32, seed=8)
+    out = sgemm_lora_a(x, w, info)
+    ref = sgemm_lora_a_reference(x, w, info)
+    assert torch.isnan(out[:5]).all() and torch.isnan(ref[:5]).all()
+    assert torch.equal(out[5], torch.zeros(16)) and torch.equal(ref[5], torch.zeros(16))
+    torch.testing.assert_close(out[5:], ref[5:], rtol=1e-5, atol=1e-5)

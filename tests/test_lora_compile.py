@@ -60,7 +60,9 @@ SCRIPT = textwrap.dedent(r'''
                     async_copy_sizes=sorted(set(re.findall(
                         r"cp\.async\.\w+\.shared\.global [^;]*?, (0x[0-9a-f]+|\d+)", ptx))),
                     plain_wide_loads=len(re.findall(r"ld\.global\.v[24]", ptx)),
-                    stores=sorted(set(re.findall(r"st\.global(\.v\d)?\.b\d+", ptx))))
+                    stores=sorted(set(re.findall(r"st\.global(\.v\d)?\.b\d+", ptx))),
+                    atomics=sorted(set(re.findall(r"atom\.global\.[\w.]+", ptx))),
+                    l2_loads=len(re.findall(r"ld\.global\.cg", ptx)))
 
     S, D = 4096, 4096
     def shrink(R, heads=1, x_head=0, **over):
@@ -79,7 +81,8 @@ SCRIPT = textwrap.dedent(r'''
 
     out = {}
     for dtype in ("bf16", "fp32"):
-        ptr = dict(x_ptr="*" + dtype, w_ptr="*" + dtype, out_ptr="*" + dtype, scalings_ptr="*fp32")
+        ptr = dict(x_ptr="*" + dtype, w_ptr="*" + dtype, out_ptr="*" + dtype, scalings_ptr="*fp32",
+                   partials_ptr="*fp32")
         prec = "ieee" if dtype == "fp32" else "tf32"
         base_s = dict(HAS_PERMUTATION=False, UPCAST=False, DOT_PRECISION=prec, BLOCK_SEG=K.BLOCK_SEG)
         base_e = dict(ACCUMULATE=True, HAS_PERMUTATION=False, SLICES=0, ALIGNED_SLICES=False, UPCAST=False,
@@ -87,7 +90,7 @@ SCRIPT = textwrap.dedent(r'''
         # Every tuning config in bf16 at rank 16; the other specializations with one config.
         configs = K._SHRINK_CONFIGS if dtype == "bf16" else K._SHRINK_CONFIGS[:1]
         for i, cfg in enumerate(configs):
-            out[f"shrink-{dtype}-r16-cfg{i}"] = build(K._lora_shrink_kernel, shrink(16), ptr,
+            out[f"shrink-{dtype}-r16-cfg{i}-split{cfg.kwargs['SPLIT_K']}"] = build(K._lora_shrink_kernel, shrink(16), ptr,
                                                       dict(base_s, BLOCK_N=16), cfg)
         configs = K._EXPAND_CONFIGS if dtype == "bf16" else K._EXPAND_CONFIGS[:1]
         for i, cfg in enumerate(configs):
@@ -110,7 +113,7 @@ SCRIPT = textwrap.dedent(r'''
                                                  cfg)
         # Large ranks: every config the shared-memory pruning keeps must fit (rank 256 goes in two chunks).
         import torch
-        bf16 = {"x_ptr": torch.empty(0, dtype=torch.bfloat16)}
+        bf16 = {"x_ptr": torch.empty(0, dtype=torch.bfloat16), "size_class": 2, "K": D}
         for R, chunks in ((128, 1), (256, 2)):
             for i, kept in enumerate(K._prune_expand(K._EXPAND_CONFIGS, bf16, BLOCK_K=R // chunks,
                                                      K_CHUNKS=chunks)):
@@ -176,3 +179,14 @@ def test_lora_kernels_do_not_spill_registers(compiled):
         pytest.skip("cuobjdump is not shipped with this Triton build")
     spilled = {k: v for k, v in compiled.items() if v["local"]}
     assert not spilled, spilled
+
+
+def test_lora_shrink_split_k_hands_partials_over_through_l2(compiled):
+    """A split config publishes its float32 partial, then counts itself in with one acquire-release atomic
+    (after a barrier, so the whole block's partial is out); the last reads the partials from L2 (.cg).
+    Single-pass configs have no atomic."""
+    split = {k: v for k, v in compiled.items() if k.startswith("shrink-") and "-split" in k and "split1" not in k}
+    single = {k: v for k, v in compiled.items() if k.startswith("shrink-") and k not in split}
+    assert split and all(v["atomics"] == ["atom.global.gpu.acq_rel.add.u32"] and v["l2_loads"] >= 1
+                         for v in split.values()), split
+    assert single and all(v["atomics"] == [] for v in single.values()), single

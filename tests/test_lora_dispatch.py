@@ -201,13 +201,17 @@ def test_first_launch_under_graph_capture_uses_a_fitting_config_and_tunes_later(
                                  _lora_kernels._prune_shrink, {"BLOCK_S": 16, "BLOCK_K": 16})
     tuner.autotuner = FakeAutotuner()
     launched = []
-    monkeypatch.setattr(tuner, "kernel", type("K", (), {"run": lambda self, *a, grid, warmup, **kw:
+    names = _lora_kernels._lora_shrink_kernel.arg_names
+    monkeypatch.setattr(tuner, "kernel", type("K", (), {"arg_names": names,
+                                                        "run": lambda self, *a, grid, warmup, **kw:
                                                         launched.append((grid, kw))})())
     monkeypatch.setattr(_lora_kernels, "INTERPRET", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    x = torch.zeros(8, 64)
-    tuner.first_launch("key", (x,), {"BLOCK_N": 16}, lambda blocks: (blocks["BLOCK_S"], 1))
+    # The pruning sees the launch's arguments by name: a decode-sized batch with K = 64 (too short to split).
+    values = {"x_ptr": torch.zeros(8, 64), "K": 64, "size_class": 0}
+    args = tuple(values.get(name) for name in names[:names.index("size_class") + 1])
+    tuner.first_launch("key", args, {"BLOCK_N": 16}, lambda blocks: (blocks["BLOCK_S"], 1))
     assert tuner.autotuner.runs == 0 and tuner.chosen == {}
     (grid, kw), = launched
     assert grid == (_lora_kernels._SHRINK_CONFIGS[0].kwargs["BLOCK_S"], 1) and "num_warps" in kw
@@ -244,3 +248,25 @@ def test_a_strided_batch_tensor_is_copied_at_every_call_never_remembered():
     wide[2:2 * info.num_segments + 1:2] = 0  # every live segment empties: only the tail remains
     second = sgemm_lora_a(x, a, info)
     assert torch.equal(second, torch.zeros_like(second))
+
+
+def test_split_k_is_tried_only_where_token_tiles_are_few_and_k_is_long(monkeypatch):
+    """Split configs are kept for up to 1024 tokens when every slice gets two K steps; a prefill-sized
+    batch, or a short K (the MLA steps), tunes over single-pass configs only; 16-token tiles only for
+    decode-shaped batches (8 tokens a segment or fewer)."""
+    K_ = _lora_kernels
+    assert [K_._size_class(t, s) for t, s in ((64, 64), (128, 8), (512, 4), (4096, 8), (4096, 1024))] == [3, 0, 1, 2, 5]
+    x = torch.empty(0, dtype=torch.bfloat16)
+
+    def kept(size_class, K):
+        return [(c.kwargs["BLOCK_S"], c.kwargs["SPLIT_K"])
+                for c in K_._prune_shrink(K_._SHRINK_CONFIGS, {"x_ptr": x, "size_class": size_class, "K": K},
+                                          BLOCK_N=16)]
+    decode = kept(3, 4096)
+    assert decode and all(s == 16 for s, _ in decode) and {1, 4, 8} <= {k for _, k in decode}
+    assert {k for _, k in kept(1, 4096)} >= {1, 4} and (32, 4) in kept(1, 4096)
+    assert {k for _, k in kept(2, 4096)} == {1} and {s for s, _ in kept(2, 4096)} >= {32, 64}
+    assert {k for _, k in kept(0, 512)} == {1}  # 512 / 4 slices is one 256-wide step each
+    # The tile search scans one warp-wide vector when the segments and the tail fit in it.
+    monkeypatch.setattr(K_, "INTERPRET", False)
+    assert (K_._block_seg(31), K_._block_seg(32)) == (32, K_.BLOCK_SEG)
