@@ -3,10 +3,10 @@ against a torch per-segment loop and the bytes floor (each input read once, each
 the device-to-device copy bandwidth measured in the same run).
 
 Cases: 4096 tokens in 8 segments (1024/128/640/256/896/64/768/320) over 4 adapters, K = N = 4096, rank 16
-and 64; decode: 64 one-token segments. qkv: N_q = 4096, N_kv = 1024. MLA: 16 heads, qk_nope = v_head = 128,
+and 64; small: 512 tokens in 4 segments (200/100/150/62); decode: 64 one-token segments. qkv: N_q = 4096, N_kv = 1024. MLA: 16 heads, qk_nope = v_head = 128,
 kv_lora_rank = 512. ``config`` is the tuned block choice (S/N/K tile, warps, stages).
 
-    python bench/lora.py [--cases prefill-r16,prefill-r64,decode-r16] [--quick] [--warmup N] [--iters N]
+    python bench/lora.py [--cases prefill-r16,prefill-r64,small-r16,decode-r16] [--quick] [--warmup N] [--iters N]
     python bench/lora.py --cpu-smoke      # tiny shapes through the Triton interpreter: checks the script
 Writes bench/results/lora.{json,md,png} (lora_smoke.* for --cpu-smoke). Exits 1 on a wrong result.
 """
@@ -25,6 +25,8 @@ START = time.time()
 REL_TOL = 1e-2  # bfloat16 rounds at 2^-8 relative; errors are measured against max |reference|
 GOALS_US = {("prefill-r16", "sgemm_lora_a"): 12.0, ("prefill-r16", "sgemm_lora_b"): 19.0}
 PREFILL_LENS = [1024, 128, 640, 256, 896, 64, 768, 320]
+# A small prefill batch: 512 tokens, too few 32-token tiles to fill the GPU in one pass over K.
+SMALL_LENS = [200, 100, 150, 62]
 
 
 def log(msg: str) -> None:
@@ -55,7 +57,7 @@ def all_cases(smoke: bool) -> list:
         return [Case("prefill-r16", lens, 8, **small), Case("prefill-r64", lens, 16, **small),
                 Case("decode-r16", [1] * 8, 8, **small)]
     return [Case("prefill-r16", PREFILL_LENS, 16), Case("prefill-r64", PREFILL_LENS, 64),
-            Case("decode-r16", [1] * 64, 16)]
+            Case("small-r16", SMALL_LENS, 16), Case("decode-r16", [1] * 64, 16)]
 
 
 def build(case: Case, device, torch, lora):
@@ -211,7 +213,7 @@ def errors(out, ref):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", help="comma-separated subset of prefill-r16,prefill-r64,decode-r16")
+    parser.add_argument("--cases", help="comma-separated subset of prefill-r16,prefill-r64,small-r16,decode-r16")
     parser.add_argument("--quick", action="store_true", help="fewer timing iterations")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, Triton interpreter, host clock")
     parser.add_argument("--warmup", type=int)
@@ -298,7 +300,8 @@ def main() -> int:
             return ""
         kw = seen[-1]
         blocks = " ".join(f"{k[6:]}{v}" for k, v in kw.items() if k in ("BLOCK_S", "BLOCK_N", "BLOCK_K"))
-        return f"{blocks} w{kw.get('num_warps', '')} s{kw.get('STAGES', kw.get('num_stages', ''))}"
+        split = f" split{kw['SPLIT_K']}" if kw.get("SPLIT_K", 1) > 1 else ""
+        return f"{blocks}{split} w{kw.get('num_warps', '')} s{kw.get('STAGES', kw.get('num_stages', ''))}"
 
     def variants(name, ours):
         """(label, call(t, info)): the public function; for the plain GEMMs also its custom op called
