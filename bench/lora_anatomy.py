@@ -160,7 +160,7 @@ def main() -> int:
             t[key] = t[key] + (i + 1) * 1e-3
     S, info = sets[0][0], sets[0][1]
     L, R, N, K = case.slots, case.R, case.N, case.K
-    BS, BN, BK_E, GROUPS = 32, 128, 16, 4       # the expand's prefill tiles (product config K16 S32 N128 s4)
+    BS, BN, BK_E, GROUPS = 16, 128, 16, 2       # the expand's prefill tiles and column groups (K16 S16 N128 s4)
     SB_S, SB_K, S_STAGES = 32, 256, 4            # the shrink's prefill tiles (product config S32 K256 s4)
     seg_tiles = S // BS + info.num_segments       # the products' grid bound (no tail when accumulating)
     outs = [torch.empty(S, R, device=dev, dtype=torch.bfloat16) for _ in sets]

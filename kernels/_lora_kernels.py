@@ -7,7 +7,11 @@ the plain GEMMs), ``L`` slots, ``R`` stored rank.
 
 Shrink (``out[t, h, c] = sum_k x[t, h, k] * W[slot, h, c, k]`` for ``c % R < r``, else 0)::
 
-    grid = (token tiles * column blocks, H)
+    grid = (token tiles * column blocks * K slices, H)
+
+With more than one K slice (``SPLIT_K``, batches of up to 1024 tokens), each program of a tile leaves a
+float32 partial and counts itself in on a per-launch zeroed counter; the last to arrive sums the partials in
+slice order (a fixed order: the result does not depend on which program finishes first) and writes the tile.
 
 Expand (``out[t, h, n] = (out[t, h, n] if accumulate else 0) + scaling[slot] * sum_{k<r} x[t, h, k]
 * W[slot, h, n, k]``)::
@@ -31,8 +35,9 @@ below keeps more than that queued in cp.async copies (shared memory), not in reg
 kernel    K (reduced)        N (written)  blocks on the GPU      why
 ========= ================== ============ ====================== ==========================================
 sgemm_a   hidden (4096)      stack * R    S 16-64, K 128-256,    bound by reading x once: one pass over K
-                                          N = R (<= 128),        (no split-K, no second launch), 3-6 stages
-                                          4 warps                of 12-24 KB ahead, 48-100 KB per program
+                                          N = R (<= 128),        for prefill, 3-6 stages of 12-24 KB ahead;
+                                          4 warps, split-K 4-8   K in 4-8 slices when tiles are few
+                                          up to 1024 tokens      (decode, small batches), same launch
 sgemm_b   R (16-128)         N (4096)     S 16-64, N 128-256,    bound by reading and writing base: 2-3
                                           K = R, 4-8 warps       stages of 8-16 KB ahead per program, 2-4
                                                                  programs per SM, each element written once
@@ -43,9 +48,10 @@ step_a_v  kv_lora_rank (512) R            as sgemm_a             per head
 step_b_v  R                  v_head (128) as sgemm_b             per head
 ========= ================== ============ ====================== ==========================================
 
-On the GPU the block sizes come from a small ``triton.autotune`` set per kernel (4 configs each), tuned
-once per (dtype, K, N, R, token-count class, flags) key and then looked up in a plain dict
-(``_Tuned``), so a call costs no autotuner bookkeeping. Under ``TRITON_INTERPRET=1`` fixed small blocks
+On the GPU the block sizes come from a small ``triton.autotune`` set per kernel (5-7 configs, pruned by
+batch shape), tuned once per (dtype, K, N, R, batch-shape class, flags) key and then looked up in a plain
+dict (``_Tuned``), so a call costs no autotuner bookkeeping. Trials are noisy; a config later in the list
+must win by 10% (``_preferred``). Under ``TRITON_INTERPRET=1`` fixed small blocks
 are used and tiles are upcast to float32 after loading (the interpreter's bfloat16 arithmetic is wrong).
 """
 from __future__ import annotations
@@ -363,39 +369,56 @@ def _expand_columns(xt, w_slot_ptr, out_ptr, out_rows, n_lo, width, nb_lo, nb_hi
 # keeps about 48-96 KB of x and W in flight (r = 16). A smaller batch has too few tiles for 132 SMs: its
 # configs split K over SPLIT_K programs per tile (float32 partials, summed by the last to finish).
 _SHRINK_CONFIGS = [
-    # small batches, no split: 16 KB a stage, 3 stages ahead
-    triton.Config({"BLOCK_S": 16, "BLOCK_K": 256, "SPLIT_K": 1}, num_warps=4, num_stages=4),
     # prefill: one 32-token tile per SM at 4096 tokens, 24 KB a stage
     triton.Config({"BLOCK_S": 32, "BLOCK_K": 256, "SPLIT_K": 1}, num_warps=4, num_stages=4),
     # prefill, half the stage size, twice as deep: the same bytes in flight in smaller requests
     triton.Config({"BLOCK_S": 32, "BLOCK_K": 128, "SPLIT_K": 1}, num_warps=4, num_stages=7),
     # long batches: W re-read from L2 once per 64 tokens
     triton.Config({"BLOCK_S": 64, "BLOCK_K": 128, "SPLIT_K": 1}, num_warps=4, num_stages=5),
-    # decode and small batches: 16-token tiles, K in 4 or 8 slices
+    # decode and small batches: 16-token tiles, K in 4 slices
     triton.Config({"BLOCK_S": 16, "BLOCK_K": 256, "SPLIT_K": 4}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_S": 16, "BLOCK_K": 256, "SPLIT_K": 8}, num_warps=4, num_stages=3),
     # small batches of long segments: 32-token tiles, K in 4 slices
     triton.Config({"BLOCK_S": 32, "BLOCK_K": 256, "SPLIT_K": 4}, num_warps=4, num_stages=4),
+    # decode: K in 8 slices; or no split: 16 KB a stage, 3 stages ahead
+    triton.Config({"BLOCK_S": 16, "BLOCK_K": 256, "SPLIT_K": 8}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_S": 16, "BLOCK_K": 256, "SPLIT_K": 1}, num_warps=4, num_stages=4),
 ]
 # Expand reads and writes out once. Wide N tiles give 16-byte accesses across a whole warp; the base
 # tiles of the next stages travel by cp.async into shared memory, so a program holds 2-3 tiles in flight.
 _EXPAND_CONFIGS = [
-    # decode (one token per segment): the 16-row minimum of the tensor-core dot, widest columns
-    triton.Config({"BLOCK_S": 16, "BLOCK_N": 256, "STAGES": 3}, num_warps=4, num_stages=3),
-    # decode: narrower columns, one stage deeper, twice the programs
+    # prefill: 8 KB of base a stage, three ahead, more programs per SM
+    triton.Config({"BLOCK_S": 32, "BLOCK_N": 128, "STAGES": 4}, num_warps=4, num_stages=4),
+    # prefill and decode: 16-row tiles (the tensor-core dot's minimum), one stage deeper, twice the programs
     triton.Config({"BLOCK_S": 16, "BLOCK_N": 128, "STAGES": 4}, num_warps=4, num_stages=4),
     # prefill: 16 KB of base a stage, 8 warps to issue it
     triton.Config({"BLOCK_S": 32, "BLOCK_N": 256, "STAGES": 3}, num_warps=8, num_stages=3),
     # prefill: taller tiles, W (L2) read once per 64 tokens
     triton.Config({"BLOCK_S": 64, "BLOCK_N": 128, "STAGES": 3}, num_warps=8, num_stages=3),
-    # prefill: 8 KB a stage, three ahead, more programs per SM
-    triton.Config({"BLOCK_S": 32, "BLOCK_N": 128, "STAGES": 4}, num_warps=4, num_stages=4),
+    # decode (one token per segment): widest columns
+    triton.Config({"BLOCK_S": 16, "BLOCK_N": 256, "STAGES": 3}, num_warps=4, num_stages=3),
 ]
 # Shared memory a config may plan for by the estimates below: an H100/H200 block may use 227 KB. The
 # shrink's estimate is its pipeline buffers, exactly; the expand's leaves out layout-conversion and
 # operand buffers the compiler adds (up to ~40 KB at rank 128).
 _SHRINK_SMEM_BUDGET = 220 * 1024
 _EXPAND_SMEM_BUDGET = 176 * 1024
+
+
+# A trial is one isolated call after an L2 flush: its time swings by up to ~10% from one tuning to the next,
+# more than most configs differ. The configs are listed in order of preference (roughly the order of their
+# amortised H200 timings, bench/results/lora_sweep.md); a later one is chosen only if its trial beats the
+# earliest contender's by more than this margin.
+_TUNING_MARGIN = 1.10
+
+
+def _preferred(configs, timings, best):
+    """The first of ``configs`` (in list order) whose trial time is within _TUNING_MARGIN of the fastest;
+    ``best`` when no trial times are known."""
+    if not timings:
+        return best
+    times = {c: (t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
+    fastest = min(times.values())
+    return next((c for c in configs if c in times and times[c] <= _TUNING_MARGIN * fastest), best)
 
 
 def _tuning_bench(kernel_call, quantiles):
@@ -476,8 +499,11 @@ class _Tuned:
             self.kernel.run(*args, grid=grid(cfg.kwargs), warmup=False, **meta, **cfg.all_kwargs())
             return
         else:
+            before = getattr(self.autotuner, "configs_timings", None)
             self.autotuner.run(*args, grid=grid, warmup=False, **meta)
-            cfg = self.autotuner.best_config
+            # Timings of this call's trials only (an autotuner cache hit leaves the previous key's).
+            timings = getattr(self.autotuner, "configs_timings", None)
+            cfg = _preferred(self.configs, timings if timings is not before else None, self.autotuner.best_config)
             blocks, options = cfg.kwargs, cfg.all_kwargs()
         self.chosen[key] = (blocks["BLOCK_S"], blocks.get("BLOCK_N", meta.get("BLOCK_N")), {**meta, **options})
 

@@ -270,3 +270,14 @@ def test_split_k_is_tried_only_where_token_tiles_are_few_and_k_is_long(monkeypat
     # The tile search scans one warp-wide vector when the segments and the tail fit in it.
     monkeypatch.setattr(K_, "INTERPRET", False)
     assert (K_._block_seg(31), K_._block_seg(32)) == (32, K_.BLOCK_SEG)
+
+
+def test_tuning_keeps_the_listed_order_unless_a_later_config_wins_clearly():
+    """Trial times swing by ~10% between tunings: the earliest config within the margin of the fastest is
+    chosen, a later one only when it is clearly faster; without trial times, the tuner's pick stands."""
+    a, b, c = _lora_kernels._SHRINK_CONFIGS[:3]
+    pick = _lora_kernels._preferred
+    assert pick([a, b, c], {a: [22.1, 21.0, 23.0], b: [21.6, 21.0, 22.0], c: [28.0, 27.0, 29.0]}, b) is a
+    assert pick([a, b, c], {a: [27.0, 26.0, 28.0], b: [21.6, 21.0, 22.0], c: [28.0, 27.0, 29.0]}, b) is b
+    assert pick([a, b, c], {b: 30.0, c: 29.0}, c) is b
+    assert pick([a, b, c], None, c) is c
