@@ -386,10 +386,10 @@ _SHRINK_CONFIGS = [
 # Expand reads and writes out once. Wide N tiles give 16-byte accesses across a whole warp; the base
 # tiles of the next stages travel by cp.async into shared memory, so a program holds 2-3 tiles in flight.
 _EXPAND_CONFIGS = [
-    # prefill: 8 KB of base a stage, three ahead, more programs per SM
-    triton.Config({"BLOCK_S": 32, "BLOCK_N": 128, "STAGES": 4}, num_warps=4, num_stages=4),
-    # prefill and decode: 16-row tiles (the tensor-core dot's minimum), one stage deeper, twice the programs
+    # prefill and decode: 16-row tiles (the tensor-core dot's minimum), 4 KB of base a stage, three ahead
     triton.Config({"BLOCK_S": 16, "BLOCK_N": 128, "STAGES": 4}, num_warps=4, num_stages=4),
+    # prefill: 8 KB of base a stage, three ahead
+    triton.Config({"BLOCK_S": 32, "BLOCK_N": 128, "STAGES": 4}, num_warps=4, num_stages=4),
     # prefill: 16 KB of base a stage, 8 warps to issue it
     triton.Config({"BLOCK_S": 32, "BLOCK_N": 256, "STAGES": 3}, num_warps=8, num_stages=3),
     # prefill: taller tiles, W (L2) read once per 64 tokens
