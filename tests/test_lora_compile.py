@@ -107,7 +107,8 @@ SCRIPT = textwrap.dedent(r'''
                                   shrink(16, heads=16, x_head=128, K=128, stride_xt=2048, stride_wh=256 * 16,
                                          stride_wn=1, stride_wk=16, stride_wl=4096 * 16),
                                   ptr, dict(base_s, BLOCK_N=16), cfg)
-        cfg = K._EXPAND_CONFIGS[1]
+        # 8 warps: the rank-64 x tile is one 16-byte load per thread.
+        cfg = next(c for c in K._EXPAND_CONFIGS if c.num_warps == 8)
         out["expand-r64-fresh-permuted"] = build(K._lora_expand_kernel, expand(64), ptr,
                                                  dict(base_e, BLOCK_K=64, ACCUMULATE=False, HAS_PERMUTATION=True),
                                                  cfg)
