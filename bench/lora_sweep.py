@@ -67,7 +67,7 @@ def main() -> int:
               "sgemm_lora_b": e * (S * case.R + 2 * S * case.N) / (bandwidth * 1e3)}
     print(f"copy bandwidth {bandwidth:.0f} GB/s (amortised, {copy_us:.1f} us per 32 MB copy)")
 
-    shrink_space = [dict(BLOCK_S=s, BLOCK_K=k, num_warps=w, num_stages=st)
+    shrink_space = [dict(BLOCK_S=s, BLOCK_K=k, SPLIT_K=1, num_warps=w, num_stages=st)
                     for s, k, w, st in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 6))]
     expand_space = [dict(BLOCK_S=s, BLOCK_N=n, STAGES=st, num_warps=w, num_stages=st)
                     for s, n, w, st in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 3, 4))]
@@ -83,7 +83,8 @@ def main() -> int:
         for cfg in space:
             kw = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
             conf = triton.Config(kw, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-            if original.prune([conf], {"x_ptr": sets[0][3]["x"]}, **_prune_meta(name, case))[0] is not conf:
+            named = {"x_ptr": sets[0][3]["x"], "K": case.K, "size_class": K._size_class(S, len(case.lens))}
+            if original.prune([conf], named, **_prune_meta(name, case))[0] is not conf:
                 continue  # does not fit shared memory by the kernel's own estimate
             setattr(K, tuned_attr, K._Tuned(original.kernel, [conf], original.autotuner.keys, original.prune,
                                             original.interpret_blocks,
