@@ -406,8 +406,8 @@ _EXPAND_SMEM_BUDGET = 176 * 1024
 
 # A trial is one isolated call after an L2 flush: its time swings by up to ~10% from one tuning to the next,
 # more than most configs differ. The configs are listed in order of preference (roughly the order of their
-# amortised H200 timings, bench/results/lora_sweep.md); a later one is chosen only if its trial beats the
-# earliest contender's by more than this margin.
+# amortised H200 timings in bench/results/lora.md and lora_sweep.md); a later one is chosen only if its trial
+# beats the earliest contender's by more than this margin.
 _TUNING_MARGIN = 1.10
 
 
