@@ -90,8 +90,8 @@ SCRIPT = textwrap.dedent(r'''
         # Every tuning config in bf16 at rank 16; the other specializations with one config.
         configs = K._SHRINK_CONFIGS if dtype == "bf16" else K._SHRINK_CONFIGS[:1]
         for i, cfg in enumerate(configs):
-            out[f"shrink-{dtype}-r16-cfg{i}-split{cfg.kwargs['SPLIT_K']}"] = build(K._lora_shrink_kernel, shrink(16), ptr,
-                                                      dict(base_s, BLOCK_N=16), cfg)
+            out[f"shrink-{dtype}-r16-cfg{i}-split{cfg.kwargs['SPLIT_K']}"] = build(
+                K._lora_shrink_kernel, shrink(16), ptr, dict(base_s, BLOCK_N=16), cfg)
         configs = K._EXPAND_CONFIGS if dtype == "bf16" else K._EXPAND_CONFIGS[:1]
         for i, cfg in enumerate(configs):
             out[f"expand-{dtype}-cfg{i}"] = build(K._lora_expand_kernel, expand(16), ptr, dict(base_e, BLOCK_K=16),
