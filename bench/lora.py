@@ -4,7 +4,8 @@ the device-to-device copy bandwidth measured in the same run).
 
 Cases: 4096 tokens in 8 segments (1024/128/640/256/896/64/768/320) over 4 adapters, K = N = 4096, rank 16
 and 64; small: 512 tokens in 4 segments (200/100/150/62); decode: 64 one-token segments. qkv: N_q = 4096,
-N_kv = 1024. MLA: 16 heads, qk_nope = v_head = 128, kv_lora_rank = 512. ``config`` is the tuned block choice (S/N/K tile, warps, stages).
+N_kv = 1024. MLA: 16 heads, qk_nope = v_head = 128, kv_lora_rank = 512. ``config`` is the tuned block choice
+(S/N/K tile, K split, warps, stages).
 
     python bench/lora.py [--cases prefill-r16,prefill-r64,small-r16,decode-r16] [--quick] [--warmup N] [--iters N]
     python bench/lora.py --cpu-smoke      # tiny shapes through the Triton interpreter: checks the script
