@@ -128,6 +128,20 @@ def _find_tile(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr,
     return seg, pos, stop, slot, rank, scaling, bad
 
 
+@triton.jit
+def _tile_rows(permutation_ptr, pos, stop, num_tokens, HAS_PERMUTATION: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Rows of x / out for a tile's sorted positions ``[pos, stop)`` (at most BLOCK_S) and which are live:
+    through ``permutation`` when given, whose out-of-range entries are skipped, never read through."""
+    offs_s = pos + tl.arange(0, BLOCK_S)
+    t_in = offs_s < stop
+    if HAS_PERMUTATION:
+        rows = tl.load(permutation_ptr + offs_s, mask=t_in, other=0).to(tl.int64)
+        t_in = t_in & (rows >= 0) & (rows < num_tokens)
+    else:
+        rows = offs_s.to(tl.int64)
+    return rows, t_in
+
+
 # Batch-shape scalars change every step; specializing on them (== 1, divisible by 16) would only
 # multiply compilations (and the autotuning behind each).
 _BATCH_SCALARS = ["num_segments", "num_tokens", "num_slots", "size_class"]
@@ -156,14 +170,7 @@ def _lora_shrink_kernel(
     seg, pos, stop, slot, rank, _, bad = _find_tile(
         seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, lora_ranks_ptr, num_segments, num_tokens, num_slots,
         max_rank, tile, 1, False, BLOCK_S, BLOCK_SEG)
-    # Rows of x / out for the tile's sorted positions (a helper call would cost the interpreter a lot).
-    offs_s = pos + tl.arange(0, BLOCK_S)
-    t_in = offs_s < stop
-    if HAS_PERMUTATION:
-        rows = tl.load(permutation_ptr + offs_s, mask=t_in, other=0).to(tl.int64)
-        t_in = t_in & (rows >= 0) & (rows < num_tokens)
-    else:
-        rows = offs_s.to(tl.int64)
+    rows, t_in = _tile_rows(permutation_ptr, pos, stop, num_tokens, HAS_PERMUTATION, BLOCK_S)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = offs_n < N
@@ -266,14 +273,7 @@ def _lora_expand_kernel(
         w_off = slot.to(tl.int64) * stride_wl + head.to(tl.int64) * stride_wh + slice_1.to(tl.int64) * stride_wn
         out_off = head.to(tl.int64) * stride_oh
 
-    # Rows of x / out for the tile's sorted positions (a helper call would cost the interpreter a lot).
-    offs_s = pos + tl.arange(0, BLOCK_S)
-    t_in = offs_s < stop
-    if HAS_PERMUTATION:
-        rows = tl.load(permutation_ptr + offs_s, mask=t_in, other=0).to(tl.int64)
-        t_in = t_in & (rows >= 0) & (rows < num_tokens)
-    else:
-        rows = offs_s.to(tl.int64)
+    rows, t_in = _tile_rows(permutation_ptr, pos, stop, num_tokens, HAS_PERMUTATION, BLOCK_S)
     x_rows = x_ptr + head.to(tl.int64) * stride_xh + rows[:, None] * stride_xt
     if K_CHUNKS == 1:
         # The whole rank in one dot operand, loaded once for all column tiles.
