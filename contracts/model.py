@@ -40,9 +40,6 @@ class Derivation:
     host_read: bool = False
     note: str = ""
 
-    def render(self, **exprs: str) -> str:
-        return self.template.format(**exprs)
-
 
 @dataclass(frozen=True)
 class Example:
@@ -165,9 +162,6 @@ class Contract:
 
     def examples_of(self, kind: str) -> Tuple[Example, ...]:
         return tuple(e for e in self.examples if e.kind == kind)
-
-    def target_names(self) -> Tuple[str, ...]:
-        return tuple(t.qualname for t in self.targets)
 
     def matches_error(self, text: str) -> bool:
         if re.search(rf"\b{self.code}\b", text):

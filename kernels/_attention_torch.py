@@ -2,7 +2,7 @@
 float64 reference.
 
 The SDPA loop and the reference walk the sequences on the host (one attention call per sequence), so
-they need the prefix sums as host ints: from prepared metadata, or one read of cu_seqlens.
+they take the prefix sums as host ints (``attention._host_offsets``: the prepared copy, or one read).
 """
 from __future__ import annotations
 
@@ -11,14 +11,6 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-
-
-def host_offsets(cu_seqlens: torch.Tensor, metadata=None) -> tuple[int, ...]:
-    """Token offsets as host ints: the prepared copy when there is one, else one read of cu_seqlens."""
-    host = getattr(metadata, "host_cu_seqlens", None) if metadata is not None else None
-    if host is not None and getattr(metadata, "layout", "tokens") == "tokens":
-        return tuple(int(x) for x in host)
-    return tuple(int(x) for x in cu_seqlens.tolist())
 
 
 def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: Sequence[int],
