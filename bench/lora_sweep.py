@@ -68,9 +68,9 @@ def main() -> int:
     print(f"copy bandwidth {bandwidth:.0f} GB/s (amortised, {copy_us:.1f} us per 32 MB copy)")
 
     shrink_space = [dict(BLOCK_S=s, BLOCK_K=k, SPLIT_K=1, num_warps=w, num_stages=st)
-                    for s, k, w, st in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 6))]
+                    for s, k, w, st in itertools.product((16, 32, 64), (128, 256, 512), (1, 2, 4), (3, 4, 5, 7, 9))]
     expand_space = [dict(BLOCK_S=s, BLOCK_N=n, STAGES=st, num_warps=w, num_stages=st)
-                    for s, n, w, st in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 3, 4))]
+                    for s, n, w, st in itertools.product((16, 32, 64), (64, 128, 256), (1, 2, 4), (2, 3, 4, 6))]
     if args.quick:
         shrink_space, expand_space = shrink_space[::4], expand_space[::4]
 
