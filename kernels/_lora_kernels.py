@@ -34,9 +34,9 @@ below keeps more than that queued in cp.async copies (shared memory), not in reg
 ========= ================== ============ ====================== ==========================================
 kernel    K (reduced)        N (written)  blocks on the GPU      why
 ========= ================== ============ ====================== ==========================================
-sgemm_a   hidden (4096)      stack * R    S 16-64, K 128-256,    bound by reading x once: one pass over K
+sgemm_a   hidden (4096)      stack * R    S 16-32, K 128-256,    bound by reading x once: one pass over K
                                           N = R (<= 128),        for prefill, 3-6 stages of 12-24 KB ahead;
-                                          4 warps, split-K 4-8   K in 4-8 slices when tiles are few
+                                          2-4 warps, split-K 4-8 K in 4-8 slices when tiles are few
                                           up to 1024 tokens      (decode, small batches), same launch
 sgemm_b   R (16-128)         N (4096)     S 16-64, N 128-256,    bound by reading and writing base: 2-3
                                           K = R, 4-8 warps       stages of 8-16 KB ahead per program, 2-4
@@ -373,23 +373,25 @@ _SHRINK_CONFIGS = [
     triton.Config({"BLOCK_S": 32, "BLOCK_K": 256, "SPLIT_K": 1}, num_warps=4, num_stages=4),
     # prefill, half the stage size, twice as deep: the same bytes in flight in smaller requests
     triton.Config({"BLOCK_S": 32, "BLOCK_K": 128, "SPLIT_K": 1}, num_warps=4, num_stages=7),
-    # long batches: W re-read from L2 once per 64 tokens
-    triton.Config({"BLOCK_S": 64, "BLOCK_K": 128, "SPLIT_K": 1}, num_warps=4, num_stages=5),
     # decode and small batches: 16-token tiles, K in 4 slices
     triton.Config({"BLOCK_S": 16, "BLOCK_K": 256, "SPLIT_K": 4}, num_warps=4, num_stages=4),
     # small batches of long segments: 32-token tiles, K in 4 slices
     triton.Config({"BLOCK_S": 32, "BLOCK_K": 256, "SPLIT_K": 4}, num_warps=4, num_stages=4),
-    # decode: K in 8 slices; or no split: 16 KB a stage, 3 stages ahead
+    # decode: K in 8 slices
     triton.Config({"BLOCK_S": 16, "BLOCK_K": 256, "SPLIT_K": 8}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_S": 16, "BLOCK_K": 256, "SPLIT_K": 1}, num_warps=4, num_stages=4),
+    # no split, 16-token tiles: two warps (a 16-row dot on four warps leaves two idle; 17.9 against 12.7 us
+    # at 4096 tokens in bench/results/lora_sweep.md). 64-token tiles are gone: 64 tiles for 4096 tokens
+    # leave half the SMs idle (17-18 us there), and 32-token tiles fill the GPU at any larger batch.
+    triton.Config({"BLOCK_S": 16, "BLOCK_K": 256, "SPLIT_K": 1}, num_warps=2, num_stages=4),
 ]
 # Expand reads and writes out once. Wide N tiles give 16-byte accesses across a whole warp; the base
 # tiles of the next stages travel by cp.async into shared memory, so a program holds 2-3 tiles in flight.
 _EXPAND_CONFIGS = [
+    # prefill: 8 KB of base a stage, two ahead (three ahead measured 25.8 against 21.2 us at 4096 tokens,
+    # bench/results/lora_sweep.md)
+    triton.Config({"BLOCK_S": 32, "BLOCK_N": 128, "STAGES": 3}, num_warps=4, num_stages=3),
     # prefill and decode: 16-row tiles (the tensor-core dot's minimum), 4 KB of base a stage, three ahead
     triton.Config({"BLOCK_S": 16, "BLOCK_N": 128, "STAGES": 4}, num_warps=4, num_stages=4),
-    # prefill: 8 KB of base a stage, three ahead
-    triton.Config({"BLOCK_S": 32, "BLOCK_N": 128, "STAGES": 4}, num_warps=4, num_stages=4),
     # prefill: 16 KB of base a stage, 8 warps to issue it
     triton.Config({"BLOCK_S": 32, "BLOCK_N": 256, "STAGES": 3}, num_warps=8, num_stages=3),
     # prefill: taller tiles, W (L2) read once per 64 tokens
