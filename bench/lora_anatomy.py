@@ -160,7 +160,8 @@ def main() -> int:
             t[key] = t[key] + (i + 1) * 1e-3
     S, info = sets[0][0], sets[0][1]
     L, R, N, K = case.slots, case.R, case.N, case.K
-    BS, BN, BK_E, GROUPS = 16, 128, 16, 2       # the expand's prefill tiles and column groups (K16 S16 N128 s4)
+    # The expand's prefill tiles, stages and column groups (K16 S32 N128 s3: 136 tiles, 4 groups for ~512 programs)
+    BS, BN, BK_E, GROUPS, E_STAGES = 32, 128, 16, 4, 3
     SB_S, SB_K, S_STAGES = 32, 256, 4            # the shrink's prefill tiles (product config S32 K256 s4)
     seg_tiles = S // BS + info.num_segments       # the products' grid bound (no tail when accumulating)
     outs = [torch.empty(S, R, device=dev, dtype=torch.bfloat16) for _ in sets]
@@ -173,7 +174,7 @@ def main() -> int:
                 t["y"], t["B"], t["base"], info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
                 info.num_segments, S, L, N, R, t["y"].stride(0), t["B"].stride(0), t["B"].stride(1),
                 t["base"].stride(0), ADAPTERS=adapters, DOT=dot, BLOCK_SEG=32, BLOCK_K=BK_E, BLOCK_S=BS, BLOCK_N=BN,
-                STAGES=4, GROUPS=GROUPS, num_warps=4, num_stages=4)
+                STAGES=E_STAGES, GROUPS=GROUPS, num_warps=4, num_stages=E_STAGES)
         return call
 
     def shrink(adapters):
@@ -187,8 +188,8 @@ def main() -> int:
         return call
 
     def stream(t):
-        _stream_probe[(S // BS * GROUPS,)](t["base"], S, N, t["base"].stride(0), BLOCK_S=BS, BLOCK_N=BN, STAGES=4,
-                                           GROUPS=GROUPS, num_warps=4, num_stages=4)
+        _stream_probe[(S // BS * GROUPS,)](t["base"], S, N, t["base"].stride(0), BLOCK_S=BS, BLOCK_N=BN,
+                                           STAGES=E_STAGES, GROUPS=GROUPS, num_warps=4, num_stages=E_STAGES)
 
     def each(fn):
         return [lambda t=t: fn(t) for _, _, _, t in sets]
@@ -207,6 +208,9 @@ def main() -> int:
         ("expand", "probe: no search, one adapter", "tiles from the program id, adapter 0 everywhere, dot",
          each(expand(ALL_ONE, 1))),
         ("expand", "probe: segment search", "the product's loop: segment search, dot", each(expand(BY_SEARCH, 1))),
+        ("expand", "torch addmm_, one adapter",
+         "cuBLAS base += y @ B[0]^T over all tokens: the same bytes, no segments",
+         [lambda t=t: t["base"].addmm_(t["y"], t["B"][0].t()) for _, _, _, t in sets]),
         ("expand", "sgemm_lora_b", "the public function", each(lambda t: lora.sgemm_lora_b(t["y"], t["B"], info,
                                                                                             t["base"]))),
         ("shrink", "probe: no search, interleaved adapters", "adapter = tile % 4 (neighbouring tiles differ)",
@@ -217,6 +221,8 @@ def main() -> int:
         ("shrink", "probe: no search, two adapters", "adapter = tile % 2", each_out(shrink(ALTERNATING))),
         ("shrink", "probe: segment search", "the product's single-pass loop with the segment search",
          each_out(shrink(BY_SEARCH))),
+        ("shrink", "torch mm, one adapter", "cuBLAS x @ A[0]^T over all tokens: the same bytes, no segments",
+         [lambda t=t: torch.mm(t["x"], t["A"][0].t()) for _, _, _, t in sets]),
         ("shrink", "sgemm_lora_a", "the public function", each(lambda t: lora.sgemm_lora_a(t["x"], t["A"], info))),
     ]
     # The search probes compute the product's result: check them (bf16) before timing anything.

@@ -28,6 +28,11 @@ are written as NaN instead of being read out of bounds (``GUARDLINT_MODE=strict`
 before launch). An expand program walks ``BLOCK_N`` column tiles of one column group; the loop is
 software-pipelined, so its base reads are in flight through ``cp.async`` instead of registers.
 
+Decode batches (8 tokens a segment or fewer, ``_PACKED_FROM_CLASS``) take packed expand tiles instead:
+``BLOCK_S`` consecutive sorted positions whatever their segments, each row's adapter looked up
+(``_row_adapters``), one dot per distinct adapter in the tile; ``ceil(S / BLOCK_S)`` tiles, none of them
+mostly padding (64 one-token segments: 4 tiles instead of 64).
+
 HBM at ~4.5 TB/s with ~1 µs of load latency needs ~4.5 MB in flight, ~35 KB per SM of 132: every config
 below keeps more than that queued in cp.async copies (shared memory), not in registers.
 
@@ -50,9 +55,10 @@ step_b_v  R                  v_head (128) as sgemm_b             per head
 
 On the GPU the block sizes come from a small ``triton.autotune`` set per kernel (5-7 configs, pruned by
 batch shape), tuned once per (dtype, K, N, R, batch-shape class, flags) key and then looked up in a plain
-dict (``_Tuned``), so a call costs no autotuner bookkeeping. Trials are noisy; a config later in the list
-must win by 10% (``_preferred``). Under ``TRITON_INTERPRET=1`` fixed small blocks
-are used and tiles are upcast to float32 after loading (the interpreter's bfloat16 arithmetic is wrong).
+dict (``_Tuned``), so a call costs no autotuner bookkeeping. Trials are noisy; a config later in the
+pruning's order for the batch shape must win by 25% (``_preferred``). Under ``TRITON_INTERPRET=1`` fixed
+small blocks are used and tiles are upcast to float32 after loading (the interpreter's bfloat16 arithmetic is
+wrong).
 """
 from __future__ import annotations
 
@@ -140,6 +146,32 @@ def _tile_rows(permutation_ptr, pos, stop, num_tokens, HAS_PERMUTATION: tl.const
     else:
         rows = offs_s.to(tl.int64)
     return rows, t_in
+
+
+@triton.jit
+def _row_adapters(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, pos, live, num_segments,
+                  num_slots, max_rank, BLOCK_SEG: tl.constexpr):
+    """Adapter of each row of a packed tile (sorted positions ``pos``; ``live`` rows only): slot, rank,
+    scaling, whether the row takes a product (``todo``: a live segment whose slot has rank > 0) and
+    whether its slot or rank is out of range (``bad``). A row's segment is the number of live segments
+    ending at or before it; rows outside ``[seg_indptr[g], seg_indptr[g + 1])`` of that segment (the tail,
+    a corrupt seg_indptr) take no product."""
+    seg = tl.zeros(pos.shape, tl.int32)
+    for g0 in range(0, num_segments, BLOCK_SEG):
+        g = g0 + tl.arange(0, BLOCK_SEG)
+        ends = tl.load(seg_indptr_ptr + g + 1, mask=g < num_segments, other=2147483647).to(tl.int32)
+        seg += tl.sum((ends[None, :] <= pos[:, None]).to(tl.int32), 1)
+    live = live & (seg < num_segments)
+    lo = tl.load(seg_indptr_ptr + seg, mask=live, other=0).to(tl.int32)
+    hi = tl.load(seg_indptr_ptr + seg + 1, mask=live, other=0).to(tl.int32)
+    live = live & (pos >= lo) & (pos < hi)
+    slot = tl.load(weight_indices_ptr + seg, mask=live, other=0).to(tl.int32)
+    slot_ok = live & (slot >= 0) & (slot < num_slots)
+    rank = tl.load(lora_ranks_ptr + slot, mask=slot_ok, other=0).to(tl.int32)
+    scaling = tl.load(scalings_ptr + slot, mask=slot_ok, other=0.0).to(tl.float32)
+    bad = live & ((slot_ok == 0) | (rank < 0) | (rank > max_rank))
+    todo = slot_ok & (rank > 0) & (bad == 0)
+    return tl.where(todo, slot, 0), tl.where(todo, rank, 0), scaling, todo, bad
 
 
 # Batch-shape scalars change every step; specializing on them (== 1, divisible by 16) would only
@@ -237,7 +269,7 @@ def _lora_expand_kernel(
     stride_ot, stride_oh, stride_on,
     size_class,  # read by the autotuner's key only
     ACCUMULATE: tl.constexpr, HAS_PERMUTATION: tl.constexpr, SLICES: tl.constexpr, ALIGNED_SLICES: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PACKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_SEG: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
@@ -245,13 +277,29 @@ def _lora_expand_kernel(
     head = tl.program_id(1)
     with_tail = 0 if ACCUMULATE else 1
     # The host sized axis 0 as (tile bound) * (column groups); recover the groups from it.
-    n_tiles = (num_tokens + BLOCK_S - 1) // BLOCK_S + num_segments + with_tail
+    if PACKED:
+        n_tiles = (num_tokens + BLOCK_S - 1) // BLOCK_S
+    else:
+        n_tiles = (num_tokens + BLOCK_S - 1) // BLOCK_S + num_segments + with_tail
     groups = tl.num_programs(0) // n_tiles
     tile = pid // groups
     group = pid % groups
-    seg, pos, stop, slot, rank, scaling, bad = _find_tile(
-        seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, num_segments, num_tokens, num_slots,
-        max_rank, tile, with_tail, True, BLOCK_S, BLOCK_SEG)
+    if PACKED:
+        # Packed tiles: BLOCK_S consecutive sorted positions whatever their segments (short segments share
+        # a tile); each row looks its adapter up, and the tile takes one dot per distinct adapter.
+        rows, t_in = _tile_rows(permutation_ptr, tile * BLOCK_S, num_tokens, num_tokens, HAS_PERMUTATION,
+                                BLOCK_S)
+        slot, rank, scaling, todo, bad = _row_adapters(
+            seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, tile * BLOCK_S + tl.arange(0, BLOCK_S),
+            t_in, num_segments, num_slots, max_rank, BLOCK_SEG)
+        w_slot = 0
+    else:
+        seg, pos, stop, slot, rank, scaling, bad = _find_tile(
+            seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, num_segments, num_tokens, num_slots,
+            max_rank, tile, with_tail, True, BLOCK_S, BLOCK_SEG)
+        rows, t_in = _tile_rows(permutation_ptr, pos, stop, num_tokens, HAS_PERMUTATION, BLOCK_S)
+        todo = rank > 0
+        w_slot = slot
     if SLICES != 0:
         # q/k/v slices: weight rows and output columns [off[h], off[h+1]), from host ints (SLICES == 1)
         # or a device tensor (SLICES == 2, clamped to the weight stack: its values are never read on the host).
@@ -264,24 +312,25 @@ def _lora_expand_kernel(
         n_lo = tl.minimum(tl.maximum(n_lo, 0), n_total)
         n_hi = tl.minimum(tl.maximum(n_hi, n_lo), n_total)
         width = n_hi - n_lo
-        w_off = slot.to(tl.int64) * stride_wl
+        w_off = w_slot.to(tl.int64) * stride_wl
         out_off = 0
     else:
         n_lo = 0
         width = N
         # Without slices, slice_1 is the first weight row (MLA step B_v: the v rows after the k_nope rows).
-        w_off = slot.to(tl.int64) * stride_wl + head.to(tl.int64) * stride_wh + slice_1.to(tl.int64) * stride_wn
+        w_off = w_slot.to(tl.int64) * stride_wl + head.to(tl.int64) * stride_wh + slice_1.to(tl.int64) * stride_wn
         out_off = head.to(tl.int64) * stride_oh
 
-    rows, t_in = _tile_rows(permutation_ptr, pos, stop, num_tokens, HAS_PERMUTATION, BLOCK_S)
     x_rows = x_ptr + head.to(tl.int64) * stride_xh + rows[:, None] * stride_xt
     if K_CHUNKS == 1:
         # The whole rank in one dot operand, loaded once for all column tiles.
         offs_k = tl.arange(0, BLOCK_K)
         xt = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=t_in[:, None] & (offs_k < max_rank)[None, :],
                      other=0.0)
-        # Columns past the slot's rank may hold anything (even NaN): select, never multiply by 0.
-        xt = tl.where((offs_k < rank)[None, :], xt, 0.0)
+        # Columns past the slot's rank may hold anything (even NaN): select, never multiply by 0 (packed
+        # tiles select per adapter in the column loop).
+        if not PACKED:
+            xt = tl.where((offs_k < rank)[None, :], xt, 0.0)
         if UPCAST:
             xt = xt.to(tl.float32)
     else:
@@ -290,8 +339,17 @@ def _lora_expand_kernel(
     blocks_per_group = ((N + BLOCK_N - 1) // BLOCK_N + groups - 1) // groups
     nb_lo = group * blocks_per_group
     nb_hi = nb_lo + blocks_per_group
-    # Accumulating with no adapter is a no-op: skip the read and the write of out entirely.
-    if ACCUMULATE:
+    # Accumulating with no adapter is a no-op: skip the read and the write of out entirely (packed tiles:
+    # the rows without one; a tile without any skips its columns).
+    if PACKED:
+        if ACCUMULATE:
+            t_in = t_in & (todo | bad)
+            skip = tl.max(t_in.to(tl.int32), 0) == 0
+        else:
+            skip = False
+        scaling = scaling[:, None]
+        bad = bad[:, None]
+    elif ACCUMULATE:
         skip = (rank == 0) & (bad == 0)
     else:
         skip = seg < 0
@@ -302,33 +360,38 @@ def _lora_expand_kernel(
     # value would also apply to the other branch.
     if ALIGNED_SLICES:
         _expand_columns(xt, w_ptr + w_off, out_ptr, out_rows, (n_lo // 8) * 8, (width // 8) * 8, nb_lo, nb_hi,
-                        t_in, x_rows, stride_xk, rank, max_rank, scaling, bad, stride_wn, stride_wk, stride_on,
-                        ACCUMULATE, UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K, K_CHUNKS, STAGES)
+                        t_in, x_rows, stride_xk, slot, todo, rank, max_rank, scaling, bad, stride_wl, stride_wn,
+                        stride_wk, stride_on, ACCUMULATE, PACKED, UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K,
+                        K_CHUNKS, STAGES)
     elif SLICES == 2:
         if ((n_lo % 8) == 0) & ((width % 8) == 0):
             _expand_columns(xt, w_ptr + w_off, out_ptr, out_rows, (n_lo // 8) * 8, (width // 8) * 8, nb_lo, nb_hi,
-                            t_in, x_rows, stride_xk, rank, max_rank, scaling, bad, stride_wn, stride_wk, stride_on,
-                            ACCUMULATE, UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K, K_CHUNKS, STAGES)
+                            t_in, x_rows, stride_xk, slot, todo, rank, max_rank, scaling, bad, stride_wl, stride_wn,
+                            stride_wk, stride_on, ACCUMULATE, PACKED, UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K,
+                            K_CHUNKS, STAGES)
         else:
             _expand_columns(xt, w_ptr + w_off, out_ptr, out_rows, n_lo, width, nb_lo, nb_hi,
-                            t_in, x_rows, stride_xk, rank, max_rank, scaling, bad, stride_wn, stride_wk, stride_on,
-                            ACCUMULATE, UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K, K_CHUNKS, STAGES)
+                            t_in, x_rows, stride_xk, slot, todo, rank, max_rank, scaling, bad, stride_wl, stride_wn,
+                            stride_wk, stride_on, ACCUMULATE, PACKED, UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K,
+                            K_CHUNKS, STAGES)
     else:
         _expand_columns(xt, w_ptr + w_off, out_ptr, out_rows, n_lo, width, nb_lo, nb_hi,
-                        t_in, x_rows, stride_xk, rank, max_rank, scaling, bad, stride_wn, stride_wk, stride_on,
-                        ACCUMULATE, UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K, K_CHUNKS, STAGES)
+                        t_in, x_rows, stride_xk, slot, todo, rank, max_rank, scaling, bad, stride_wl, stride_wn,
+                        stride_wk, stride_on, ACCUMULATE, PACKED, UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K,
+                        K_CHUNKS, STAGES)
 
 
 @triton.jit
-def _expand_columns(xt, w_slot_ptr, out_ptr, out_rows, n_lo, width, nb_lo, nb_hi, t_in, x_rows, stride_xk, rank,
-                    max_rank, scaling, bad, stride_wn, stride_wk, stride_on, ACCUMULATE: tl.constexpr,
-                    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    K_CHUNKS: tl.constexpr, STAGES: tl.constexpr):
+def _expand_columns(xt, w_slot_ptr, out_ptr, out_rows, n_lo, width, nb_lo, nb_hi, t_in, x_rows, stride_xk, slot,
+                    todo, rank, max_rank, scaling, bad, stride_wl, stride_wn, stride_wk, stride_on,
+                    ACCUMULATE: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, STAGES: tl.constexpr):
     """Column tiles ``[nb_lo, nb_hi)`` (clipped to ``width``) of one token tile, from column ``n_lo`` on:
     ``out = (out if ACCUMULATE) + scaling * x @ W`` per tile, NaN where ``bad``. The rank is one dot
-    operand ``xt`` (``K_CHUNKS == 1``) or ``K_CHUNKS`` chunks of x re-read per tile (ranks above 128)."""
+    operand ``xt`` (``K_CHUNKS == 1``) or ``K_CHUNKS`` chunks of x re-read per tile (ranks above 128).
+    Packed tiles: ``slot``, ``todo``, ``rank`` are per row (scaling and bad per row too) and each distinct
+    slot among the ``todo`` rows adds its own dot, its rows alone selected."""
     nb_hi = tl.minimum(nb_hi, (width + BLOCK_N - 1) // BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     w_cols = w_slot_ptr + n_lo.to(tl.int64) * stride_wn
     out_rows = out_ptr + n_lo.to(tl.int64) * stride_on + out_rows
     # Explicit stages: without them only the dot operands (W) would be pipelined, not the base tiles.
@@ -340,28 +403,52 @@ def _expand_columns(xt, w_slot_ptr, out_ptr, out_rows, n_lo, width, nb_lo, nb_hi
         if ACCUMULATE:
             base = tl.load(out_ptrs, mask=out_mask, other=0.0)
         acc = tl.zeros((out_ptrs.shape[0], BLOCK_N), dtype=tl.float32)
-        for c in tl.static_range(K_CHUNKS):
-            k = c * BLOCK_K + offs_k
-            if K_CHUNKS == 1:
-                xc = xt
-            else:
-                xc = tl.load(x_rows + k[None, :] * stride_xk, mask=t_in[:, None] & (k < max_rank)[None, :],
-                             other=0.0)
-                xc = tl.where((k < rank)[None, :], xc, 0.0)
-                if UPCAST:
-                    xc = xc.to(tl.float32)
-            # All stored rank columns are read (16-byte loads); past the slot's rank they are selected away.
-            wt = tl.load(w_cols + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
-                         mask=(k < max_rank)[:, None] & n_in[None, :], other=0.0)
-            wt = tl.where((k < rank)[:, None], wt, 0.0)
-            if UPCAST:
-                wt = wt.to(tl.float32)
-            acc = tl.dot(xc, wt, acc, input_precision=DOT_PRECISION)
+        if PACKED:
+            left = todo
+            s = tl.min(tl.where(left, slot, 2147483647), 0)
+            while s < 2147483647:
+                sel = left & (slot == s)
+                acc = _expand_dot(acc, xt, x_rows, w_cols + s.to(tl.int64) * stride_wl, offs_n, n_in, sel,
+                                  tl.max(tl.where(sel, rank, 0), 0), max_rank, stride_xk, stride_wn, stride_wk,
+                                  True, UPCAST, DOT_PRECISION, BLOCK_K, K_CHUNKS)
+                left = left & (slot != s)
+                s = tl.min(tl.where(left, slot, 2147483647), 0)
+        else:
+            acc = _expand_dot(acc, xt, x_rows, w_cols, offs_n, n_in, t_in, rank, max_rank, stride_xk, stride_wn,
+                              stride_wk, False, UPCAST, DOT_PRECISION, BLOCK_K, K_CHUNKS)
         acc = acc * scaling
         if ACCUMULATE:
             acc = acc + base.to(tl.float32)
         acc = tl.where(bad, float("nan"), acc)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _expand_dot(acc, xt, x_rows, w_cols, offs_n, n_in, rows, rank, max_rank, stride_xk, stride_wn, stride_wk,
+                SELECT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
+                K_CHUNKS: tl.constexpr):
+    """``acc + x[rows] @ W[:, :rank]^T`` for one column tile; ``SELECT``: zero the other rows of x first
+    (``xt`` was loaded without the rank mask then)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    for c in tl.static_range(K_CHUNKS):
+        k = c * BLOCK_K + offs_k
+        if K_CHUNKS == 1:
+            xc = xt
+            if SELECT:
+                xc = tl.where(rows[:, None] & (k < rank)[None, :], xc, 0.0)
+        else:
+            xc = tl.load(x_rows + k[None, :] * stride_xk, mask=rows[:, None] & (k < max_rank)[None, :], other=0.0)
+            xc = tl.where((k < rank)[None, :], xc, 0.0)
+            if UPCAST:
+                xc = xc.to(tl.float32)
+        # All stored rank columns are read (16-byte loads); past the slot's rank they are selected away.
+        wt = tl.load(w_cols + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
+                     mask=(k < max_rank)[:, None] & n_in[None, :], other=0.0)
+        wt = tl.where((k < rank)[:, None], wt, 0.0)
+        if UPCAST:
+            wt = wt.to(tl.float32)
+        acc = tl.dot(xc, wt, acc, input_precision=DOT_PRECISION)
+    return acc
 
 
 # Shrink streams x once. A prefill-sized batch (size class 2, more than 1024 tokens) fills the GPU with its
@@ -379,10 +466,12 @@ _SHRINK_CONFIGS = [
     triton.Config({"BLOCK_S": 32, "BLOCK_K": 256, "SPLIT_K": 4}, num_warps=4, num_stages=4),
     # decode: K in 8 slices
     triton.Config({"BLOCK_S": 16, "BLOCK_K": 256, "SPLIT_K": 8}, num_warps=4, num_stages=3),
-    # no split, 16-token tiles: two warps (a 16-row dot on four warps leaves two idle; 17.9 against 12.7 us
-    # at 4096 tokens in bench/results/lora_sweep.md). 64-token tiles are gone: 64 tiles for 4096 tokens
-    # leave half the SMs idle (17-18 us there), and 32-token tiles fill the GPU at any larger batch.
+    # no split, 16-token tiles: two warps (a 16-row dot on four warps leaves two idle; 16.7 against 12.7 us
+    # at 4096 tokens in bench/results/lora_sweep.md)
     triton.Config({"BLOCK_S": 16, "BLOCK_K": 256, "SPLIT_K": 1}, num_warps=2, num_stages=4),
+    # short K (the MLA steps, K = 128 or 512, 16 heads): W re-read from L2 once per 64 tokens. Not for a
+    # long K: 64 tiles of 4096 tokens leave half the SMs idle (17-18 us against 12.4-13, lora_sweep.md).
+    triton.Config({"BLOCK_S": 64, "BLOCK_K": 128, "SPLIT_K": 1}, num_warps=4, num_stages=5),
 ]
 # Expand reads and writes out once. Wide N tiles give 16-byte accesses across a whole warp; the base
 # tiles of the next stages travel by cp.async into shared memory, so a program holds 2-3 tiles in flight.
@@ -406,11 +495,12 @@ _SHRINK_SMEM_BUDGET = 220 * 1024
 _EXPAND_SMEM_BUDGET = 176 * 1024
 
 
-# A trial is one isolated call after an L2 flush: its time swings by up to ~10% from one tuning to the next,
-# more than most configs differ. The configs are listed in order of preference (roughly the order of their
-# amortised H200 timings in bench/results/lora.md and lora_sweep.md); a later one is chosen only if its trial
-# beats the earliest contender's by more than this margin.
-_TUNING_MARGIN = 1.10
+# A trial is one isolated call after an L2 flush: its time swings by 10-30% from one tuning to the next (the
+# launch and the first loads weigh on one call of a few microseconds), more than most configs differ once
+# calls run back to back. The pruning lists the configs of a batch shape in order of preference (the order
+# of their amortised H200 timings in bench/results/lora.md and lora_sweep.md); a later one is chosen only if
+# its trial beats the earliest contender's by more than this margin.
+_TUNING_MARGIN = 1.25
 
 
 def _preferred(configs, timings, best):
@@ -451,9 +541,14 @@ def _prune_shrink(configs, named_args, **meta):
     size = named_args["x_ptr"].element_size()
     block_n = meta["BLOCK_N"]
     size_class, K = named_args["size_class"], named_args["K"]
-    # Split K only where tiles are few (up to 1024 tokens) and every slice keeps at least two steps.
+    # Split K only where tiles are few (up to 1024 tokens) and every slice keeps at least two steps; 64-row
+    # tiles only for a short K.
+    few_tiles = size_class % 3 < 2
     kept = [c for c in _by_batch(configs, size_class)
-            if c.kwargs["SPLIT_K"] == 1 or (size_class % 3 < 2 and K >= 2 * c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"])]
+            if (c.kwargs["SPLIT_K"] == 1 or (few_tiles and K >= 2 * c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"]))
+            and (c.kwargs["BLOCK_S"] < 64 or K <= 512)]
+    # Preference: split configs first where tiles are few; 64-row tiles first for a short K and many tokens.
+    kept.sort(key=lambda c: (c.kwargs["SPLIT_K"] == 1) if few_tiles else (c.kwargs["BLOCK_S"] != 64))
     # cp.async pipelines keep num_stages - 1 buffers; wgmma ones (64-row tiles) keep num_stages.
     return _fitting(kept, lambda c: (c.num_stages - (c.kwargs["BLOCK_S"] < 64)) * (c.kwargs["BLOCK_S"] + block_n)
                     * c.kwargs["BLOCK_K"] * size, _SHRINK_SMEM_BUDGET,
@@ -505,7 +600,9 @@ class _Tuned:
             self.autotuner.run(*args, grid=grid, warmup=False, **meta)
             # Timings of this call's trials only (an autotuner cache hit leaves the previous key's).
             timings = getattr(self.autotuner, "configs_timings", None)
-            cfg = _preferred(self.configs, timings if timings is not before else None, self.autotuner.best_config)
+            # The pruning's order is the preference order for this batch shape.
+            order = self.prune(self.configs, dict(zip(self.kernel.arg_names, args)), **meta)
+            cfg = _preferred(order, timings if timings is not before else None, self.autotuner.best_config)
             blocks, options = cfg.kwargs, cfg.all_kwargs()
         self.chosen[key] = (blocks["BLOCK_S"], blocks.get("BLOCK_N", meta.get("BLOCK_N")), {**meta, **options})
 
@@ -525,6 +622,10 @@ _expand_run = _lora_expand_kernel.run
 _INTERPRET_BLOCK_SEG = 16
 _INTERPRET_GROUPS = 1
 _EXPAND_MAX_BLOCK_K = 128
+# Expand token tiles are packed (consecutive sorted positions across segments, an adapter looked up per
+# row) from this batch-shape class on: decode batches (8 tokens a segment or fewer), where one tile per
+# segment would be mostly padding.
+_PACKED_FROM_CLASS = 3
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -635,14 +736,15 @@ def launch_expand(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
         slices, s1, s2, s3, aligned = (2 if slice_offsets is not None else 0), w_row, 0, 0, False
     size_class = _size_class(num_tokens, num_segments)
     block_seg = _block_seg(num_segments)
+    packed = size_class >= _PACKED_FROM_CLASS
     args = (x, w, out, seg_indptr, weight_indices, lora_ranks, scalings,
             permutation if has_permutation else seg_indptr,
             slice_offsets if slice_offsets is not None else seg_indptr, s1, s2, s3,
             num_segments, num_tokens, w.shape[0], N, n_total, max_rank,
             *x_strides, *w_strides, *out_strides, size_class)
     key = (x.dtype, w.dtype, out.dtype, N, max_rank, size_class, accumulate, has_permutation, slices, aligned,
-           block_seg)
-    tiles_extra = num_segments + (0 if accumulate else 1)
+           block_seg, packed)
+    tiles_extra = 0 if packed else num_segments + (0 if accumulate else 1)
     chosen = _expand.chosen.get(key)
     if chosen is None:
         # The whole stored rank is one dot operand up to 128 (x and W are tiny next to base); larger ranks go
@@ -650,8 +752,8 @@ def launch_expand(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
         block_k = _pow2_clamp(max_rank, 16, _EXPAND_MAX_BLOCK_K)
         k_chunks = -(-max_rank // block_k)
         meta = {"ACCUMULATE": accumulate, "HAS_PERMUTATION": has_permutation, "SLICES": slices,
-                "ALIGNED_SLICES": aligned, "UPCAST": INTERPRET, "DOT_PRECISION": _dot_precision(x.dtype),
-                "BLOCK_SEG": block_seg, "BLOCK_K": block_k,
+                "ALIGNED_SLICES": aligned, "PACKED": packed, "UPCAST": INTERPRET,
+                "DOT_PRECISION": _dot_precision(x.dtype), "BLOCK_SEG": block_seg, "BLOCK_K": block_k,
                 "K_CHUNKS": k_chunks}
         _expand.first_launch(key, args, meta,
                              lambda blocks: _expand_grid(num_tokens, tiles_extra, heads, N, blocks["BLOCK_S"],

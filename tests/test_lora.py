@@ -104,6 +104,14 @@ def poisoned_outputs(monkeypatch):
     monkeypatch.setattr(lora, "_new_output", nan_like)
 
 
+@pytest.fixture(params=["segment-tiles", "packed-tiles"])
+def expand_tiles(request, monkeypatch):
+    """Expand token tiles hold one segment's rows (prefill batches) or consecutive rows across segments and
+    adapters (packed, decode batches); both are forced here, whatever the layout's shape."""
+    monkeypatch.setattr(lora._k, "_PACKED_FROM_CLASS", 0 if request.param == "packed-tiles" else 99)
+    return request.param
+
+
 LAYOUT_NAMES = list(LAYOUTS)
 # Every layout in bfloat16 (the dtype the interpreter gets wrong without upcasting), and each other
 # dtype on layouts with and without permutation and padding: the full product costs 2x the time.
@@ -148,7 +156,7 @@ def untouched_rows(info, S):
 
 
 @pytest.mark.parametrize("case", EXPAND_CASES, ids=ids)
-def test_sgemm_lora_b_matches_reference(case):
+def test_sgemm_lora_b_matches_reference(case, expand_tiles):
     name, dtype, fresh = case
     R, N = 16, 40
     info, S = layout(name, R, seed=10 + LAYOUT_NAMES.index(name))
@@ -176,7 +184,7 @@ def test_sgemm_lora_b_matches_reference(case):
 @pytest.mark.parametrize("offsets", ["host", "device"])
 @pytest.mark.parametrize("fresh", [False, True], ids=["accumulate", "fresh"])
 @pytest.mark.parametrize("name", ["graph_padded_permuted", "random"])
-def test_qkv_lora_b_matches_reference(name, fresh, offsets):
+def test_qkv_lora_b_matches_reference(name, fresh, offsets, expand_tiles):
     dtype = torch.bfloat16
     R, n_q, n_kv = 8, 24, 12
     starts = [0, n_q, n_q + n_kv, n_q + 2 * n_kv]
@@ -192,7 +200,7 @@ def test_qkv_lora_b_matches_reference(name, fresh, offsets):
 
 
 @pytest.mark.parametrize("fresh", [False, True], ids=["accumulate", "fresh"])
-def test_sgemm_lora_b_rank_in_chunks(fresh, monkeypatch):
+def test_sgemm_lora_b_rank_in_chunks(fresh, monkeypatch, expand_tiles):
     """Stored ranks above the largest dot operand go in chunks (128 on the GPU; 16 here, so R = 32 is two,
     and the slot of rank 17 ends inside the second)."""
     monkeypatch.setattr(lora._k, "_EXPAND_MAX_BLOCK_K", 16)
@@ -208,7 +216,7 @@ def test_sgemm_lora_b_rank_in_chunks(fresh, monkeypatch):
 
 @pytest.mark.parametrize("n_kv", [16, 12], ids=["slices-on-multiples-of-8", "slices-off-multiples-of-8"])
 @pytest.mark.parametrize("offsets", ["host", "device"])
-def test_qkv_lora_b_slice_alignment(offsets, n_kv):
+def test_qkv_lora_b_slice_alignment(offsets, n_kv, expand_tiles):
     """Slice edges on multiples of 8 take the kernels' 16-byte path (decided on the host for host offsets,
     in the kernel for device ones); both paths are the reference."""
     R, n_q = 8, 24
@@ -259,7 +267,7 @@ def test_step_a_q_matches_reference(case):
 
 
 @pytest.mark.parametrize("case", EXPAND_CASES, ids=ids)
-def test_step_b_q_matches_reference(case):
+def test_step_b_q_matches_reference(case, expand_tiles):
     name, dtype, fresh = case
     info, S = layout(name, R_MLA, seed=50 + LAYOUT_NAMES.index(name))
     lora_a, _ = mla_weights(dtype)
@@ -281,7 +289,7 @@ def test_step_a_v_matches_reference(case):
 
 
 @pytest.mark.parametrize("case", EXPAND_CASES, ids=ids)
-def test_step_b_v_matches_reference(case):
+def test_step_b_v_matches_reference(case, expand_tiles):
     name, dtype, fresh = case
     info, S = layout(name, R_MLA, seed=70 + LAYOUT_NAMES.index(name))
     _, lora_b = mla_weights(dtype)

@@ -85,8 +85,8 @@ SCRIPT = textwrap.dedent(r'''
                    partials_ptr="*fp32")
         prec = "ieee" if dtype == "fp32" else "tf32"
         base_s = dict(HAS_PERMUTATION=False, UPCAST=False, DOT_PRECISION=prec, BLOCK_SEG=K.BLOCK_SEG)
-        base_e = dict(ACCUMULATE=True, HAS_PERMUTATION=False, SLICES=0, ALIGNED_SLICES=False, UPCAST=False,
-                      DOT_PRECISION=prec, BLOCK_SEG=K.BLOCK_SEG, K_CHUNKS=1)
+        base_e = dict(ACCUMULATE=True, HAS_PERMUTATION=False, SLICES=0, ALIGNED_SLICES=False, PACKED=False,
+                      UPCAST=False, DOT_PRECISION=prec, BLOCK_SEG=K.BLOCK_SEG, K_CHUNKS=1)
         # Every tuning config in bf16 at rank 16; the other specializations with one config.
         configs = K._SHRINK_CONFIGS if dtype == "bf16" else K._SHRINK_CONFIGS[:1]
         for i, cfg in enumerate(configs):
@@ -128,6 +128,13 @@ SCRIPT = textwrap.dedent(r'''
         out["expand-qkv-device-slices"] = build(K._lora_expand_kernel,
                                                 expand(16, N=6144, stride_xh=16, stride_xt=48), ptr,
                                                 dict(base_e, BLOCK_K=16, SLICES=2), cfg)
+        # Packed decode tiles (an adapter per row): the 16-row configs, accumulating and fresh + permuted.
+        for i, cfg in enumerate(c for c in K._EXPAND_CONFIGS if c.kwargs["BLOCK_S"] == 16):
+            out[f"packed-expand-cfg{i}"] = build(K._lora_expand_kernel, expand(16, num_segments=64, num_tokens=64),
+                                                 ptr, dict(base_e, BLOCK_K=16, PACKED=True), cfg)
+            out[f"packed-expand-fresh-permuted-cfg{i}"] = build(
+                K._lora_expand_kernel, expand(16, num_segments=64, num_tokens=64), ptr,
+                dict(base_e, BLOCK_K=16, PACKED=True, ACCUMULATE=False, HAS_PERMUTATION=True), cfg)
     print("RESULT " + json.dumps(out))
 ''')
 
@@ -173,6 +180,13 @@ def test_lora_expand_with_device_slices_has_a_16_byte_path(compiled):
     """Device slice offsets cannot be checked on the host: slices on multiples of 8 take a 16-byte path
     chosen in the kernel, others a narrow one."""
     assert compiled["expand-qkv-device-slices"]["stores"] == ["", ".v4"], compiled["expand-qkv-device-slices"]
+
+
+def test_lora_packed_expand_compiles_with_16_byte_stores(compiled):
+    """Packed decode tiles loop over the adapters of their rows inside the column loop; base still leaves by
+    16-byte stores."""
+    packed = {k: v for k, v in compiled.items() if k.startswith("packed-expand-")}
+    assert len(packed) >= 2 and all(v["stores"] == [".v4"] for v in packed.values()), packed
 
 
 def test_lora_kernels_do_not_spill_registers(compiled):

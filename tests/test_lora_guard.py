@@ -99,7 +99,9 @@ def test_a_short_max_len_sizes_the_grid_but_never_drops_tokens(max_len):
     check(out, sgemm_lora_a_reference(x, w, info), sgemm_lora_a_reference(x.double(), w.double(), info))
 
 
-def test_out_of_range_slot_and_rank_poison_their_rows_instead_of_reading_out_of_bounds():
+@pytest.mark.parametrize("packed", [False, True], ids=["segment-tiles", "packed-tiles"])
+def test_out_of_range_slot_and_rank_poison_their_rows_instead_of_reading_out_of_bounds(packed, monkeypatch):
+    monkeypatch.setattr(lora._k, "_PACKED_FROM_CLASS", 0 if packed else 99)
     info, S = layout("mixed", 16)
     info.weight_indices = info.weight_indices.clone()
     info.weight_indices[0] = 10 ** 6           # segment 0: rows 0..4
