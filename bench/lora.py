@@ -288,7 +288,7 @@ def main() -> int:
     def launch_config(call):
         """Blocks, warps and stages of the launch ``call()`` makes (already tuned: read off the launch)."""
         seen = []
-        names = ("_shrink_run", "_expand_run")
+        names = ("_shrink_run", "_expand_run", "_gluon_shrink_run")
         saved = [getattr(_lora_kernels, n) for n in names]
         for n, run in zip(names, saved):
             setattr(_lora_kernels, n, lambda *a, _run=run, **kw: seen.append(kw) or _run(*a, **kw))
@@ -300,6 +300,9 @@ def main() -> int:
         if not seen:
             return ""
         kw = seen[-1]
+        if not kw:  # the Gluon shrink: its module's fixed blocks
+            g = _lora_kernels._lora_gluon
+            return f"gluon S{g.BLOCK_S} K{g.BLOCK_K} w{g.WARPS} s{g.STAGES}"
         blocks = " ".join(f"{k[6:]}{v}" for k, v in kw.items() if k in ("BLOCK_S", "BLOCK_N", "BLOCK_K"))
         split = f" split{kw['SPLIT_K']}" if kw.get("SPLIT_K", 1) > 1 else ""
         return f"{blocks}{split} w{kw.get('num_warps', '')} s{kw.get('STAGES', kw.get('num_stages', ''))}"
@@ -311,6 +314,15 @@ def main() -> int:
         if name == "sgemm_lora_a":
             out.append(("custom op", lambda t, i: lora._sgemm_lora_a_op(
                 t["x"], t["A"], *lora._op_batch(lora._check_batch(name, t["x"], i, t["A"].shape[0])), 1)))
+
+            def triton_kernel(t, i):
+                # The Triton shrink where the Gluon one would run (prefill on Hopper), side by side.
+                saved, _lora_kernels.USE_GLUON = _lora_kernels.USE_GLUON, False
+                try:
+                    return ours(t, i)
+                finally:
+                    _lora_kernels.USE_GLUON = saved
+            out.append(("triton kernel", triton_kernel))
         elif name == "sgemm_lora_b":
             out.append(("custom op", lambda t, i: lora._sgemm_lora_b_op(
                 t["y"], t["B"], t["base"], *lora._op_batch(lora._check_batch(name, t["y"], i, t["B"].shape[0])),
@@ -368,7 +380,7 @@ def main() -> int:
                 row["us"] = timer(call, warmup=args.warmup, iters=args.iters)
                 row["config"] = launch_config(call)
                 row["graph_us"] = graph_time_us(call)
-                if cuda and not row["variant"]:
+                if cuda and row["variant"] in ("", "triton kernel"):
                     fn = fns[row["variant"]]
                     row["device_us"] = amortised_graph_us([lambda m=m: fn(m, info) for m in [t, *more]])
                 row["torch_us"] = torch_us

@@ -12,6 +12,8 @@ Shrink (``out[t, h, c] = sum_k x[t, h, k] * W[slot, h, c, k]`` for ``c % R < r``
 With more than one K slice (``SPLIT_K``, batches of up to 1024 tokens), each program of a tile leaves a
 float32 partial and counts itself in on a per-launch zeroed counter; the last to arrive sums the partials in
 slice order (a fixed order: the result does not depend on which program finishes first) and writes the tile.
+Prefill shrinks (more than 1024 tokens) on Hopper go to the Gluon kernel of ``_lora_gluon`` where it applies
+(one head, no permutation, 16-bit, aligned rows): it starts loading x before the segment lookup.
 
 Expand (``out[t, h, n] = (out[t, h, n] if accumulate else 0) + scaling[slot] * sum_{k<r} x[t, h, k]
 * W[slot, h, n, k]``)::
@@ -69,8 +71,13 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from . import _lora_gluon
+
 # Triton decides at decoration time whether a kernel is interpreted; read the switch the same way.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Prefill shrinks on Hopper take the Gluon kernel (``_lora_gluon``) where it applies; GUARDLINT_LORA_GLUON=0
+# keeps every call on the Triton kernel.
+USE_GLUON = os.environ.get("GUARDLINT_LORA_GLUON", "1") != "0"
 
 # Segments scanned per step of _find_tile: one vector load covers a whole decode batch of 256.
 BLOCK_SEG = 256
@@ -615,6 +622,7 @@ _shrink = _Tuned(_lora_shrink_kernel, _SHRINK_CONFIGS, ["K", "N", "max_rank", "s
 _expand = _Tuned(_lora_expand_kernel, _EXPAND_CONFIGS, ["N", "max_rank", "size_class"], _prune_expand,
                  {"BLOCK_S": 16, "BLOCK_N": 16, "STAGES": 2}, restore_value=["out_ptr"])
 _shrink_run = _lora_shrink_kernel.run
+_gluon_shrink_run = _lora_gluon.launch
 _expand_run = _lora_expand_kernel.run
 
 # Interpreter segment scans: one chunk covers the test batches; one column group per token tile, so each
@@ -645,6 +653,11 @@ def launch_shrink(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
     if num_tokens == 0 or N == 0:
         return
     size_class = _size_class(num_tokens, num_segments)
+    if USE_GLUON and size_class == 2 and _lora_gluon.supports(x, x_strides, w, w_strides, out_strides, permutation,
+                                                              heads, N):
+        _gluon_shrink_run(x, x_strides, w, w_strides, out, out_strides, seg_indptr, weight_indices, lora_ranks,
+                          num_segments, num_tokens, K, N, max_rank)
+        return
     has_permutation = permutation is not None
     block_seg = _block_seg(num_segments)
     key = (x.dtype, w.dtype, K, N, max_rank, size_class, has_permutation, block_seg)

@@ -205,3 +205,27 @@ def test_lora_shrink_split_k_hands_partials_over_through_l2(compiled):
     assert split and all(v["atomics"] == ["atom.global.gpu.acq_rel.add.u32"] and v["l2_loads"] >= 1
                          for v in split.values()), split
     assert single and all(v["atomics"] == [] for v in single.values()), single
+
+
+GLUON_SCRIPT = textwrap.dedent(r'''
+    import json
+    from guardlint.kernels import _lora_gluon as G
+    out = [G.hopper_resources(n) for n in (16, 48, 64)] + [G.hopper_resources(16, "fp16")]
+    print("RESULT " + json.dumps(out))
+''')
+
+
+def test_gluon_prefill_shrink_compiles_for_sm90_without_spills():
+    """The Gluon shrink for sm_90a: tensor-core mma, TMA loads of x and W, shared memory within the 227 KB
+    of a block, no spills, for every stack width it takes (16 to 64 columns) and both 16-bit dtypes."""
+    from guardlint.kernels import _lora_gluon
+
+    if not _lora_gluon.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", GLUON_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"sm_90 compile failed:\n{proc.stderr[-4000:]}"
+    for r in json.loads(lines[-1][len("RESULT "):]):
+        assert r["spill_bytes"] == 0 and r["shared_bytes"] <= 227 * 1024, r
+        assert r["mma"] > 0 and r["tma_loads"] >= 4, r

@@ -287,3 +287,56 @@ def test_tuning_keeps_the_listed_order_unless_a_later_config_wins_clearly():
     assert pick([c, b, a], {a: [27.5, 26.0, 28.0], b: [21.6, 21.0, 22.0], c: [26.0, 27.0, 29.0]}, b) is c
     assert pick([a, b, c], {b: 30.0, c: 29.0}, c) is b
     assert pick([a, b, c], None, c) is c
+
+
+def test_gluon_shrink_takes_only_calls_it_fits():
+    """The Gluon prefill shrink takes one head of 16-bit x without permutation, rows TMA can address (16-byte
+    aligned strides, W's slots stacked as one matrix), stacks of at most 16 columns; anything else stays on
+    the Triton kernel."""
+    from guardlint.kernels import _lora_gluon as G
+
+    x, w = torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(4, 16, 64, dtype=torch.bfloat16)
+
+    def fits(x=x, w=w, xs=None, ws=None, perm=None, heads=1, N=16):
+        xs = xs or (x.stride(0), 0, x.stride(1))
+        ws = ws or (w.stride(0), 0, w.stride(1), w.stride(2))
+        return G.fits(x, xs, w, ws, (N, 0, 1), perm, heads, N)
+
+    assert fits()
+    assert fits(x=x.half(), w=w.half())
+    assert not fits(perm=torch.arange(64))
+    assert not fits(heads=2)
+    assert not fits(x=x.float(), w=w.float())
+    assert not fits(x=x, w=w.half())
+    assert not fits(w=torch.zeros(4, 32, 64, dtype=torch.bfloat16), N=32)  # wider than MAX_N (16)
+    odd = torch.zeros(64, 65, dtype=torch.bfloat16)[:, :64]  # rows 130 bytes apart
+    assert not fits(x=odd)
+    assert not fits(x=torch.zeros(64, 128, dtype=torch.bfloat16)[:, ::2])  # K stride 2
+    assert not fits(ws=(w.stride(0) * 2, 0, w.stride(1), w.stride(2)))    # slots not stacked
+    # Not on a CUDA tensor: never.
+    assert not G.supports(x, (64, 0, 1), w, (1024, 0, 64, 1), (16, 0, 1), None, 1, 16)
+
+
+def test_prefill_shrinks_route_to_gluon_where_it_fits(monkeypatch):
+    """Size class 2 (more than 1024 tokens, more than 8 a segment) and ``supports``: the Gluon launch; a
+    smaller batch, or GUARDLINT_LORA_GLUON=0 (USE_GLUON), the Triton kernel."""
+    K_ = _lora_kernels
+    gluon, triton_calls = [], []
+    monkeypatch.setattr(K_._lora_gluon, "supports", lambda *a: True)
+    monkeypatch.setattr(K_, "_gluon_shrink_run", lambda *a, **kw: gluon.append(a[9:]))
+    monkeypatch.setattr(K_._shrink, "first_launch", lambda *a, **kw: triton_calls.append(1))
+    monkeypatch.setattr(K_._shrink, "chosen", {})
+    seg = torch.tensor([0, 1000, 2048], dtype=torch.int32)
+
+    def launch(S):
+        x, w, out = torch.zeros(S, 64), torch.zeros(2, 16, 64), torch.zeros(S, 16)
+        K_.launch_shrink(x, (64, 0, 1), w, (1024, 0, 64, 1), out, (16, 0, 1), seg, seg, seg, None, 2, S, 1, 64,
+                         16, 16)
+
+    launch(2048)
+    assert gluon == [(2, 2048, 64, 16, 16)] and not triton_calls
+    launch(1024)
+    assert len(gluon) == 1 and triton_calls == [1]
+    monkeypatch.setattr(K_, "USE_GLUON", False)
+    launch(2048)
+    assert len(gluon) == 1 and triton_calls == [1, 1]

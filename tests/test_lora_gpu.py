@@ -1,0 +1,131 @@
+"""LoRA kernels on the GPU: the Gluon prefill shrink (Hopper) against the torch reference and float64, on
+layouts that give its tiles several adapters, rank-0 and out-of-range slots, graph padding and uncovered
+rows; and the Triton kernel on the same calls, side by side. Skipped without a CUDA device."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from guardlint.kernels import _lora_gluon, _lora_kernels
+from guardlint.kernels.lora import LoRABatchInfo, sgemm_lora_a, sgemm_lora_a_reference
+
+pytestmark = pytest.mark.gpu
+
+SLOTS = 4
+
+
+def batch(lens, slots, ranks, *, pad=0, extra_rows=0):
+    indptr = [0] + list(itertools.accumulate(lens))
+    S = indptr[-1] + extra_rows
+    info = LoRABatchInfo(
+        use_cuda_graph=pad > 0, bs=len(lens) + pad, num_segments=len(lens),
+        seg_indptr=torch.tensor(indptr + [10 ** 6, -7, 3][:pad], dtype=torch.int32, device="cuda"),
+        weight_indices=torch.tensor(slots + [99, -1, 10 ** 5][:pad], dtype=torch.int32, device="cuda"),
+        lora_ranks=torch.tensor(ranks, dtype=torch.int32, device="cuda"),
+        scalings=torch.tensor([0.5, 2.0, 1.0, 0.25], dtype=torch.float32, device="cuda"),
+        max_len=max(lens), permutation=None)
+    return info, S
+
+
+def random_lens(seed, total):
+    g = torch.Generator().manual_seed(seed)
+    lens = []
+    while sum(lens) < total:
+        lens.append(int(torch.randint(1, 200, (1,), generator=g)))
+    return lens
+
+
+# More than 1024 tokens averaging more than 8 a segment: the prefill shape the Gluon shrink takes.
+LAYOUTS = {
+    # segment edges inside 32-row tiles: tiles of two and more adapters; slot 2 has rank 0
+    "unaligned": (random_lens(1, 1500), None, [16, 5, 0, 9], {}),
+    # graph-padded buffers (stale entries past num_segments) and rows no live segment covers
+    "graph_padded": ([700, 3, 0, 350, 1], [3, 0, 1, 2, 0], [16, 16, 16, 16], {"pad": 3, "extra_rows": 77}),
+    # more segments than one lookup chunk (32)
+    "many_segments": (random_lens(2, 2100), None, [16, 8, 16, 1], {}),
+    # whole tiles of a rank-0 slot (no K pass at all)
+    "rank0_tiles": ([512, 512, 100], [2, 0, 2], [16, 16, 0, 16], {}),
+}
+
+
+@pytest.fixture
+def gluon_calls(monkeypatch):
+    if not _lora_gluon.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon shrink needs Triton's Gluon and a Hopper GPU")
+    calls = []
+    run = _lora_kernels._gluon_shrink_run
+    monkeypatch.setattr(_lora_kernels, "_gluon_shrink_run", lambda *a, **kw: calls.append(1) or run(*a, **kw))
+    return calls
+
+
+def check(out, x, w, info, stack_num=1, rtol=1.6e-2, atol=3e-2):
+    ref = sgemm_lora_a_reference(x, w, info, stack_num)
+    ref64 = sgemm_lora_a_reference(x.double(), w.double(), info, stack_num)
+    nan = torch.isnan(ref64)
+    assert torch.equal(torch.isnan(out), nan), "NaN rows differ from the reference's"
+    torch.testing.assert_close(out[~nan], ref[~nan], rtol=rtol, atol=atol)
+    torch.testing.assert_close(out[~nan].double(), ref64[~nan], rtol=rtol, atol=10 * atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_gluon_shrink_matches_reference(name, dtype, gluon_calls, monkeypatch):
+    lens, slots, ranks, kw = LAYOUTS[name]
+    slots = slots or [i % SLOTS for i in range(len(lens))]
+    info, S = batch(lens, slots, ranks, **kw)
+    assert _lora_kernels._size_class(S, info.num_segments) == 2
+    g = torch.Generator(device="cuda").manual_seed(0)
+    K = 1000  # not a multiple of the 256-wide K step: TMA zero-fills the last one
+    x = torch.randn(S, K, generator=g, device="cuda").to(dtype)
+    w = (torch.randn(SLOTS, 16, K, generator=g, device="cuda") * K ** -0.5).to(dtype)
+    out = sgemm_lora_a(x, w, info)
+    assert gluon_calls, "the call did not take the Gluon shrink"
+    check(out, x, w, info)
+    # The Triton kernel on the same call agrees.
+    monkeypatch.setattr(_lora_kernels, "USE_GLUON", False)
+    torch.testing.assert_close(sgemm_lora_a(x, w, info), out, rtol=1.6e-2, atol=3e-2, equal_nan=True)
+
+
+@pytest.mark.parametrize("stack_num,R", [(3, 16), (1, 64), (2, 32)])
+def test_gluon_shrink_stacks_and_ranks(stack_num, R, gluon_calls, monkeypatch):
+    """q/k/v stacks (48 columns in a 64-wide tile) and larger ranks; slot 1's rank ends inside a stack. The
+    routing sends only 16-column stacks here (wider ones measured faster on Triton); the kernel takes up to 64."""
+    monkeypatch.setattr(_lora_gluon, "MAX_N", _lora_gluon.KERNEL_MAX_N)
+    lens = random_lens(3, 1800)
+    info, S = batch(lens, [i % SLOTS for i in range(len(lens))], [R, R // 2 + 1, 0, R])
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(S, 512, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(SLOTS, stack_num * R, 512, generator=g, device="cuda") * 512 ** -0.5).to(torch.bfloat16)
+    check(sgemm_lora_a(x, w, info, stack_num), x, w, info, stack_num)
+    assert gluon_calls
+
+
+def test_gluon_shrink_poisons_out_of_range_slots_and_ranks(gluon_calls):
+    lens = [300, 200, 600, 100]
+    info, S = batch(lens, [10 ** 6, 1, 0, 3], [16, 17, 0, 9])  # slot 1: rank above the stored 16
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(S, 512, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(SLOTS, 16, 512, generator=g, device="cuda") * 512 ** -0.5).to(torch.bfloat16)
+    out = sgemm_lora_a(x, w, info)  # derive mode: values are not checked before launch
+    assert torch.isnan(out[:500]).all() and not torch.isnan(out[500:]).any()
+    check(out, x, w, info)
+    assert gluon_calls
+
+
+def test_calls_the_gluon_shrink_does_not_take_go_to_triton(gluon_calls):
+    """Permuted rows, fp32 and stacks wider than MAX_N stay on the Triton kernel."""
+    lens = random_lens(4, 1500)
+    info, S = batch(lens, [i % SLOTS for i in range(len(lens))], [16, 16, 16, 16])
+    x = torch.randn(S, 256, device="cuda")
+    w = torch.randn(SLOTS, 16, 256, device="cuda") * 0.06
+    check(sgemm_lora_a(x, w, info), x, w, info, rtol=1e-4, atol=1e-4)                    # fp32
+    info.permutation = torch.randperm(S, device="cuda").to(torch.int32)
+    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    check(sgemm_lora_a(xb, wb, info), xb, wb, info)                                       # permuted
+    info.permutation = None
+    w64 = torch.randn(SLOTS, 64, 256, device="cuda").to(torch.bfloat16) * 0.06
+    info.lora_ranks = torch.full((SLOTS,), 64, dtype=torch.int32, device="cuda")
+    check(sgemm_lora_a(xb, w64, info), xb, w64, info)                                     # 64 columns
+    assert not gluon_calls
