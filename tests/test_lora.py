@@ -370,3 +370,22 @@ def test_shrink_split_k_poisons_bad_slots_and_zeroes_rank_0(monkeypatch):
     assert torch.isnan(out[:5]).all() and torch.isnan(ref[:5]).all()
     assert torch.equal(out[5], torch.zeros(16)) and torch.equal(ref[5], torch.zeros(16))
     torch.testing.assert_close(out[5:], ref[5:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["accumulate", "fresh"])
+@pytest.mark.parametrize("name", ["mixed", "graph_padded_permuted", "decode"])
+def test_lookups_past_the_first_block_of_segments_and_slots(name, fresh, expand_tiles, monkeypatch):
+    """Tables longer than one lookup block (2 entries here): segments and slots past the first block are
+    found by the further passes of the tile search and of the packed per-row lookup."""
+    monkeypatch.setattr(lora._k, "_INTERPRET_BLOCK_SEG", 2)
+    monkeypatch.setattr(lora._k._expand, "chosen", {})
+    monkeypatch.setattr(lora._k._shrink, "chosen", {})
+    info, S = layout(name, 16, seed=21)
+    x, w = rand(S, 16, dtype=torch.float32, seed=22), rand(SLOTS, 40, 16, dtype=torch.float32, seed=23)
+    base = None if fresh else rand(S, 40, dtype=torch.float32, seed=24)
+    check(sgemm_lora_b(x, w, info, None if fresh else base.clone()),
+          sgemm_lora_b_reference(x, w, info, None if fresh else base.clone()),
+          sgemm_lora_b_reference(x.double(), w.double(), info, None if fresh else base.double()))
+    xa, wa = rand(S, 40, dtype=torch.float32, seed=25), rand(SLOTS, 16, 40, dtype=torch.float32, seed=26)
+    check(sgemm_lora_a(xa, wa, info), sgemm_lora_a_reference(xa, wa, info),
+          sgemm_lora_a_reference(xa.double(), wa.double(), info))
