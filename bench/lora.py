@@ -205,6 +205,18 @@ def kernels(case: Case, S: int, torch, lora):
     }
 
 
+def on_triton(call):
+    """``call()`` with the shrink on its Triton kernel where the Gluon one would run (prefill on Hopper): the
+    side-by-side rows of this benchmark and of bench/lora_anatomy.py."""
+    from guardlint.kernels import _lora_kernels
+
+    saved, _lora_kernels.USE_GLUON = _lora_kernels.USE_GLUON, False
+    try:
+        return call()
+    finally:
+        _lora_kernels.USE_GLUON = saved
+
+
 def errors(out, ref):
     diff = (out.double() - ref).abs()
     scale = ref.abs().max().item() or 1.0
@@ -301,7 +313,7 @@ def main() -> int:
             return ""
         kw = seen[-1]
         if not kw:  # the Gluon shrink: its module's fixed blocks
-            g = _lora_kernels._lora_gluon
+            g = _lora_kernels._gluon.load("_lora_gluon")
             return f"gluon S{g.BLOCK_S} K{g.BLOCK_K} w{g.WARPS} s{g.STAGES}"
         blocks = " ".join(f"{k[6:]}{v}" for k, v in kw.items() if k in ("BLOCK_S", "BLOCK_N", "BLOCK_K"))
         split = f" split{kw['SPLIT_K']}" if kw.get("SPLIT_K", 1) > 1 else ""
@@ -314,15 +326,7 @@ def main() -> int:
         if name == "sgemm_lora_a":
             out.append(("custom op", lambda t, i: lora._sgemm_lora_a_op(
                 t["x"], t["A"], *lora._op_batch(lora._check_batch(name, t["x"], i, t["A"].shape[0])), 1)))
-
-            def triton_kernel(t, i):
-                # The Triton shrink where the Gluon one would run (prefill on Hopper), side by side.
-                saved, _lora_kernels.USE_GLUON = _lora_kernels.USE_GLUON, False
-                try:
-                    return ours(t, i)
-                finally:
-                    _lora_kernels.USE_GLUON = saved
-            out.append(("triton kernel", triton_kernel))
+            out.append(("triton kernel", lambda t, i: on_triton(lambda: ours(t, i))))
         elif name == "sgemm_lora_b":
             out.append(("custom op", lambda t, i: lora._sgemm_lora_b_op(
                 t["y"], t["B"], t["base"], *lora._op_batch(lora._check_batch(name, t["y"], i, t["B"].shape[0])),

@@ -191,13 +191,6 @@ def main() -> int:
         _stream_probe[(S // BS * GROUPS,)](t["base"], S, N, t["base"].stride(0), BLOCK_S=BS, BLOCK_N=BN,
                                            STAGES=E_STAGES, GROUPS=GROUPS, num_warps=4, num_stages=E_STAGES)
 
-    def triton_shrink(t):
-        saved, LK.USE_GLUON = LK.USE_GLUON, False
-        try:
-            lora.sgemm_lora_a(t["x"], t["A"], info)
-        finally:
-            LK.USE_GLUON = saved
-
     def each(fn):
         return [lambda t=t: fn(t) for _, _, _, t in sets]
 
@@ -231,7 +224,7 @@ def main() -> int:
         ("shrink", "torch mm, one adapter", "cuBLAS x @ A[0]^T over all tokens: the same bytes, no segments",
          [lambda t=t: torch.mm(t["x"], t["A"][0].t()) for _, _, _, t in sets]),
         ("shrink", "Triton kernel", "the public function on the Triton kernel (GUARDLINT_LORA_GLUON=0)",
-         each(triton_shrink)),
+         each(lambda t: lb.on_triton(lambda: lora.sgemm_lora_a(t["x"], t["A"], info)))),
         ("shrink", "sgemm_lora_a", "the public function", each(lambda t: lora.sgemm_lora_a(t["x"], t["A"], info))),
     ]
     # The search probes compute the product's result: check them (bf16) before timing anything.

@@ -17,9 +17,6 @@ Triton kernel. Same math and the same grid as ``_attention_triton`` (per sequenc
 """
 from __future__ import annotations
 
-import functools
-from typing import Optional
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -28,6 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import _attention_triton as triton_path
+from ._gluon import compile_sm90, is_hopper, smem_layout, tensordesc
 
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 ROWS_PER_WG = 64
@@ -228,8 +226,7 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, po
     ``pointers=False`` leaves out the base-address check (tensors without storage: torch.compile's fakes)."""
     if causal or q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if q.shape[2] not in HEAD_DIMS or q.shape[0] >= 2 ** 31 or not _is_hopper(
-            q.device.index if q.device.index is not None else torch.cuda.current_device()):
+    if q.shape[2] not in HEAD_DIMS or q.shape[0] >= 2 ** 31 or not is_hopper(q.device):
         return False
     for t in (q, k, v):
         if t.stride(2) != 1 or t.stride(1) != t.shape[2] or (t.stride(0) * t.element_size()) % 16 \
@@ -238,23 +235,11 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, po
     return True
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
-    # Building a layout costs ~8 us of Python: once per tile shape and dtype.
-    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16 if dtype == torch.bfloat16
-                                                else gl.float16)
-
-
-@functools.lru_cache(maxsize=None)
-def _is_hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
-
-
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """TMA descriptor over (tokens, heads * D), tiles of ``rows`` tokens x one head."""
     total, heads, head_dim = t.shape
     return TensorDescriptor(t, [total, heads * head_dim], [t.stride(0), 1], [rows, head_dim],
-                            _smem_layout(rows, head_dim, t.dtype))
+                            smem_layout(rows, head_dim, t.dtype))
 
 
 def describe(head_dim: int) -> str:
@@ -294,29 +279,18 @@ def hopper_resources(head_dim: int, dtype: str = "bf16") -> dict:
     counts and the wgmma wait depths. Call it in a process without TRITON_INTERPRET (the tests spawn one)."""
     import re
 
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from ._ptxas import sm90_resources
-
     fn = _varlen_attention_fwd_ws
-    gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
-
-    def desc(rows: int) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
-        return f"tensordesc<{dtype}[{rows}, {head_dim}],{layout!r}>"
-
     signature = {name: "constexpr" for name in fn.arg_names}
-    signature.update(q_desc=desc(ROWS_PER_WG), k_desc=desc(BLOCK_N), v_desc=desc(BLOCK_N), o_ptr="*" + dtype,
-                     cu_seqlens="*i32", seq_order="*i32", stride_ot="i32", total_tokens="i32", qk_scale="fp32")
+    signature.update(q_desc=tensordesc(dtype, ROWS_PER_WG, head_dim), k_desc=tensordesc(dtype, BLOCK_N, head_dim),
+                     v_desc=tensordesc(dtype, BLOCK_N, head_dim), o_ptr="*" + dtype, cu_seqlens="*i32",
+                     seq_order="*i32", stride_ot="i32", total_tokens="i32", qk_scale="fp32")
     constants = dict(GROUP=1, HEAD_DIM=head_dim, SORTED=True, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N,
                      STAGES=stages_for(head_dim), CONSUMER_REGS=CONSUMER_REGS)
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("o_ptr", "cu_seqlens", "seq_order",
                                                                           "stride_ot")}
-    compiled = triton.compile(GluonASTSource(fn, signature, constexprs=constants, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    ptx = compiled.asm["ptx"]
-    return {"head_dim": head_dim, "dtype": dtype, **sm90_resources(ptx), "shared_bytes": compiled.metadata.shared,
+    res = compile_sm90(fn, signature, constants, 4, attrs)
+    ptx = res.pop("ptx")
+    return {"head_dim": head_dim, "dtype": dtype, **res,
             "partition_registers": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                                       ptx)}),
             "wgmma_waits": sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)})}

@@ -71,7 +71,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from . import _lora_gluon
+from . import _gluon
 
 # Triton decides at decoration time whether a kernel is interpreted; read the switch the same way.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -626,8 +626,13 @@ _shrink = _Tuned(_lora_shrink_kernel, _SHRINK_CONFIGS, ["K", "N", "max_rank", "s
 _expand = _Tuned(_lora_expand_kernel, _EXPAND_CONFIGS, ["N", "max_rank", "size_class"], _prune_expand,
                  {"BLOCK_S": 16, "BLOCK_N": 16, "STAGES": 2}, restore_value=["out_ptr"])
 _shrink_run = _lora_shrink_kernel.run
-_gluon_shrink_run = _lora_gluon.launch
 _expand_run = _lora_expand_kernel.run
+
+
+def _gluon_shrink_run(*args, **kwargs) -> None:
+    """The Gluon prefill shrink's launch (``_lora_gluon.launch``), loaded on first use."""
+    _gluon.load("_lora_gluon").launch(*args, **kwargs)
+
 
 # Interpreter segment scans: one chunk covers the test batches; one column group per token tile, so each
 # program loops over all column tiles (tests change both to cover the other paths).
@@ -657,8 +662,9 @@ def launch_shrink(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
     if num_tokens == 0 or N == 0:
         return
     size_class = _size_class(num_tokens, num_segments)
-    if USE_GLUON and size_class == 2 and _lora_gluon.supports(x, x_strides, w, w_strides, out_strides, permutation,
-                                                              heads, N):
+    gluon_shrink = _gluon.load("_lora_gluon") if USE_GLUON and size_class == 2 else None
+    if gluon_shrink is not None and gluon_shrink.supports(x, x_strides, w, w_strides, out_strides, permutation,
+                                                          heads, N):
         _gluon_shrink_run(x, x_strides, w, w_strides, out, out_strides, seg_indptr, weight_indices, lora_ranks,
                           num_segments, num_tokens, K, N, max_rank)
         return

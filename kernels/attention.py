@@ -19,6 +19,7 @@ from . import _attention_dispatch as dispatch
 from . import _attention_flashinfer as fi
 from . import _attention_torch as torch_paths
 from . import _attention_triton as triton_path
+from . import _gluon as gluon_modules
 
 BACKENDS = ("auto", "triton", "gluon", "sdpa", "torch-varlen", "flashinfer", "flashinfer-fa2", "flashinfer-fa3",
             "flashinfer-cudnn")
@@ -54,18 +55,9 @@ def _run_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal):
 
 # -- the Gluon path (Hopper): imported on first use, absent when this Triton has no Gluon --------------
 
-_gluon_state: list = []
-
-
 def _gluon():
-    """``_attention_gluon``, or None when ``triton.experimental.gluon`` does not import (asked once)."""
-    if not _gluon_state:
-        try:
-            from . import _attention_gluon
-        except Exception:  # noqa: BLE001 - an older or partial Triton: the backend is simply unavailable
-            _attention_gluon = None
-        _gluon_state.append(_attention_gluon)
-    return _gluon_state[0]
+    """``_attention_gluon``, or None when ``triton.experimental.gluon`` does not import (``_gluon.load``)."""
+    return gluon_modules.load("_attention_gluon")
 
 
 @torch.library.custom_op("guardlint::varlen_attention_gluon", mutates_args=())

@@ -86,7 +86,7 @@ def packed(tokens=64, heads=4, head_dim=128, **kw):
     ({"device": torch.device("cpu")}, False),
 ])
 def test_supports(monkeypatch, change, expected):
-    monkeypatch.setattr(gluon_path, "_is_hopper", lambda index: True)
+    monkeypatch.setattr(gluon_path, "is_hopper", lambda device: True)
     head_dim = change.pop("head_dim", 128)
     q = packed(head_dim=head_dim, **change)
     kv = packed(heads=2, head_dim=head_dim, **change)
@@ -94,7 +94,7 @@ def test_supports(monkeypatch, change, expected):
 
 
 def test_supports_refuses_causal_other_gpus_and_strided_heads(monkeypatch):
-    monkeypatch.setattr(gluon_path, "_is_hopper", lambda index: True)
+    monkeypatch.setattr(gluon_path, "is_hopper", lambda device: True)
     q, kv = packed(), packed(heads=2)
     assert not gluon_path.supports(q, kv, kv, causal=True)
     # A v slice of a fused qkv buffer: rows of 3 * H * D, heads still contiguous -> TMA reads it.
@@ -102,7 +102,7 @@ def test_supports_refuses_causal_other_gpus_and_strided_heads(monkeypatch):
     assert gluon_path.supports(q, kv, fused, causal=False)
     # Heads not contiguous (a transposed view): no (tokens, heads * D) descriptor exists.
     assert not gluon_path.supports(q, kv, FakeTensor((64, 2, 128), (128, 64 * 128, 1)), causal=False)
-    monkeypatch.setattr(gluon_path, "_is_hopper", lambda index: False)
+    monkeypatch.setattr(gluon_path, "is_hopper", lambda device: False)
     assert not gluon_path.supports(q, kv, kv, causal=False)  # wgmma is Hopper's; Blackwell has tcgen05
 
 

@@ -218,9 +218,9 @@ GLUON_SCRIPT = textwrap.dedent(r'''
 def test_gluon_prefill_shrink_compiles_for_sm90_without_spills():
     """The Gluon shrink for sm_90a: tensor-core mma, TMA loads of x and W, shared memory within the 227 KB
     of a block, no spills, for every stack width it takes (16 to 64 columns) and both 16-bit dtypes."""
-    from guardlint.kernels import _lora_gluon
+    from guardlint.kernels import _gluon
 
-    if not _lora_gluon.AVAILABLE:
+    if _gluon.load("_lora_gluon") is None:
         pytest.skip("this Triton has no Gluon")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", GLUON_SCRIPT], capture_output=True, text=True, env=env, timeout=300)

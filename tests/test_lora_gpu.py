@@ -3,13 +3,12 @@ layouts that give its tiles several adapters, rank-0 and out-of-range slots, gra
 rows; and the Triton kernel on the same calls, side by side. Skipped without a CUDA device."""
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
-from guardlint.kernels import _lora_gluon, _lora_kernels
-from guardlint.kernels.lora import LoRABatchInfo, sgemm_lora_a, sgemm_lora_a_reference
+from guardlint.kernels import _gluon, _lora_kernels
+from guardlint.kernels.lora import sgemm_lora_a, sgemm_lora_a_reference
+from test_lora import make_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -17,15 +16,11 @@ SLOTS = 4
 
 
 def batch(lens, slots, ranks, *, pad=0, extra_rows=0):
-    indptr = [0] + list(itertools.accumulate(lens))
-    S = indptr[-1] + extra_rows
-    info = LoRABatchInfo(
-        use_cuda_graph=pad > 0, bs=len(lens) + pad, num_segments=len(lens),
-        seg_indptr=torch.tensor(indptr + [10 ** 6, -7, 3][:pad], dtype=torch.int32, device="cuda"),
-        weight_indices=torch.tensor(slots + [99, -1, 10 ** 5][:pad], dtype=torch.int32, device="cuda"),
-        lora_ranks=torch.tensor(ranks, dtype=torch.int32, device="cuda"),
-        scalings=torch.tensor([0.5, 2.0, 1.0, 0.25], dtype=torch.float32, device="cuda"),
-        max_len=max(lens), permutation=None)
+    """test_lora's batch (stale graph-buffer entries past num_segments included), these ranks, on the GPU."""
+    info, S = make_batch(lens, slots, 16, pad=pad, extra_rows=extra_rows)
+    info.lora_ranks = torch.tensor(ranks, dtype=torch.int32)
+    for field in ("seg_indptr", "weight_indices", "lora_ranks", "scalings"):
+        setattr(info, field, getattr(info, field).cuda())
     return info, S
 
 
@@ -52,7 +47,7 @@ LAYOUTS = {
 
 @pytest.fixture
 def gluon_calls(monkeypatch):
-    if not _lora_gluon.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
+    if _gluon.load("_lora_gluon") is None or not _gluon.is_hopper(torch.device("cuda")):
         pytest.skip("the Gluon shrink needs Triton's Gluon and a Hopper GPU")
     calls = []
     run = _lora_kernels._gluon_shrink_run
@@ -92,7 +87,7 @@ def test_gluon_shrink_matches_reference(name, dtype, gluon_calls, monkeypatch):
 def test_gluon_shrink_stacks_and_ranks(stack_num, R, gluon_calls, monkeypatch):
     """q/k/v stacks (48 columns in a 64-wide tile) and larger ranks; slot 1's rank ends inside a stack. The
     routing sends only 16-column stacks here (wider ones measured faster on Triton); the kernel takes up to 64."""
-    monkeypatch.setattr(_lora_gluon, "MAX_N", _lora_gluon.KERNEL_MAX_N)
+    monkeypatch.setattr(_gluon.load("_lora_gluon"), "MAX_N", _gluon.load("_lora_gluon").KERNEL_MAX_N)
     lens = random_lens(3, 1800)
     info, S = batch(lens, [i % SLOTS for i in range(len(lens))], [R, R // 2 + 1, 0, R])
     g = torch.Generator(device="cuda").manual_seed(1)
