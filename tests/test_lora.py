@@ -181,6 +181,34 @@ def test_sgemm_lora_b_matches_reference(case, expand_tiles):
     check(out, ref, ref64)
 
 
+@pytest.mark.parametrize("chunks", [1, 2], ids=["one-chunk", "two-chunks"])
+def test_sgemm_lora_b_ignores_nan_past_each_slots_rank(chunks, expand_tiles, monkeypatch):
+    """Stored rank columns past a slot's rank may hold anything: NaN there in x and W must not reach the
+    output, for slots below the stored rank (their W tiles are selected) and at it (taken as loaded)."""
+    monkeypatch.setattr(lora._k._expand, "chosen", {})
+    if chunks == 2:
+        monkeypatch.setattr(lora._k, "_EXPAND_MAX_BLOCK_K", 16)
+    dtype, R, N = torch.bfloat16, 32, 24
+    info, S = layout("mixed", R, seed=5)
+    ranks = info.lora_ranks.tolist()
+    assert R in ranks and any(0 < r < R for r in ranks)
+    x = rand(S, R, dtype=dtype, seed=51)
+    w = rand(SLOTS, N, R, dtype=dtype, seed=52)
+    slot_of_row = torch.full((S,), -1, dtype=torch.long)
+    indptr = info.seg_indptr.tolist()
+    for g in range(info.num_segments):
+        slot_of_row[indptr[g]: indptr[g + 1]] = int(info.weight_indices[g])
+    rows = info.permutation.long() if info.permutation is not None else torch.arange(S)
+    for slot, r in enumerate(ranks):
+        w[slot, :, r:] = float("nan")
+        x[rows[slot_of_row == slot], r:] = float("nan")
+    base = rand(S, N, dtype=dtype, seed=53)
+    ref64 = sgemm_lora_b_reference(x.double(), w.double(), info, base.double())
+    ref = sgemm_lora_b_reference(x, w, info, base.clone())
+    out = sgemm_lora_b(x, w, info, base)
+    check(out, ref, ref64)
+
+
 @pytest.mark.parametrize("offsets", ["host", "device"])
 @pytest.mark.parametrize("fresh", [False, True], ids=["accumulate", "fresh"])
 @pytest.mark.parametrize("name", ["graph_padded_permuted", "random"])
