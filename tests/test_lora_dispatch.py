@@ -277,6 +277,22 @@ def test_split_k_is_tried_only_where_token_tiles_are_few_and_k_is_long(monkeypat
     assert (K_._block_seg(31), K_._block_seg(32)) == (32, K_.BLOCK_SEG)
 
 
+def test_expand_grid_halves_its_programs_from_rank_64(monkeypatch):
+    """Column groups split N until about EXPAND_PROGRAMS programs exist, half as many from rank 64 on; never
+    more groups than column tiles, and the heads multiply the programs."""
+    K_ = _lora_kernels
+    monkeypatch.setattr(K_, "INTERPRET", False)
+    # 4096 tokens in 32-row tiles plus 8 segment tiles: 136 tiles, 4096 columns in 32 tiles of 128.
+    assert K_._expand_grid(4096, 8, 1, 4096, 32, 128, 16) == (136 * 4, 1)
+    assert K_._expand_grid(4096, 8, 1, 4096, 32, 128, 32) == (136 * 4, 1)
+    assert K_._expand_grid(4096, 8, 1, 4096, 32, 128, 64) == (136 * 2, 1)
+    assert K_._expand_grid(4096, 8, 1, 4096, 32, 128, 256) == (136 * 2, 1)
+    assert K_._expand_grid(64, 0, 1, 256, 16, 128, 16) == (4 * 2, 1)  # two column tiles at most
+    assert K_._expand_grid(4096, 8, 16, 512, 32, 128, 64) == (136, 16)
+    monkeypatch.setattr(K_, "INTERPRET", True)
+    assert K_._expand_grid(4096, 8, 1, 4096, 32, 128, 16) == (136 * K_._INTERPRET_GROUPS, 1)
+
+
 def test_tuning_keeps_the_listed_order_unless_a_later_config_wins_clearly():
     """Trial times swing by 10-30% between tunings: the earliest config within the margin (25%) of the fastest
     is chosen, a later one only when it is clearly faster; without trial times, the tuner's pick stands."""
