@@ -2,7 +2,9 @@
 
 On the reference prefill case (S=4096, K=N=4096, r=16, 8 segments over 4 adapters), each probe is the kernel's
 own loop with one thing changed: no segment search (token tiles taken from the program id), no dot (the expand
-only scales its base tiles), or a different pattern of adapters over the tiles. Probes without the segment search
+only scales its base tiles), or a different pattern of adapters over the tiles. Streaming ceilings of other
+kernel shapes sit beside them: one tile per program with no loop, and persistent Gluon programs feeding a
+TMA ring (``_tma_stream.py``, Hopper only), both only scaling the expand's bytes. Probes without the segment search
 compute with made-up adapters: they are timings, not results. Every probe and the public functions are timed
 side by side, interleaved over 5 rounds, as amortised device time (16 calls per CUDA graph over 4 input sets
 that together exceed the L2); the table gives the median round.
@@ -57,6 +59,18 @@ def _stream_probe(out_ptr, S, N, stride_ot, BLOCK_S: tl.constexpr, BLOCK_N: tl.c
         mask = (rows < S)[:, None] & (offs_n < N)[None, :]
         v = tl.load(ptrs, mask=mask, other=0.0)
         tl.store(ptrs, (v.to(tl.float32) * 1.0001).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _flat_stream_probe(out_ptr, S, N, stride_ot, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out *= 1.0001 with one tile per program and no loop (the shape of torch's copy: many small programs)."""
+    nb_total = (N + BLOCK_N - 1) // BLOCK_N
+    rows = ((tl.program_id(0) // nb_total) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
+    offs_n = (tl.program_id(0) % nb_total) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ptrs = out_ptr + rows[:, None] * stride_ot + offs_n[None, :]
+    mask = (rows < S)[:, None] & (offs_n < N)[None, :]
+    v = tl.load(ptrs, mask=mask, other=0.0)
+    tl.store(ptrs, (v.to(tl.float32) * 1.0001).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -191,8 +205,27 @@ def main() -> int:
         _stream_probe[(S // BS * GROUPS,)](t["base"], S, N, t["base"].stride(0), BLOCK_S=BS, BLOCK_N=BN,
                                            STAGES=E_STAGES, GROUPS=GROUPS, num_warps=4, num_stages=E_STAGES)
 
+    def flat_stream(t):
+        _flat_stream_probe[(S // 16 * (N // BN),)](t["base"], S, N, t["base"].stride(0), BLOCK_S=16, BLOCK_N=BN,
+                                                   num_warps=4)
+
     def each(fn):
         return [lambda t=t: fn(t) for _, _, _, t in sets]
+
+    # Streaming ceilings of other kernel shapes (no search, no dot); the TMA one needs Gluon and a Hopper GPU.
+    ceilings = [("expand", "flat stream", "out *= c, one 16x128 tile per program (8192 programs), no loop",
+                 each(flat_stream))]
+    tma_stream = None
+    if torch.cuda.get_device_capability()[0] == 9:
+        try:
+            import _tma_stream as tma_stream
+        except Exception as e:  # noqa: BLE001 - a Triton without Gluon: the row is left out
+            print(f"TMA stream probe left out: {e!r}", file=sys.stderr)
+    if tma_stream is not None:
+        for programs, bm in ((396, 32), (264, 64)):
+            ceilings.append(("expand", f"TMA stream, {programs} programs, {bm}x128",
+                             f"out *= c, persistent Gluon programs, {bm}x128 tiles: 4 TMA loads in flight, "
+                             "TMA stores", each(lambda t, p=programs, b=bm: tma_stream.launch(t["base"], p, BM=b))))
 
     def each_out(fn):
         return [lambda t=t, o=o: fn(t, o) for (_, _, _, t), o in zip(sets, outs)]
@@ -201,6 +234,7 @@ def main() -> int:
         ("copy", "torch copy_, 32 MB", "read + write of 32 MB, the bytes the expand moves",
          [lambda t=t: t["base"].copy_(t["x"]) for _, _, _, t in sets]),
         ("expand", "stream", "the expand's tiles and column groups, out *= c: no search, no dot", each(stream)),
+        *ceilings,
         ("expand", "probe: no search, no dot", "tiles from the program id, base * scaling",
          each(expand(INTERLEAVED, 0))),
         ("expand", "probe: no search, interleaved adapters", "tiles from the program id, adapter = tile % 4, dot",
@@ -234,6 +268,12 @@ def main() -> int:
     expand(BY_SEARCH, 1)(dict(t0, base=got_b))
     want_a = lora.sgemm_lora_a_reference(t0["x"].double(), t0["A"].double(), info)
     shrink(BY_SEARCH)(t0, outs[0])
+    for _, name, _, fns in ceilings:  # every element scaled exactly once
+        before = t0["base"].clone()
+        fns[0]()
+        if not torch.equal(t0["base"], (before.float() * 1.0001).to(before.dtype)):
+            print(f"{name} did not scale every element once", file=sys.stderr)
+            return 1
     for what, got, want in (("expand", got_b, want_b), ("shrink", outs[0], want_a)):
         err = ((got.double() - want).abs().max() / want.abs().max()).item()
         if not err < 1e-2:
