@@ -522,8 +522,8 @@ _EXPAND_CONFIGS = [
     triton.Config({"BLOCK_S": 32, "BLOCK_N": 256, "STAGES": 3}, num_warps=8, num_stages=3),
     # prefill: taller tiles, W (L2) read once per 64 tokens
     triton.Config({"BLOCK_S": 64, "BLOCK_N": 128, "STAGES": 3}, num_warps=8, num_stages=3),
-    # decode (one token per segment): widest columns
-    triton.Config({"BLOCK_S": 16, "BLOCK_N": 256, "STAGES": 3}, num_warps=4, num_stages=3),
+    # (16-row tiles 256 columns wide lost to 128 wherever trials picked them: decode sgemm_lora_b 5.42 against
+    # 4.99 us, qkv_lora_b 6.20 against 5.91, step_b_v 5.33 against 4.86 in two H200 runs of bench/lora.py)
 ]
 # Shared memory a config may plan for by the estimates below: an H100/H200 block may use 227 KB. The
 # shrink's estimate is its pipeline buffers, exactly; the expand's leaves out layout-conversion and
