@@ -217,6 +217,41 @@ def test_first_launch_under_graph_capture_uses_a_fitting_config_and_tunes_later(
     assert grid == (_lora_kernels._SHRINK_CONFIGS[0].kwargs["BLOCK_S"], 1) and "num_warps" in kw
 
 
+def test_tuning_an_in_place_launch_restores_its_output_once_and_launches_once_more(monkeypatch):
+    """Trials of an accumulating launch add into the caller's output back to back (no copy around each
+    one): it is saved before them and put back after, and the chosen config then updates it once."""
+    names = _lora_kernels._lora_expand_kernel.arg_names
+    out = torch.arange(6.0)
+    launched = []
+
+    class Trials(FakeAutotuner):
+        def run(self, *args, grid, warmup, **meta):
+            super().run(*args, grid=grid, warmup=warmup, **meta)
+            out.mul_(-3).add_(7)  # what any number of trial runs and the tuner's own launch may leave
+
+    def kernel_run(self, *args, grid, warmup, **kw):
+        launched.append((grid, kw))
+        out.add_(1)
+
+    tuner = _lora_kernels._Tuned(_lora_kernels._lora_expand_kernel, _lora_kernels._EXPAND_CONFIGS, ["N"],
+                                 _lora_kernels._prune_expand, {"BLOCK_S": 16, "BLOCK_N": 16, "STAGES": 2})
+    tuner.autotuner = Trials()
+    tuner.autotuner.best_config = _lora_kernels._EXPAND_CONFIGS[0]
+    monkeypatch.setattr(tuner, "kernel", type("K", (), {"arg_names": names, "run": kernel_run})())
+    monkeypatch.setattr(_lora_kernels, "INTERPRET", False)
+    values = {"x_ptr": torch.zeros(8, 16), "size_class": 2}
+    args = tuple(values.get(name) for name in names[:names.index("size_class") + 1])
+    meta = {"BLOCK_K": 16, "K_CHUNKS": 1}
+    tuner.first_launch("key", args, meta, lambda blocks: (blocks["BLOCK_S"], 1), restore=out)
+    assert torch.equal(out, torch.arange(6.0) + 1)
+    (grid, kw), = launched
+    assert tuner.autotuner.runs == 1 and grid == (32, 1) and kw["num_warps"] == 4 and kw["BLOCK_K"] == 16
+    assert tuner.chosen["key"][:2] == (32, 128)
+    # A fresh output (every element written by the tuner's own launch) is not launched again.
+    tuner.first_launch("key2", args, meta, lambda blocks: (blocks["BLOCK_S"], 1))
+    assert len(launched) == 1 and tuner.autotuner.runs == 2
+
+
 def test_batch_checks_are_remembered_but_a_replaced_field_is_checked_again():
     info, S = layout("mixed", 16)
     x, a = rand(S, 40, dtype=torch.float32, seed=1), rand(SLOTS, 16, 40, dtype=torch.float32, seed=2)

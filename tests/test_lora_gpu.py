@@ -1,6 +1,7 @@
 """LoRA kernels on the GPU: the Gluon prefill shrink (Hopper) against the torch reference and float64, on
 layouts that give its tiles several adapters, rank-0 and out-of-range slots, graph padding and uncovered
-rows; and the Triton kernel on the same calls, side by side. Skipped without a CUDA device."""
+rows; and the Triton kernel on the same calls, side by side. The expand's tuning call (trials in place on
+the caller's output). Skipped without a CUDA device."""
 from __future__ import annotations
 
 import pytest
@@ -124,3 +125,26 @@ def test_calls_the_gluon_shrink_does_not_take_go_to_triton(gluon_calls):
     info.lora_ranks = torch.full((SLOTS,), 64, dtype=torch.int32, device="cuda")
     check(sgemm_lora_a(xb, w64, info), xb, w64, info)                                     # 64 columns
     assert not gluon_calls
+
+
+@pytest.mark.parametrize("R", [16, 64])
+def test_expand_tuning_call_updates_its_output_once(R, monkeypatch):
+    """The first call of a launch key tunes: its trials add into the caller's output, which is saved before them
+    and restored after; the call's result must still be one update (rank 16 and 64 at prefill size, mixed ranks
+    so both the selecting and the full-rank paths run)."""
+    from guardlint.kernels.lora import sgemm_lora_b, sgemm_lora_b_reference
+
+    monkeypatch.setattr(_lora_kernels._expand, "chosen", {})
+    monkeypatch.setattr(_lora_kernels._expand.autotuner, "cache", {})
+    lens = random_lens(3, 2000)
+    info, S = batch(lens, [i % SLOTS for i in range(len(lens))], [R, R // 2, 0, R], extra_rows=40)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(S, R, generator=g).to("cuda", torch.bfloat16)
+    w = torch.randn(SLOTS, 1024, R, generator=g).to("cuda", torch.bfloat16)
+    base = torch.randn(S, 1024, generator=g).to("cuda", torch.bfloat16)
+    want = sgemm_lora_b_reference(x.double(), w.double(), info, base.double())
+    out = sgemm_lora_b(x, w, info, base.clone())
+    assert _lora_kernels._expand.chosen, "the call did not tune"
+    torch.testing.assert_close(out.double(), want, rtol=1.6e-2, atol=3e-1)
+    again = sgemm_lora_b(x, w, info, base.clone())
+    assert torch.equal(again, out)
