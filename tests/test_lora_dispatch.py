@@ -328,6 +328,16 @@ def test_expand_grid_halves_its_programs_from_rank_64(monkeypatch):
     assert K_._expand_grid(4096, 8, 1, 4096, 32, 128, 16) == (136 * K_._INTERPRET_GROUPS, 1)
 
 
+def test_expand_tries_64_row_tiles_on_prefill_batches_only():
+    K_ = _lora_kernels
+    x = torch.empty(0, dtype=torch.bfloat16)
+
+    def rows(size_class):
+        return {c.kwargs["BLOCK_S"] for c in K_._prune_expand(K_._EXPAND_CONFIGS, {"x_ptr": x, "size_class": size_class},
+                                                               BLOCK_K=16, K_CHUNKS=1)}
+    assert rows(2) == {16, 32, 64} and rows(0) == rows(1) == {16, 32} and rows(3) == rows(5) == {16}
+
+
 def test_tuning_keeps_the_listed_order_unless_a_later_config_wins_clearly():
     """Trial times swing by 10-30% between tunings: the earliest config within the margin (25%) of the fastest
     is chosen, a later one only when it is clearly faster; without trial times, the tuner's pick stands."""
