@@ -47,7 +47,8 @@ sgemm_a   hidden (4096)      stack * R    S 16-32, K 128-256,    bound by readin
                                           up to 1024 tokens      (decode, small batches), same launch
 sgemm_b   R (16-128)         N (4096)     S 16-64, N 128-256,    bound by reading and writing base: 2-3
                                           K = R, 4-8 warps       stages of 8-16 KB ahead per program, 2-4
-                                                                 programs per SM, each element written once
+                                          (64-row tiles and      programs per SM (half as many from rank
+                                          256 columns: prefill)  64 on), each element written once
 qkv_b     R per slice        N_q, N_kv    as sgemm_b             q/k/v slices on grid axis 1
 step_a_q  qk_nope (128)      R            as sgemm_a             per head (axis 1)
 step_b_q  R                  kv_lora_rank as sgemm_b             per head; A shared by the heads
@@ -55,10 +56,11 @@ step_a_v  kv_lora_rank (512) R            as sgemm_a             per head
 step_b_v  R                  v_head (128) as sgemm_b             per head
 ========= ================== ============ ====================== ==========================================
 
-On the GPU the block sizes come from a small ``triton.autotune`` set per kernel (5-7 configs, pruned by
+On the GPU the block sizes come from a small ``triton.autotune`` set per kernel (4-7 configs, pruned by
 batch shape), tuned once per (dtype, K, N, R, batch-shape class, flags) key and then looked up in a plain
 dict (``_Tuned``), so a call costs no autotuner bookkeeping. Trials are noisy; a config later in the
-pruning's order for the batch shape must win by 25% (``_preferred``). Under ``TRITON_INTERPRET=1`` fixed
+pruning's order for the batch shape must win by 25% (``_preferred``). An accumulating expand's trials run
+in place: its output is saved once before them and restored after (``_Tuned.first_launch``). Under ``TRITON_INTERPRET=1`` fixed
 small blocks are used and tiles are upcast to float32 after loading (the interpreter's bfloat16 arithmetic is
 wrong).
 """
@@ -411,8 +413,8 @@ def _expand_columns(xt, w_slot_ptr, out_ptr, out_rows, n_lo, width, nb_lo, nb_hi
                       UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K, K_CHUNKS, STAGES)
     elif rank == max_rank:
         # Every stored rank column is the adapter's: W's tiles go to the dot as loaded. Selecting its
-        # columns costs a round trip through shared memory per tile (rank 64 prefill: 28.9 against 32.1 us,
-        # a batch of 512 tokens at rank 16: 5.6 against 6.2 us on the H200).
+        # columns costs a round trip through shared memory per tile (side by side on the H200, same
+        # configs: rank 64 prefill 28.9 against 32.1 us, 512 tokens at rank 16 5.6 against 6.2 us).
         _expand_tiles(xt, w_cols, out_rows, width, nb_lo, nb_hi, t_in, x_rows, stride_xk, slot, todo, rank,
                       max_rank, scaling, bad, stride_wl, stride_wn, stride_wk, stride_on, ACCUMULATE, PACKED, False,
                       UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K, K_CHUNKS, STAGES)
@@ -585,8 +587,8 @@ def _prune_shrink(configs, named_args, **meta):
             if (c.kwargs["SPLIT_K"] == 1 or (few_tiles and K >= 2 * c.kwargs["SPLIT_K"] * c.kwargs["BLOCK_K"]))
             and (c.kwargs["BLOCK_S"] < 64 or K <= 512)]
     # Preference: split configs first where tiles are few. A short K on many tokens (the MLA steps' prefill)
-    # keeps its 64-row tiles alone: trials picked 32-row tiles there in the committed bench/results/lora.md
-    # (step_a_q prefill r=16: 20.6 us), against 15.0 us with 64-row tiles in the run before (commit 01bd830).
+    # keeps its 64-row tiles alone: trials picked 32-row tiles there in bench/results/lora.md as committed at
+    # cf37784 (step_a_q prefill r=16: 20.6 us), against 15.0 us with 64-row tiles in the run before (01bd830).
     kept.sort(key=lambda c: c.kwargs["SPLIT_K"] == 1)
     if not few_tiles and K <= 512:
         kept = [c for c in kept if c.kwargs["BLOCK_S"] == 64] or kept
