@@ -47,8 +47,8 @@ sgemm_a   hidden (4096)      stack * R    S 16-32, K 128-256,    bound by readin
                                           up to 1024 tokens      (decode, small batches), same launch
 sgemm_b   R (16-128)         N (4096)     S 16-64, N 128-256,    bound by reading and writing base: 2-3
                                           K = R, 4-8 warps       stages of 8-16 KB ahead per program, 2-4
-                                          (64-row tiles and      programs per SM (half as many from rank
-                                          256 columns: prefill)  64 on), each element written once
+                                          (64-row tiles for      programs per SM (half as many from rank
+                                          prefill batches only)  64 on), each element written once
 qkv_b     R per slice        N_q, N_kv    as sgemm_b             q/k/v slices on grid axis 1
 step_a_q  qk_nope (128)      R            as sgemm_a             per head (axis 1)
 step_b_q  R                  kv_lora_rank as sgemm_b             per head; A shared by the heads
