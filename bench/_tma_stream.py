@@ -1,8 +1,12 @@
-"""A streaming ceiling for ``lora_anatomy.py`` (Gluon, Hopper): out *= c through a TMA ring.
+"""Streaming ceilings for ``lora_anatomy.py`` (Gluon, Hopper): bytes moved through a TMA ring, no search, no dot.
 
-Persistent programs walk the (S, N) matrix in tiles ``pid, pid + P, ...``; each keeps ``STAGES`` tile loads in
-flight (TMA into shared memory), reads a tile into registers, scales it and hands it back by a TMA store
-from one of ``OUT_BUFS`` buffers. No search, no dot: how fast a tiled TMA kernel moves the expand's bytes.
+- ``launch``: out *= c. Persistent programs walk the (S, N) matrix in tiles ``pid, pid + P, ...``; each keeps
+  ``STAGES`` tile loads in flight (TMA into shared memory), reads a tile into registers, scales it and hands it
+  back by a TMA store from one of ``OUT_BUFS`` buffers: how fast a tiled TMA kernel moves the expand's bytes.
+- ``launch_fused``: the traffic of a shrink and an expand fused into one kernel. Per token tile, its x tiles
+  (summed in registers, as a shrink would reduce them) and then its base tiles (scaled, stored), all through
+  one ring, so the loads of the base tiles leave while the last x tiles are consumed. With ``with_base=False``
+  it reads x alone: the shrink's bytes.
 """
 from __future__ import annotations
 
@@ -63,3 +67,74 @@ def launch(out, programs: int, BM: int = 32, BN: int = 128, STAGES: int = 4, OUT
     wm = min(BM // 16, num_warps)
     _tma_stream[(programs,)](desc, S, N, BM=BM, BN=BN, STAGES=STAGES, OUT_BUFS=OUT_BUFS, WM=wm, WN=num_warps // wm,
                              num_warps=num_warps)
+
+
+@gluon.jit
+def _issue_fused(x_desc, b_desc, bar, buf, j, r0, KT: gl.constexpr, BN: gl.constexpr, WITH_BASE: gl.constexpr):
+    mbarrier.expect(bar, x_desc.block_type.nbytes)
+    if (not WITH_BASE) or j < KT:
+        tma.async_copy_global_to_shared(x_desc, [r0, j * BN], bar, buf)
+    else:
+        tma.async_copy_global_to_shared(b_desc, [r0, (j - KT) * BN], bar, buf)
+
+
+@gluon.jit
+def _fused_traffic(x_desc, b_desc, S, BM: gl.constexpr, BN: gl.constexpr, KT: gl.constexpr, NT: gl.constexpr,
+                   STAGES: gl.constexpr, OUT_BUFS: gl.constexpr, WITH_BASE: gl.constexpr, WM: gl.constexpr,
+                   WN: gl.constexpr):
+    pid = gl.program_id(0)
+    P = gl.num_programs(0)
+    per: gl.constexpr = KT + NT * WITH_BASE
+    total = (((S + BM - 1) // BM - pid + P - 1) // P) * per
+    ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    outb = gl.allocate_shared_memory(x_desc.dtype, [OUT_BUFS] + x_desc.block_type.shape, x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for q in gl.static_range(STAGES):
+        mbarrier.init(bars.index(q), count=1)
+    for q in gl.static_range(STAGES):
+        if q < total:
+            _issue_fused(x_desc, b_desc, bars.index(q), ring.index(q), q % per, (pid + (q // per) * P) * BM, KT, BN,
+                         WITH_BASE)
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WM, WN], instr_shape=[16, 8])
+    acc = gl.zeros([BM, BN], gl.float32, layout=layout)
+    c = 1.0001
+    for i in range(total):
+        st = i % STAGES
+        j = i % per
+        r0 = (pid + (i // per) * P) * BM
+        mbarrier.wait(bars.index(st), (i // STAGES) & 1)
+        v = ring.index(st).load(layout)
+        _cta_barrier()
+        if i + STAGES < total:
+            i2 = i + STAGES
+            _issue_fused(x_desc, b_desc, bars.index(st), ring.index(st), i2 % per, (pid + (i2 // per) * P) * BM, KT,
+                         BN, WITH_BASE)
+        if j < KT:
+            acc += v.to(gl.float32)
+            if j == KT - 1:
+                # The base tiles depend on the x tiles' sum, as an expand depends on its shrink (the term is
+                # far below float32's resolution at 1.0001: the scale stays exact).
+                c = 1.0001 + gl.sum(gl.sum(acc, axis=1), axis=0) * 1e-30
+                acc = gl.zeros([BM, BN], gl.float32, layout=layout)
+        else:
+            ob = i % OUT_BUFS
+            tma.store_wait(OUT_BUFS - 1)
+            _cta_barrier()
+            outb.index(ob).store((v.to(gl.float32) * c).to(x_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(b_desc, [r0, (j - KT) * BN], outb.index(ob))
+    tma.store_wait(0)
+
+
+def launch_fused(x, out, programs: int, BM: int = 16, BN: int = 128, STAGES: int = 6, OUT_BUFS: int = 2,
+                 with_base: bool = True, num_warps: int = 4) -> None:
+    """Read x (S, K) tile by tile and, per token tile after its x tiles, ``out *= 1.0001`` (S, N) in place."""
+    S, K = x.shape
+    N = out.shape[1]
+    layout = smem_layout(BM, BN, x.dtype)
+    x_desc = TensorDescriptor(x, [S, K], [x.stride(0), 1], [BM, BN], layout)
+    b_desc = TensorDescriptor(out, [S, N], [out.stride(0), 1], [BM, BN], layout)
+    wm = min(BM // 16, num_warps)
+    _fused_traffic[(programs,)](x_desc, b_desc, S, BM=BM, BN=BN, KT=K // BN, NT=N // BN, STAGES=STAGES,
+                                OUT_BUFS=OUT_BUFS, WITH_BASE=with_base, WM=wm, WN=num_warps // wm,
+                                num_warps=num_warps)

@@ -4,7 +4,8 @@ On the reference prefill case (S=4096, K=N=4096, r=16, 8 segments over 4 adapter
 own loop with one thing changed: no segment search (token tiles taken from the program id), no dot (the expand
 only scales its base tiles), or a different pattern of adapters over the tiles. Streaming ceilings of other
 kernel shapes sit beside them: one tile per program with no loop, and persistent Gluon programs feeding a
-TMA ring (``_tma_stream.py``, Hopper only), both only scaling the expand's bytes. Probes without the segment search
+TMA ring (``_tma_stream.py``, Hopper only), both only scaling the expand's bytes; and what a fused shrink and
+expand could gain: the two calls back to back against one ring moving both kernels' bytes (x read alone too). Probes without the segment search
 compute with made-up adapters: they are timings, not results. Every probe and the public functions are timed
 side by side, interleaved over 5 rounds, as amortised device time (16 calls per CUDA graph over 4 input sets
 that together exceed the L2); the table gives the median round.
@@ -221,11 +222,22 @@ def main() -> int:
             import _tma_stream as tma_stream
         except Exception as e:  # noqa: BLE001 - a Triton without Gluon: the row is left out
             print(f"TMA stream probe left out: {e!r}", file=sys.stderr)
+    # What fusing the shrink into the expand could save: the two public calls back to back, against one
+    # kernel moving the same bytes (x, then base, per token tile) with no search and no dot.
+    fused = [("fused", "shrink then expand", "sgemm_lora_a, then sgemm_lora_b on its output, back to back",
+              each(lambda t: lora.sgemm_lora_b(lora.sgemm_lora_a(t["x"], t["A"], info), t["B"], info, t["base"])))]
     if tma_stream is not None:
         for programs, bm in ((396, 32), (264, 64)):
             ceilings.append(("expand", f"TMA stream, {programs} programs, {bm}x128",
                              f"out *= c, persistent Gluon programs, {bm}x128 tiles: 4 TMA loads in flight, "
                              "TMA stores", each(lambda t, p=programs, b=bm: tma_stream.launch(t["base"], p, BM=b))))
+        ceilings.append(("fused", "fused traffic, 264 programs, 16x128",
+                         "per 16-token tile its x tiles, then its base tiles (out *= c), through one TMA ring: "
+                         "the bytes of a fused shrink + expand, no search, no dots",
+                         each(lambda t: tma_stream.launch_fused(t["x"], t["base"], 264))))
+        fused.append(("shrink", "x read stream, 264 programs, 16x128",
+                      "x's 32 MB read through a TMA ring and summed: the shrink's bytes, no W, no dot",
+                      each(lambda t: tma_stream.launch_fused(t["x"], t["base"], 264, with_base=False))))
 
     def each_out(fn):
         return [lambda t=t, o=o: fn(t, o) for (_, _, _, t), o in zip(sets, outs)]
@@ -260,6 +272,7 @@ def main() -> int:
         ("shrink", "Triton kernel", "the public function on the Triton kernel (GUARDLINT_LORA_GLUON=0)",
          each(lambda t: lb.on_triton(lambda: lora.sgemm_lora_a(t["x"], t["A"], info)))),
         ("shrink", "sgemm_lora_a", "the public function", each(lambda t: lora.sgemm_lora_a(t["x"], t["A"], info))),
+        *fused,
     ]
     # The search probes compute the product's result: check them (bf16) before timing anything.
     t0 = sets[0][3]
