@@ -5,10 +5,10 @@ own loop with one thing changed: no segment search (token tiles taken from the p
 only scales its base tiles), or a different pattern of adapters over the tiles. Streaming ceilings of other
 kernel shapes sit beside them: one tile per program with no loop, and persistent Gluon programs feeding a
 TMA ring (``_tma_stream.py``, Hopper only), both only scaling the expand's bytes; and what a fused shrink and
-expand could gain: the two calls back to back against one ring moving both kernels' bytes (x read alone too). Probes without the segment search
-compute with made-up adapters: they are timings, not results. Every probe and the public functions are timed
-side by side, interleaved over 5 rounds, as amortised device time (16 calls per CUDA graph over 4 input sets
-that together exceed the L2); the table gives the median round.
+expand could gain: the two calls back to back against one ring moving both kernels' bytes (x read alone too).
+Probes without the segment search compute with made-up adapters: they are timings, not results. Every probe
+and the public functions are timed side by side, interleaved over 5 rounds, as amortised device time (16 calls
+per CUDA graph over 4 input sets that together exceed the L2); the table gives the median round.
 
     python bench/lora_anatomy.py
 Writes bench/results/lora_anatomy.{json,md}.

@@ -60,9 +60,9 @@ On the GPU the block sizes come from a small ``triton.autotune`` set per kernel 
 batch shape), tuned once per (dtype, K, N, R, batch-shape class, flags) key and then looked up in a plain
 dict (``_Tuned``), so a call costs no autotuner bookkeeping. Trials are noisy; a config later in the
 pruning's order for the batch shape must win by 25% (``_preferred``). An accumulating expand's trials run
-in place: its output is saved once before them and restored after (``_Tuned.first_launch``). Under ``TRITON_INTERPRET=1`` fixed
-small blocks are used and tiles are upcast to float32 after loading (the interpreter's bfloat16 arithmetic is
-wrong).
+in place: its output is saved once before them and restored after (``_Tuned.first_launch``). Under
+``TRITON_INTERPRET=1`` fixed small blocks are used and tiles are upcast to float32 after loading (the
+interpreter's bfloat16 arithmetic is wrong).
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ BLOCK_SEG = 256
 # search, adapter loads) is paid once for a pipelined loop of several column tiles.
 EXPAND_PROGRAMS = 512
 # From rank 64 on (a W tile as large as the base tile it updates, or larger), half as many: rank 64
-# prefill 24.7 against 26.5 us on the H200, where rank 16 is slower so (23.4 against 21.3 us).
+# prefill 24.7 against 26.5 us side by side on the H200, where rank 16 is slower so (23.4 against 21.3 us).
 EXPAND_PROGRAMS_HIGH_RANK = 256
 EXPAND_HIGH_RANK = 64
 
