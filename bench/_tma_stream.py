@@ -27,17 +27,36 @@ def _issue(desc, bar, buf, t, n_nb, BM: gl.constexpr, BN: gl.constexpr):
 
 
 @gluon.jit
+def _ring(desc, STAGES: gl.constexpr, OUT_BUFS: gl.constexpr):
+    """STAGES tile buffers with their barriers for the loads, OUT_BUFS tile buffers for the stores."""
+    ring = gl.allocate_shared_memory(desc.dtype, [STAGES] + desc.block_type.shape, desc.layout)
+    outb = gl.allocate_shared_memory(desc.dtype, [OUT_BUFS] + desc.block_type.shape, desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for q in gl.static_range(STAGES):
+        mbarrier.init(bars.index(q), count=1)
+    return ring, outb, bars
+
+
+@gluon.jit
+def _store_scaled(desc, outb, j, v, c, row, col, OUT_BUFS: gl.constexpr):
+    """Tile ``v * c`` back to ``[row, col]`` by a TMA store from out buffer ``j % OUT_BUFS`` (its store from
+    OUT_BUFS tiles ago finished first)."""
+    ob = j % OUT_BUFS
+    tma.store_wait(OUT_BUFS - 1)
+    _cta_barrier()
+    outb.index(ob).store((v.to(gl.float32) * c).to(desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, [row, col], outb.index(ob))
+
+
+@gluon.jit
 def _tma_stream(desc, S, N, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, OUT_BUFS: gl.constexpr,
                 WM: gl.constexpr, WN: gl.constexpr):
     pid = gl.program_id(0)
     P = gl.num_programs(0)
     n_nb = (N + BN - 1) // BN
     mine = (((S + BM - 1) // BM) * n_nb - pid + P - 1) // P
-    ring = gl.allocate_shared_memory(desc.dtype, [STAGES] + desc.block_type.shape, desc.layout)
-    outb = gl.allocate_shared_memory(desc.dtype, [OUT_BUFS] + desc.block_type.shape, desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for q in gl.static_range(STAGES):
-        mbarrier.init(bars.index(q), count=1)
+    ring, outb, bars = _ring(desc, STAGES, OUT_BUFS)
     for q in gl.static_range(STAGES):
         if q < mine:
             _issue(desc, bars.index(q), ring.index(q), pid + q * P, n_nb, BM, BN)
@@ -50,12 +69,7 @@ def _tma_stream(desc, S, N, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.const
         _cta_barrier()
         if j + STAGES < mine:
             _issue(desc, bars.index(st), ring.index(st), t + STAGES * P, n_nb, BM, BN)
-        ob = j % OUT_BUFS
-        tma.store_wait(OUT_BUFS - 1)
-        _cta_barrier()
-        outb.index(ob).store((v.to(gl.float32) * 1.0001).to(desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(desc, [(t // n_nb) * BM, (t % n_nb) * BN], outb.index(ob))
+        _store_scaled(desc, outb, j, v, 1.0001, (t // n_nb) * BM, (t % n_nb) * BN, OUT_BUFS)
     tma.store_wait(0)
 
 
@@ -86,11 +100,7 @@ def _fused_traffic(x_desc, b_desc, S, BM: gl.constexpr, BN: gl.constexpr, KT: gl
     P = gl.num_programs(0)
     per: gl.constexpr = KT + NT * WITH_BASE
     total = (((S + BM - 1) // BM - pid + P - 1) // P) * per
-    ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    outb = gl.allocate_shared_memory(x_desc.dtype, [OUT_BUFS] + x_desc.block_type.shape, x_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for q in gl.static_range(STAGES):
-        mbarrier.init(bars.index(q), count=1)
+    ring, outb, bars = _ring(x_desc, STAGES, OUT_BUFS)
     for q in gl.static_range(STAGES):
         if q < total:
             _issue_fused(x_desc, b_desc, bars.index(q), ring.index(q), q % per, (pid + (q // per) * P) * BM, KT, BN,
@@ -117,12 +127,7 @@ def _fused_traffic(x_desc, b_desc, S, BM: gl.constexpr, BN: gl.constexpr, KT: gl
                 c = 1.0001 + gl.sum(gl.sum(acc, axis=1), axis=0) * 1e-30
                 acc = gl.zeros([BM, BN], gl.float32, layout=layout)
         else:
-            ob = i % OUT_BUFS
-            tma.store_wait(OUT_BUFS - 1)
-            _cta_barrier()
-            outb.index(ob).store((v.to(gl.float32) * c).to(x_desc.dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(b_desc, [r0, (j - KT) * BN], outb.index(ob))
+            _store_scaled(b_desc, outb, i, v, c, r0, (j - KT) * BN, OUT_BUFS)
     tma.store_wait(0)
 
 

@@ -111,9 +111,10 @@ def _expand_probe(x_ptr, w_ptr, out_ptr, seg_indptr_ptr, wi_ptr, ranks_ptr, scal
         mask = t_in[:, None] & (offs_n < N)[None, :]
         base = tl.load(ptrs, mask=mask, other=0.0)
         if DOT:
+            # Every adapter of the case has the full stored rank: W's tiles go to the dot as loaded, as in
+            # the product's full-rank path.
             wt = tl.load(w_cols + offs_n[None, :] * stride_wn + offs_k[:, None],
                          mask=(offs_k < max_rank)[:, None] & (offs_n < N)[None, :], other=0.0)
-            wt = tl.where((offs_k < rank)[:, None], wt, 0.0)
             acc = tl.dot(xt, wt) * scaling + base.to(tl.float32)
         else:
             acc = base.to(tl.float32) * scaling
