@@ -6,7 +6,7 @@ slot. With one 32-token tile per SM and every program starting together, that lo
 round trips) sits once on the whole kernel's critical path. Here each program's token tile is fixed by the
 program id, so the TMA loads of its first ``STAGES`` x tiles are issued before the lookup starts; W's follow
 once the slot is known. On the H200 reference prefill (4096 x 4096, r=16): 12.3 against 13.1 us for the
-Triton kernel side by side in ``bench/results/lora.md``, 12.0 against 12.3 us interleaved over 5 rounds in
+Triton kernel side by side in ``bench/results/lora.md``, 12.1 against 12.6 us interleaved over 5 rounds in
 ``lora_anatomy.md``. At r=64 (a 64-column W tile) an earlier run of ``bench/lora.py`` measured it slower,
 17.5 against 16.0 us, so it takes stacks of 16 columns only (``MAX_N``; the kernel itself handles up to 64,
 and the GPU tests run it there). Its eager launch costs ~20 us more host time than the Triton kernel's (TMA
