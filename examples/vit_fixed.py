@@ -65,7 +65,7 @@ class TinyViT(nn.Module):
             lora_ranks=torch.full((2,), 4, dtype=torch.int32),
             scalings=torch.tensor([1.0, 0.5]),
             max_len=metadata.max_seqlen,
-            seg_lens=metadata.sequence_lengths,
+            seg_lens=metadata.seq_lens,
             permutation=None,
         )
         for block in self.blocks:

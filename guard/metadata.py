@@ -17,7 +17,7 @@ from . import _state
 from ._cache import MISS, cache
 from .errors import GuardError, describe
 
-LAYOUTS = ("tokens", "cudnn")
+LAYOUTS = ("tokens", "cudnn", "vllm")
 INT32_MAX = 2**31 - 1
 # The engine's buckets: a CUDA graph captured for one bucket replays for every batch that fits it.
 BATCH_BUCKETS = (8, 16, 32, 64)
@@ -46,35 +46,43 @@ def bucket_max_seqlen(max_seqlen: int) -> int:
 class VarlenMetadata:
     """Prepared varlen metadata for one batch; pass it to every layer.
 
-    - ``cu_seqlens``: int32 ``(B+1,)`` token offsets on q's device; ``sequence_lengths``: int32 ``(B,)``.
-    - ``max_seqlen``: the true longest sequence, a Python int; ``host_cu_seqlens``: the offsets on the
-      host (they came with the one read ``max_seqlen`` needed).
-    - layout ``"cudnn"`` only: ``packed_indptrs``, int32 ``(3(Bp+1),)`` element offsets in sections
-      ``[qk | v | o]``, each ``cu_padded * H * D``; ``cudnn_sequence_lengths``, int32 ``(Bp, 1, 1, 1)``,
-      zero-padded; ``cudnn_max_seqlen`` (bucketed when prepared with ``bucket=True``).
+    The field names and meanings are the engines' own (sglang's ``VisionAttentionMetadata``, vLLM's
+    ``MMEncoderAttention`` arguments), so the object can be handed to an engine backend as it is:
+
+    - ``cu_seqlens``: int32 ``(B+1,)`` token offsets on q's device; ``seq_lens``: int32 ``(B,)`` true
+      lengths; ``max_seqlen``: the true longest sequence, a Python int; ``host_cu_seqlens``: the offsets
+      on the host (they came with the one read ``max_seqlen`` needed).
+    - ``sequence_lengths``: layout ``"tokens"``: ``seq_lens`` itself ``(B,)``; layouts ``"cudnn"`` and
+      ``"vllm"``: the lengths the cuDNN kernel reads, zero-padded to Bp, int32 ``(Bp, 1, 1, 1)``.
+    - ``packed_indptrs`` (``"cudnn"``): int32 ``(3(Bp+1),)`` element offsets in sections
+      ``[qk | v | o]``, each ``cu_padded * H * D`` (sglang's ``VisionFlashInferAttention``).
+      ``"vllm"``: int32 ``(2(Bp+1),)`` in sections ``[qko | v]``, the v section in v's own token stride
+      (vLLM's ``flashinfer_wrapper`` reads it as ``cu_seqlens``).
+    - ``flashinfer_max_seqlen``: the max the cuDNN kernel is sized with (bucketed when prepared with
+      ``bucket=True``); None in the tokens layout.
     - ``padded_batch_size``: Bp (B unless bucketed); ``elements_per_token``: H*D the element offsets
-      were built for (cudnn layout).
+      were built for (cudnn and vllm layouts).
     """
 
     layout: str
     cu_seqlens: torch.Tensor
-    sequence_lengths: torch.Tensor
+    seq_lens: torch.Tensor
     max_seqlen: int
     batch_size: int
     total_tokens: int
     host_cu_seqlens: tuple
+    sequence_lengths: Optional[torch.Tensor] = None
     packed_indptrs: Optional[torch.Tensor] = None
-    cudnn_sequence_lengths: Optional[torch.Tensor] = None
-    cudnn_max_seqlen: Optional[int] = None
+    flashinfer_max_seqlen: Optional[int] = None
     padded_batch_size: int = 0
     elements_per_token: Optional[int] = None
 
     def __repr__(self) -> str:
         # Shapes, never contents: a repr in a log must not sync the device or leak data.
         extra = ""
-        if self.layout == "cudnn":
-            extra = (f", packed_indptrs={describe(self.packed_indptrs)}, cudnn_max_seqlen="
-                     f"{self.cudnn_max_seqlen}, padded_batch_size={self.padded_batch_size}")
+        if self.layout != "tokens":
+            extra = (f", packed_indptrs={describe(self.packed_indptrs)}, flashinfer_max_seqlen="
+                     f"{self.flashinfer_max_seqlen}, padded_batch_size={self.padded_batch_size}")
         return (f"VarlenMetadata(layout={self.layout!r}, batch_size={self.batch_size}, total_tokens="
                 f"{self.total_tokens}, max_seqlen={self.max_seqlen}, cu_seqlens={describe(self.cu_seqlens)}"
                 f"{extra})")
@@ -272,36 +280,43 @@ def _upload(values: list, device: torch.device) -> torch.Tensor:
 
 
 def _build(offsets: tuple, *, layout: str, bucket: bool, device: torch.device,
-           elements_per_token: Optional[int], argument: str, function: Optional[str]) -> VarlenMetadata:
+           elements_per_token: Optional[int], argument: str, function: Optional[str],
+           v_elements_per_token: Optional[int] = None) -> VarlenMetadata:
     B = len(offsets) - 1
     lengths = _lengths(offsets)
     max_seqlen = max(lengths) if lengths else 0
     values = list(offsets) + lengths
     extra: dict = {"padded_batch_size": B}
-    if layout == "cudnn":
+    sections = 0
+    if layout != "tokens":
         HD = elements_per_token
         Bp = bucket_batch_size(B) if bucket else B
         padded = list(offsets) + [offsets[-1]] * (Bp - B)
-        if padded[-1] * HD > INT32_MAX:
+        strides = (HD, HD, HD) if layout == "cudnn" else (HD, v_elements_per_token or HD)
+        if padded[-1] * max(strides) > INT32_MAX:
             raise GuardError("GL103", argument=argument, function=function,
                              expected="element offsets (T*H*D) that fit the cuDNN backend's int32",
                              got=f"T*H*D above {INT32_MAX}")
-        section = [x * HD for x in padded]
-        values += section * 3 + lengths + [0] * (Bp - B)
+        sections = len(strides)
+        for stride in strides:
+            values += [x * stride for x in padded]
+        values += lengths + [0] * (Bp - B)
         extra = {"padded_batch_size": Bp, "elements_per_token": HD,
-                 "cudnn_max_seqlen": bucket_max_seqlen(max_seqlen) if bucket else max_seqlen}
+                 "flashinfer_max_seqlen": bucket_max_seqlen(max_seqlen) if bucket else max_seqlen}
     if capturing(device):
         # A copy captured into the graph would replay from a staging buffer that is reused later.
         raise _capture_error(argument, offsets, function)
     buf = _upload(values, device)
     cu = buf[:B + 1]
     seq = buf[B + 1:2 * B + 1]
-    if layout == "cudnn":
+    if sections:
         Bp = extra["padded_batch_size"]
         start = 2 * B + 1
-        extra["packed_indptrs"] = buf[start:start + 3 * (Bp + 1)]
-        extra["cudnn_sequence_lengths"] = buf[start + 3 * (Bp + 1):].view(Bp, 1, 1, 1)
-    return VarlenMetadata(layout=layout, cu_seqlens=cu, sequence_lengths=seq, max_seqlen=max_seqlen,
+        extra["packed_indptrs"] = buf[start:start + sections * (Bp + 1)]
+        extra["sequence_lengths"] = buf[start + sections * (Bp + 1):].view(Bp, 1, 1, 1)
+    else:
+        extra["sequence_lengths"] = seq
+    return VarlenMetadata(layout=layout, cu_seqlens=cu, seq_lens=seq, max_seqlen=max_seqlen,
                           batch_size=B, total_tokens=offsets[-1], host_cu_seqlens=offsets, **extra)
 
 
@@ -317,14 +332,25 @@ def _query_shape(q: Any, function: Optional[str]) -> tuple:
     return int(shape[0]), elements, q.device
 
 
+def _token_stride(v: Any, function: Optional[str]) -> Optional[int]:
+    """Elements between two tokens of v (vLLM's v section is addressed in v's own storage)."""
+    if v is None:
+        return None
+    if not isinstance(v, torch.Tensor) or v.dim() < 3:
+        raise GuardError("GL106", argument="v", function=function,
+                         expected="v of shape (total_tokens, num_heads, head_dim)", got=describe(v))
+    return int(v.stride(-3))
+
+
 def prepare(cu_seqlens: Any, q: Any = None, *, layout: str = "tokens", bucket: bool = False,
-            function: Optional[str] = None, argument: str = "cu_seqlens") -> tuple:
+            function: Optional[str] = None, argument: str = "cu_seqlens", v: Any = None) -> tuple:
     """``prepare_varlen_metadata`` that also says whether the result was freshly built (not cached)."""
     compiling = is_compiling()
     shape = getattr(q, "shape", None)
     device = getattr(q, "device", None)
-    # The plan depends on q only through its shape (T, H*D) and device.
-    tag = ("meta", layout, bool(bucket), shape, device)
+    v_stride = _token_stride(v, function) if layout == "vllm" else None
+    # The plan depends on q only through its shape (T, H*D) and device (and v's token stride for vllm).
+    tag = ("meta", layout, bool(bucket), shape, device) + ((v_stride,) if v_stride else ())
     is_tensor = isinstance(cu_seqlens, torch.Tensor)
     if is_tensor and not compiling:
         meta = cache.get(cu_seqlens, tag)
@@ -335,7 +361,7 @@ def prepare(cu_seqlens: Any, q: Any = None, *, layout: str = "tokens", bucket: b
                          expected=" or ".join(repr(x) for x in LAYOUTS), got=repr(layout))
     if q is not None:
         T, HD, device = _query_shape(q, function)
-    elif layout == "cudnn":
+    elif layout != "tokens":
         raise GuardError("GL107", argument="q", function=function,
                          expected="q (total_tokens, num_heads, head_dim): element offsets need H*D",
                          got="None")
@@ -356,7 +382,7 @@ def prepare(cu_seqlens: Any, q: Any = None, *, layout: str = "tokens", bucket: b
     offsets = token_offsets(host, layout=layout, total_tokens=T, elements_per_token=HD,
                             argument=argument, function=function)
     meta = _build(offsets, layout=layout, bucket=bucket, device=device, elements_per_token=HD,
-                  argument=argument, function=function)
+                  argument=argument, function=function, v_elements_per_token=v_stride)
     if not compiling:
         if host_key is None:
             cache.put(cu_seqlens, tag, meta)
@@ -366,7 +392,7 @@ def prepare(cu_seqlens: Any, q: Any = None, *, layout: str = "tokens", bucket: b
 
 
 def prepare_varlen_metadata(cu_seqlens: Any, q: Optional[torch.Tensor] = None, *, layout: str = "tokens",
-                            bucket: bool = False) -> VarlenMetadata:
+                            bucket: bool = False, v: Optional[torch.Tensor] = None) -> VarlenMetadata:
     """Prepare varlen metadata once per batch; pass the result to every layer.
 
     Args:
@@ -376,11 +402,16 @@ def prepare_varlen_metadata(cu_seqlens: Any, q: Optional[torch.Tensor] = None, *
             engine's packed element indptrs ``(3(B+1),)`` are accepted too.
         q: ``(total_tokens, num_heads, head_dim)``; its device receives the metadata and its shape
             checks the total (and gives H*D for element offsets). Required for ``layout="cudnn"``.
-        layout: ``"tokens"`` (FA-style kernels) or ``"cudnn"`` (adds packed element indptrs).
-        bucket: pad the batch (8, 16, 32, 64, then multiples of 8) and round ``cudnn_max_seqlen`` up
-            (4096 ... 131072, then multiples of 4096) so one CUDA graph serves many batches.
+        layout: ``"tokens"`` (FA-style kernels), ``"cudnn"`` (sglang's flashinfer_cudnn backend: packed
+            element indptrs ``[qk | v | o]``, padded ``sequence_lengths``, ``flashinfer_max_seqlen``) or
+            ``"vllm"`` (vLLM's FlashInfer ViT wrapper: two sections ``[qko | v]``).
+        bucket: pad the batch (8, 16, 32, 64, then multiples of 8) and round ``flashinfer_max_seqlen`` up
+            (4096 ... 131072, then multiples of 4096) so one CUDA graph serves many batches, as the
+            engines' own cuDNN metadata does.
+        v: layout ``"vllm"`` only: the value tensor whose token stride addresses the v section (vLLM
+            passes v as a view into the fused qkv projection: three times H*D). Default: H*D.
 
     Raises ``GuardError``: GL103 (invalid offsets), GL107 (token vs element offsets), GL105 (a read or
     upload would be needed during CUDA graph capture).
     """
-    return prepare(cu_seqlens, q, layout=layout, bucket=bucket, function="prepare_varlen_metadata")[0]
+    return prepare(cu_seqlens, q, layout=layout, bucket=bucket, function="prepare_varlen_metadata", v=v)[0]

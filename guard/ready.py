@@ -69,8 +69,12 @@ def _build_varlen(fn: Callable, **rename: str) -> Callable:
         else:
             plan = None
             if meta is not None:
-                # Any object with the same fields serves; missing ones are derived below.
-                seq = getattr(meta, "sequence_lengths", None) if seq is None else seq
+                # Any object with the same fields serves (the engines' own metadata: true lengths are
+                # seq_lens there, sequence_lengths the padded ones); missing ones are derived below.
+                if seq is None:
+                    seq = getattr(meta, "seq_lens", None)
+                    if seq is None and getattr(meta, "packed_indptrs", None) is None:
+                        seq = getattr(meta, "sequence_lengths", None)
                 mx = getattr(meta, "max_seqlen", None) if mx is None else mx
                 cu = getattr(meta, "cu_seqlens", None) if cu is None else cu
             if seq is None or mx is None or (cu is not None and not isinstance(cu, Tensor)):
@@ -103,7 +107,7 @@ def _build_varlen(fn: Callable, **rename: str) -> Callable:
                     _state.note_cached(SEQ_DERIVATION if seq is None else MAX_DERIVATION)
         if plan is not None:
             if seq is None:
-                seq = plan.sequence_lengths
+                seq = plan.seq_lens
             if mx is None:
                 mx = plan.max_seqlen
             if cu is None or not isinstance(cu, Tensor):

@@ -126,7 +126,7 @@ def check_varlen(function: Optional[str], *, q: Any, cu_seqlens: Any = None, seq
                              expected=f"metadata prepared with layout=\"cudnn\" for H*D={HD}",
                              got=f"layout {prepared.layout!r} with H*D={prepared.elements_per_token}")
         offsets = prepared.host_cu_seqlens
-        if max_seqlen is prepared.max_seqlen or max_seqlen is prepared.cudnn_max_seqlen:
+        if max_seqlen is prepared.max_seqlen or max_seqlen is prepared.flashinfer_max_seqlen:
             max_seqlen = None
     # Everything that needs values goes into one read.
     pending: list = []
@@ -148,7 +148,7 @@ def check_varlen(function: Optional[str], *, q: Any, cu_seqlens: Any = None, seq
         names.append("packed_indptrs")
     if sequence_lengths is not None and not (prepared is not None and (
             sequence_lengths is prepared.sequence_lengths
-            or sequence_lengths is prepared.cudnn_sequence_lengths)):
+            or sequence_lengths is prepared.seq_lens)):
         _int_tensor(sequence_lengths, "sequence_lengths", function, "GL103", device)
         pending.append(sequence_lengths)
         names.append("sequence_lengths")

@@ -300,7 +300,7 @@ def _run_cudnn_tokens(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, 
         qk = packed[:section].view(section, 1, 1, 1)
         vo = packed[section:2 * section].view(section, 1, 1, 1)
         out = packed[2 * section:].view(section, 1, 1, 1)
-        return fi.cudnn_prefill(q, k, v, out, qk, metadata.cudnn_sequence_lengths, metadata.cudnn_max_seqlen,
+        return fi.cudnn_prefill(q, k, v, out, qk, metadata.sequence_lengths, metadata.flashinfer_max_seqlen,
                                 scale, causal, v_offsets=vo)
     key = ("tokens", id(cu_seqlens), cu_seqlens._version, id(sequence_lengths), heads, k.shape[1], head_dim)
     qo_off, kv_off, lengths = _cached(key, (cu_seqlens, sequence_lengths),
@@ -468,7 +468,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 def _token_view(q, fm, cu_seqlens, sequence_lengths, max_seqlen, function):
     """Token offsets, lengths, max and host offsets (or None) for the non-cuDNN backends."""
     if fm is not None and hasattr(fm, "host_cu_seqlens") and getattr(fm, "cu_seqlens", None) is not None:
-        return fm.cu_seqlens, fm.sequence_lengths, fm.max_seqlen, fm
+        return fm.cu_seqlens, fm.seq_lens, fm.max_seqlen, fm
     heads_dim = q.shape[1] * q.shape[2]
     if fm is not None:
         packed = fm.packed_indptrs
@@ -489,9 +489,7 @@ def _packed_view(q, k, fm, cu_seqlens, sequence_lengths, max_seqlen):
     heads_dim = q.shape[1] * q.shape[2]
     if fm is not None:
         packed = fm.packed_indptrs.view(-1)
-        lengths = getattr(fm, "cudnn_sequence_lengths", None)
-        if lengths is None:
-            lengths = fm.sequence_lengths
+        lengths = fm.sequence_lengths
     elif cu_seqlens.numel() == 3 * (sequence_lengths.numel() + 1):
         packed, lengths = cu_seqlens.view(-1), sequence_lengths
     else:
@@ -551,9 +549,7 @@ def cudnn_vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
             raise GuardError("GL107", argument="forward_metadata", function=function,
                              expected="metadata with packed_indptrs (prepare_varlen_metadata(..., layout=\"cudnn\"))",
                              got=describe(fm))
-        max_value = getattr(fm, "cudnn_max_seqlen", None)
-        if max_value is None:
-            max_value = getattr(fm, "flashinfer_max_seqlen", None)
+        max_value = getattr(fm, "flashinfer_max_seqlen", None)
         if max_value is None:
             max_value = getattr(fm, "max_seqlen", None)
         max_seqlen = _int_max(max_value, "forward_metadata.max_seqlen", function)

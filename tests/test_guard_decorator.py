@@ -52,7 +52,7 @@ def test_guard_gl101_gl102_derives_forward_metadata_once_for_32_layers():
     q, cu = batch()
     first = guarded_vision(q, q, q, cu, 2, 12)["forward_metadata"]
     assert isinstance(first, VarlenMetadata) and first.layout == "cudnn"
-    assert first.cudnn_sequence_lengths.flatten().tolist() == [5, 7, 0, 0, 0, 0, 0, 0]
+    assert first.sequence_lengths.flatten().tolist() == [5, 7, 0, 0, 0, 0, 0, 0]
     for _ in range(31):
         assert guarded_vision(q, q, q, cu, 2, 12)["forward_metadata"] is first
     s = stats()

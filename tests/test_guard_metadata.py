@@ -27,15 +27,15 @@ def test_prepare_cudnn_worked_example():
     meta = prepare_varlen_metadata(torch.tensor([0, 480, 1200], dtype=torch.int32), q, layout="cudnn",
                                    bucket=True)
     assert meta.layout == "cudnn"
-    assert meta.cudnn_sequence_lengths.shape == (8, 1, 1, 1)
-    assert meta.cudnn_sequence_lengths.flatten().tolist() == [480, 720, 0, 0, 0, 0, 0, 0]
-    assert meta.cudnn_max_seqlen == 4096
+    assert meta.sequence_lengths.shape == (8, 1, 1, 1)
+    assert meta.sequence_lengths.flatten().tolist() == [480, 720, 0, 0, 0, 0, 0, 0]
+    assert meta.flashinfer_max_seqlen == 4096
     assert meta.max_seqlen == 720 and type(meta.max_seqlen) is int
     assert meta.padded_batch_size == 8 and meta.batch_size == 2 and meta.total_tokens == 1200
     section = [0, 480 * 1536] + [1200 * 1536] * 7
     assert meta.packed_indptrs.tolist() == section * 3
     assert meta.packed_indptrs.dtype == torch.int32 and meta.packed_indptrs.shape == (27,)
-    assert meta.sequence_lengths.tolist() == [480, 720]
+    assert meta.seq_lens.tolist() == [480, 720]
     assert meta.cu_seqlens.tolist() == [0, 480, 1200] and meta.cu_seqlens.dtype == torch.int32
     assert meta.host_cu_seqlens == (0, 480, 1200)
     assert meta.elements_per_token == 1536
@@ -44,8 +44,8 @@ def test_prepare_cudnn_worked_example():
 def test_prepare_cudnn_without_bucket_keeps_batch_and_max():
     q = qkv(1200)
     meta = prepare_varlen_metadata([0, 480, 1200], q, layout="cudnn")
-    assert meta.padded_batch_size == 2 and meta.cudnn_max_seqlen == 720
-    assert meta.cudnn_sequence_lengths.flatten().tolist() == [480, 720]
+    assert meta.padded_batch_size == 2 and meta.flashinfer_max_seqlen == 720
+    assert meta.sequence_lengths.flatten().tolist() == [480, 720]
     assert meta.packed_indptrs.tolist() == [0, 480 * 1536, 1200 * 1536] * 3
 
 
@@ -54,13 +54,13 @@ def test_prepare_cudnn_accepts_engine_packed_indptrs():
     packed = torch.cat([torch.tensor([0, 480, 1200], dtype=torch.int32) * 1536] * 3)
     meta = prepare_varlen_metadata(packed, q, layout="cudnn", bucket=True)
     assert meta.host_cu_seqlens == (0, 480, 1200)
-    assert meta.cudnn_sequence_lengths.flatten().tolist()[:2] == [480, 720]
+    assert meta.sequence_lengths.flatten().tolist()[:2] == [480, 720]
 
 
 def test_prepare_tokens_layout():
     q = qkv(12, 2, 64)
     meta = prepare_varlen_metadata(torch.tensor([0, 5, 12]), q)
-    assert meta.layout == "tokens" and meta.packed_indptrs is None and meta.cudnn_sequence_lengths is None
+    assert meta.layout == "tokens" and meta.packed_indptrs is None and meta.flashinfer_max_seqlen is None
     assert meta.sequence_lengths.dtype == torch.int32 and meta.sequence_lengths.tolist() == [5, 7]
     assert meta.max_seqlen == 7 and meta.padded_batch_size == 2
 
@@ -145,8 +145,8 @@ def test_empty_batch():
     q = qkv(0, 2, 64)
     meta = prepare_varlen_metadata([0], q, layout="cudnn", bucket=True)
     assert meta.batch_size == 0 and meta.max_seqlen == 0 and meta.total_tokens == 0
-    assert meta.padded_batch_size == 8 and meta.cudnn_max_seqlen == 4096
-    assert meta.cudnn_sequence_lengths.flatten().tolist() == [0] * 8
+    assert meta.padded_batch_size == 8 and meta.flashinfer_max_seqlen == 4096
+    assert meta.sequence_lengths.flatten().tolist() == [0] * 8
 
 
 def test_zero_length_sequences():

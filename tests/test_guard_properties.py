@@ -52,9 +52,9 @@ def test_prepare_matches_reference(lengths, heads, form, bucket):
     padded = cu + [T] * (Bp - B)
     assert cudnn.padded_batch_size == Bp
     assert cudnn.packed_indptrs.tolist() == [x * H * D for x in padded] * 3
-    assert cudnn.cudnn_sequence_lengths.flatten().tolist() == list(lengths) + [0] * (Bp - B)
+    assert cudnn.sequence_lengths.flatten().tolist() == list(lengths) + [0] * (Bp - B)
     longest = max(lengths, default=0)
-    assert cudnn.cudnn_max_seqlen == (bucket_max_seqlen(longest) if bucket else longest)
+    assert cudnn.flashinfer_max_seqlen == (bucket_max_seqlen(longest) if bucket else longest)
     # the engine's packed element indptrs describe the same batch
     if T > 0:
         packed = prepare_varlen_metadata(as_form([x * H * D for x in cu] * 3, form), q, layout="cudnn")

@@ -180,7 +180,7 @@ def test_guard_cudnn_vision_kwargs_pass_through_untouched():
 def test_guard_cudnn_vision_derives_bucketed_metadata_once():
     q, cu = batch()
     first = cudnn_vision_attention(q, q, q, cu, 2, 12)["forward_metadata"]
-    assert first.layout == "cudnn" and first.padded_batch_size == 8 and first.cudnn_max_seqlen == 4096
+    assert first.layout == "cudnn" and first.padded_batch_size == 8 and first.flashinfer_max_seqlen == 4096
     for _ in range(31):
         assert cudnn_vision_attention(q, q, q, cu, 2, 12)["forward_metadata"] is first
     assert stats()["host_reads"] == 1

@@ -184,7 +184,7 @@ def test_compile_fullgraph_lora_with_max_len(dynamo):
 def test_compile_fullgraph_generic_guard_and_strict_mode(dynamo):
     @guard(["GL101", "GL102"])
     def vision_attention(q, k, v, cu_seqlens, bsz, seq_len, softmax_scale=None, forward_metadata=None, **kwargs):
-        return q * forward_metadata.cudnn_max_seqlen + forward_metadata.cudnn_sequence_lengths.sum()
+        return q * forward_metadata.flashinfer_max_seqlen + forward_metadata.sequence_lengths.sum()
 
     x, cu = images()
     q = x.view(-1, HEADS, HEAD_DIM)
