@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench-cpu lint-speed clean
+.PHONY: install test test-engines engines engines-vllm demo bench-cpu lint-speed clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -15,8 +15,19 @@ $(STAMP): $(BIN)/python pyproject.toml constraints-cpu.txt
 
 install: $(STAMP)
 
-test: $(STAMP)
+# The pinned engine releases the engine tests run (python sources only, in the ignored .engines/).
+engines: $(STAMP)
+	$(BIN)/python tests/engines/fetch.py sglang
+
+engines-vllm: $(STAMP)
+	$(BIN)/python tests/engines/fetch.py vllm
+
+test: $(STAMP) engines
 	$(BIN)/python -m pytest -q tests
+
+# The vLLM engine tests (a 340 MB download, so not in every CI run).
+test-engines: $(STAMP) engines engines-vllm
+	GUARDLINT_ENGINE_VLLM=1 $(BIN)/python -m pytest -q tests/engines
 
 demo: $(STAMP)
 	@echo "== 1/3  guardlint examples/   (static: finds the call sites that crash at runtime)"
