@@ -22,8 +22,9 @@ INT32_MAX = 2**31 - 1
 # The engine's buckets: a CUDA graph captured for one bucket replays for every batch that fits it.
 BATCH_BUCKETS = (8, 16, 32, 64)
 BATCH_STEP = 8
-SEQLEN_BUCKETS = (4096, 8192, 16384, 32768, 65536, 131072)
-SEQLEN_STEP = 4096
+# Past the last bucket both engines round up to a multiple of it.
+SEQLEN_BUCKETS = (4096, 8192, 16384, 32768, 65536, 131072)  # sglang's FLASHINFER_MAX_SEQLEN_BUCKETS
+VLLM_SEQLEN_BUCKETS = (1024, 2048) + SEQLEN_BUCKETS  # vLLM's: the same, from 1k
 
 
 def bucket_batch_size(batch_size: int) -> int:
@@ -34,12 +35,13 @@ def bucket_batch_size(batch_size: int) -> int:
     return -(-batch_size // BATCH_STEP) * BATCH_STEP
 
 
-def bucket_max_seqlen(max_seqlen: int) -> int:
-    """4096, 8192, ... 131072, then the next multiple of 4096."""
-    for bucket in SEQLEN_BUCKETS:
+def bucket_max_seqlen(max_seqlen: int, buckets: Sequence[int] = SEQLEN_BUCKETS) -> int:
+    """4096, 8192, ... 131072, then the next multiple of 131072 (as sglang buckets; vLLM's buckets start
+    at 1024: pass ``VLLM_SEQLEN_BUCKETS``)."""
+    for bucket in buckets:
         if max_seqlen <= bucket:
             return bucket
-    return -(-max_seqlen // SEQLEN_STEP) * SEQLEN_STEP
+    return -(-max_seqlen // buckets[-1]) * buckets[-1]
 
 
 @dataclass(frozen=True, eq=False)
@@ -302,7 +304,8 @@ def _build(offsets: tuple, *, layout: str, bucket: bool, device: torch.device,
             values += [x * stride for x in padded]
         values += lengths + [0] * (Bp - B)
         extra = {"padded_batch_size": Bp, "elements_per_token": HD,
-                 "flashinfer_max_seqlen": bucket_max_seqlen(max_seqlen) if bucket else max_seqlen}
+                 "flashinfer_max_seqlen": bucket_max_seqlen(
+                     max_seqlen, SEQLEN_BUCKETS if layout == "cudnn" else VLLM_SEQLEN_BUCKETS) if bucket else max_seqlen}
     if capturing(device):
         # A copy captured into the graph would replay from a staging buffer that is reused later.
         raise _capture_error(argument, offsets, function)

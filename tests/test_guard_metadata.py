@@ -73,7 +73,7 @@ def test_bucket_batch_size(batch, bucket):
 
 @pytest.mark.parametrize("longest, bucket", [(0, 4096), (1, 4096), (4096, 4096), (4097, 8192), (9000, 16384),
                                              (32768, 32768), (40000, 65536), (131072, 131072),
-                                             (131073, 135168), (200000, 200704)])
+                                             (131073, 262144), (300000, 393216)])
 def test_bucket_max_seqlen(longest, bucket):
     assert bucket_max_seqlen(longest) == bucket
 
