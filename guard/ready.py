@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import math
 import operator
 import weakref
 from typing import Any, Callable, Optional
@@ -22,7 +23,8 @@ from ._codegen import accesses, make_wrapper
 from .decorator import bind, qualified_name
 from .derive import Context, DERIVERS
 from .errors import GuardError, describe
-from .metadata import VarlenMetadata, check_index_tensor, is_compiling, prepare, read_host
+from .metadata import (VarlenMetadata, bucket_batch_size, bucket_max_seqlen, check_index_tensor, is_compiling,
+                       prepare, read_host)
 from .validate import check_lora, check_varlen, prefetch
 
 GL101, GL102, GL201 = get_contract("GL101"), get_contract("GL102"), get_contract("GL201")
@@ -127,14 +129,24 @@ def _build_varlen(fn: Callable, **rename: str) -> Callable:
 
 def guard_cudnn_vision(fn: Optional[Callable] = None, **rename: str):
     """Guard ``cudnn_vision_attention(q, k, v, cu_seqlens, bsz, seq_len, softmax_scale=None,
-    forward_metadata=None, **kwargs)`` (contracts GL101 + GL102).
+    forward_metadata=None, **kwargs)`` (contracts GL101 + GL102), or the engine's own
+    ``VisionFlashInferAttention.forward`` (sglang 0.5.23, and 0.5.10 whose forward has no
+    ``forward_metadata``).
 
-    Afterwards the function gets ``forward_metadata``: the caller's (any object with ``packed_indptrs``,
-    or a ``VarlenMetadata``; one prepared with layout "tokens" is re-planned for cuDNN from its host
-    offsets, no read), or, when the caller passed ``sequence_lengths`` and ``max_seqlen`` in kwargs, those
-    pass through untouched, or else ``prepare_varlen_metadata(cu_seqlens, q, layout="cudnn",
-    bucket=True)``, cached per cu_seqlens version. cu_seqlens may be token offsets or the engine's
-    packed element indptrs. Strict mode validates values (GL103/GL107).
+    Afterwards the function gets what the engine's cuDNN backend reads:
+
+    - a function with a ``forward_metadata`` parameter gets a metadata object with ``packed_indptrs``,
+      the padded ``sequence_lengths`` and ``flashinfer_max_seqlen``: the caller's when it has them; one
+      re-planned from it when it lacks them (a ``VarlenMetadata`` of another layout: from its host
+      offsets; the engine's ``VisionAttentionMetadata`` from ``prepare_vision_attention_metadata``:
+      filled in on the device from its ``cu_seqlens`` and host ``max_seqlen``, the engine's own class,
+      no read); or ``prepare_varlen_metadata(cu_seqlens, q, layout="cudnn", bucket=True)``;
+    - a function without one (sglang 0.5.10) gets ``cu_seqlens`` as packed element indptrs and
+      ``sequence_lengths``/``max_seqlen`` in kwargs, from the same plan.
+
+    ``sequence_lengths`` and ``max_seqlen`` the caller passed in kwargs pass through untouched. Each
+    plan is cached per cu_seqlens version: one host read per forward, none per layer. cu_seqlens may be
+    token offsets or the engine's packed element indptrs. Strict mode validates values (GL103/GL107).
     """
     return _decorator(_build_cudnn, fn, rename)
 
@@ -150,11 +162,55 @@ class _Packed:
         self.device = q.device
 
 
+def _fill_cudnn(fm: Any, q: Any, function: str, argument: str) -> Any:
+    """The engine's metadata without cuDNN fields (``prepare_vision_attention_metadata``): a copy with
+    ``packed_indptrs`` ``[qk | v | o]``, padded ``sequence_lengths`` ``(Bp, 1, 1, 1)`` and bucketed
+    ``flashinfer_max_seqlen``, built on the device from ``cu_seqlens`` and the host ``max_seqlen``
+    (no read), cached per cu_seqlens version. Returns the caller's class (a dataclass copy)."""
+    cu = getattr(fm, "cu_seqlens", None)
+    mx = getattr(fm, "max_seqlen", None)
+    if not isinstance(cu, torch.Tensor) or isinstance(mx, bool) or not isinstance(mx, int):
+        raise GuardError("GL107", argument=argument, function=function,
+                         expected="forward_metadata with packed_indptrs (the cuDNN backend's element offsets), "
+                                  "or with cu_seqlens (a tensor) and max_seqlen (an int) to build them from",
+                         got=f"{type(fm).__name__} with cu_seqlens={describe(cu)}, max_seqlen={describe(mx)}",
+                         fix="build it once per forward with prepare_flashinfer_cudnn_vision_attention_metadata("
+                             "cu_seqlens, device, elem_per_token=H*D) or prepare_varlen_metadata(cu_seqlens, q, "
+                             "layout=\"cudnn\", bucket=True)")
+    check_index_tensor(cu, argument + ".cu_seqlens", function)
+    HD = math.prod(int(d) for d in q.shape[1:])
+    tag = ("engine-cudnn", type(fm), HD, mx, q.device)
+    if not is_compiling():
+        filled = cache.get(cu, tag)
+        if filled is not MISS and filled.__dict__.keys() == fm.__dict__.keys() and all(
+                getattr(filled, k) is v for k, v in fm.__dict__.items()
+                if k not in ("packed_indptrs", "sequence_lengths", "flashinfer_max_seqlen")):
+            _state.note_cached(META_DERIVATION.name)
+            return filled
+    B = cu.numel() - 1
+    Bp = bucket_batch_size(B)
+    cu32 = cu.to(device=q.device, dtype=torch.int32)
+    padded = torch.cat([cu32, cu32[-1:].expand(Bp - B)])
+    section = padded * HD
+    lengths = padded[1:] - padded[:-1]
+    changes = {"packed_indptrs": torch.cat([section] * 3), "sequence_lengths": lengths.view(Bp, 1, 1, 1),
+               "flashinfer_max_seqlen": bucket_max_seqlen(mx)}
+    filled = _info_copy(fm, **changes)
+    _state.note_derived(function, argument, META_DERIVATION.name, (argument + ".cu_seqlens",), fresh=True,
+                        host_read=False)
+    if not is_compiling():
+        cache.put(cu, tag, filled)
+    return filled
+
+
 def _build_cudnn(fn: Callable, **rename: str) -> Callable:
     function = qualified_name(fn)
     names = ("q", "cu_seqlens", "forward_metadata", "sequence_lengths", "max_seqlen")
     p = bind(fn, names, rename, function=function, must_accept=("q", "cu_seqlens", "forward_metadata"))
     nF, nS, nX = p["forward_metadata"].param, p["sequence_lengths"].param, p["max_seqlen"].param
+    # sglang 0.5.10's backend has no forward_metadata parameter: it reads packed indptrs from
+    # cu_seqlens and sequence_lengths/max_seqlen from kwargs, so the plan is handed over that way.
+    as_kwargs = nF not in inspect.signature(fn).parameters
     context = Context(function, GL101.code)
     derive_meta = DERIVERS[META_DERIVATION.name]
 
@@ -183,23 +239,30 @@ def _build_cudnn(fn: Callable, **rename: str) -> Callable:
             else:
                 _state.note_cached(META_DERIVATION.name)
         elif type(fm) is VarlenMetadata and fm.layout != "cudnn":
-            # Prepared for token-offset kernels: re-plan from its host offsets (no read).
+            # Prepared for other kernels: re-plan from its host offsets (no read).
             fm, fresh = prepare(fm.host_cu_seqlens, packed_q, layout="cudnn", bucket=True, function=function,
                                 argument=nF)
             if fresh:
                 _state.note_derived(function, nF, META_DERIVATION.name, (nF,), fresh=True, host_read=False)
             else:
                 _state.note_cached(META_DERIVATION.name)
+        elif fm is not None and getattr(fm, "packed_indptrs", None) is None:
+            fm = _fill_cudnn(fm, packed_q, function, nF)
         if mode == _state.STRICT:
             if fm is not None:
                 check_varlen(function, q=packed_q, cu_seqlens=cu, metadata=fm, layout="cudnn")
             else:
                 check_varlen(function, q=packed_q, cu_seqlens=cu, sequence_lengths=seq, max_seqlen=mx, layout="cudnn")
+        if as_kwargs and fm is not None:
+            return q, fm.packed_indptrs, None, fm.sequence_lengths, fm.flashinfer_max_seqlen
         return q, cu, fm, seq, mx
 
-    fast = ("({forward_metadata} is not None and ({forward_metadata}.__class__ is not _guardlint_VM "
-            "or {forward_metadata}.layout == 'cudnn')) or ({forward_metadata} is None and "
-            "{sequence_lengths} is not None and {max_seqlen} is not None)")
+    if as_kwargs:
+        fast = "{sequence_lengths} is not None and {max_seqlen} is not None and {forward_metadata} is None"
+    else:
+        fast = ("({forward_metadata} is not None and ({forward_metadata}.__class__ is not _guardlint_VM "
+                "or {forward_metadata}.layout == 'cudnn') and {forward_metadata}.packed_indptrs is not None) "
+                "or ({forward_metadata} is None and {sequence_lengths} is not None and {max_seqlen} is not None)")
     wrapper = make_wrapper(fn, accesses(fn, p), names, hook, fast=fast, env={"VM": VarlenMetadata})
     wrapper.__guardlint__ = ("cudnn_vision", p)
     return wrapper
