@@ -9,6 +9,7 @@ Returns findings with positions and suppressions applied; a problem of the file 
 from __future__ import annotations
 
 import ast
+import bisect
 import gc
 import importlib
 import re
@@ -58,6 +59,8 @@ class RawFinding:
     seq: int = 0
     label: str = ""
     indent: str = ""
+    qual: str = ""  # the target the callee resolved to (derivations are chosen by it)
+    per_layer: str = ""  # why the call runs once per layer ("" when it does not, as far as is known)
 
 
 # -- collection: one walk fills the scopes and lists the calls ------------------------------------------
@@ -82,6 +85,13 @@ class Collector:
         self.assigned: dict[int, str] = {}
         self._bodies: dict[int, Scope] = {}
         self._restore: list[tuple[Scope, Optional[FuncInfo]]] = []
+        # ``obj.attr = value`` anywhere: (class of the method it is in or None, function scope, seq,
+        # object with local aliases replaced by what they alias, attribute, value).
+        self.stores: list[tuple] = []
+        # id(call) -> why it runs once per layer (a per-layer forward or a loop over layers).
+        self.per_layer: dict[int, str] = {}
+        self._layer_contexts: list[Optional[str]] = []
+        self._classes: list[Optional[str]] = []
 
     def _next(self) -> int:
         self.seq += 1
@@ -176,9 +186,18 @@ class Collector:
         # Decorators, defaults and annotations are evaluated outside; the body runs inside.
         self._bodies[id(node.body)] = inner
         self._restore.append((self.scope, self.func))
+        owner = self._classes[-1] if self._classes else None
+        context = None
+        if owner and (name == "forward" or name.startswith("_")) and not name.startswith("__") \
+                and owner.lower().endswith(PER_LAYER_CLASS_SUFFIXES):
+            context = f"{owner}.{name}, which runs once per layer"
+        self._layer_contexts.append(context)
+        self._classes.append(None)
 
     def leave_FunctionDef(self, node) -> None:
         self._pop()
+        self._layer_contexts.pop()
+        self._classes.pop()
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
         name = node.name.value
@@ -186,9 +205,11 @@ class Collector:
         self.bind(name, "def", info)
         self._bodies[id(node.body)] = Scope("class", self.scope, info)
         self._restore.append((self.scope, self.func))
+        self._classes.append(name)
 
     def leave_ClassDef(self, node) -> None:
         self._pop()
+        self._classes.pop()
 
     def _enter_body(self, node) -> None:
         scope = self._bodies.pop(id(node), None)
@@ -250,6 +271,11 @@ class Collector:
 
     def visit_For(self, node: cst.For) -> None:
         self._target(node.target, None)
+        loop = _layer_loop(node.iter)
+        self._layer_contexts.append(f"a loop over {loop}" if loop else None)
+
+    def leave_For(self, node: cst.For) -> None:
+        self._layer_contexts.pop()
 
     def visit_WithItem(self, node: cst.WithItem) -> None:
         if node.asname is not None:
@@ -270,9 +296,12 @@ class Collector:
     def _target(self, target: cst.BaseExpression, value: Optional[cst.BaseExpression]) -> None:
         if isinstance(target, cst.Name):
             if isinstance(value, cst.Call):
-                self.bind(target.value, "call", (value.func, self.scope, self.seq + 1))
+                self.bind(target.value, "call", (value.func, self.scope, self.seq + 1, value))
                 self.assigned[id(value)] = target.value
             elif not is_none(value):
+                alias = dotted(value) if isinstance(value, (cst.Name, cst.Attribute)) else None
+                if alias is not None:
+                    self.scope.function_scope().aliases.setdefault(target.value, []).append(alias)
                 # ``X = None`` is a placeholder (``except ImportError: X = None``), not a new meaning.
                 self.bind(target.value, "local")
         elif isinstance(target, cst.Attribute):
@@ -280,7 +309,14 @@ class Collector:
             if obj is None:
                 return
             attr = target.attr.value
-            self.scope.function_scope().attr_stores.append((self._next(), obj, attr, is_none(value)))
+            fn = self.scope.function_scope()
+            seq = self._next()
+            fn.attr_stores.append((seq, obj, attr, is_none(value), value))
+            head, _, rest = obj.partition(".")
+            owner = self.func.def_scope.info if self.func is not None else None
+            owner = owner if isinstance(owner, ClassInfo) else None
+            for base in fn.aliases.get(head, [head]):
+                self.stores.append((owner, fn, seq, base + ("." + rest if rest else ""), attr, value))
             if isinstance(value, cst.Call):
                 self.assigned[id(value)] = f"{obj}.{attr}"
                 cls = self._self_class(obj)
@@ -302,6 +338,9 @@ class Collector:
     def visit_Call(self, node: cst.Call) -> None:
         self.calls.append(node)
         self.sites.append((node, self.scope, self._next(), self.func, self.indent))
+        context = next((c for c in reversed(self._layer_contexts) if c), None)
+        if context:
+            self.per_layer[id(node)] = context
 
 
 # -- checking: calls against contracts ---------------------------------------------------------------
@@ -746,6 +785,8 @@ class _Fixer:
         self.resolver = resolver
         self._text: Optional[str] = None
         self._starts: list[int] = []
+        self._import_line: Optional[int] = None
+        self._stmt_lines: tuple[list[int], list[int]] = ([], [])
 
     @property
     def text(self) -> str:
@@ -831,11 +872,8 @@ class _Fixer:
         node._codegen(state)
         return "".join(state.tokens)
 
-    def _import_edit(self, imports, call_line: int, at_import: bool) -> Edit:
-        """``from m import n`` lines after the last top-level import (after the docstring when there
-        is none), or before the statement of a module-level call that runs earlier than that."""
-        nl = self.module.default_newline
-        text = "".join(f"from {m} import {n}{nl}" for m, n in imports)
+    def _import_layout(self) -> tuple[int, tuple[list[int], list[int]]]:
+        """The line new imports go before, and the top-level statements' first and last lines."""
         body = self.tree.body
         last_import = None
         for stmt in body:
@@ -850,11 +888,22 @@ class _Fixer:
             line = _first_line(body[0])
         else:
             line = len(self._starts) + 1 if self.text is not None else 1
-        if at_import:
-            for stmt in body:
-                if _first_line(stmt) <= call_line <= stmt.end_lineno and _first_line(stmt) < line:
-                    line = _first_line(stmt)
-                    break
+        return line, ([_first_line(stmt) for stmt in body], [stmt.end_lineno for stmt in body])
+
+    def _import_edit(self, imports, call_line: int, at_import: bool) -> Edit:
+        """``from m import n`` lines after the last top-level import (after the docstring when there
+        is none), or before the statement of a module-level call that runs earlier than that."""
+        nl = self.module.default_newline
+        text = "".join(f"from {m} import {n}{nl}" for m, n in imports)
+        # Once per file, not per finding: a file with thousands of fixable calls made this quadratic.
+        if self._import_line is None:
+            self._import_line, self._stmt_lines = self._import_layout()
+        line = self._import_line
+        if at_import and self._stmt_lines:
+            firsts, ends = self._stmt_lines
+            i = bisect.bisect_right(firsts, call_line) - 1
+            if i >= 0 and call_line <= ends[i] and firsts[i] < line:
+                line = firsts[i]
         n_lines = len(self._starts) if self.text is not None else 0
         if line > n_lines:  # after a last line without a line break
             last = len(self.text) - self._starts[-1] + 1
