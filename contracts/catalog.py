@@ -5,6 +5,8 @@ user-declared contracts; GL3xx: the machine. A new kernel costs one entry here.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from .model import Contract, Derivation, Diagnosis, Example, Target
 
 VISION_FI = "sglang.srt.layers.attention.vision.VisionFlashInferAttention"
@@ -146,6 +148,26 @@ attn = VisionFlashInferAttention()
 attn(1, 2, 3, 4, 5, 6)
 '''
 
+# The fixes that run in each engine, as of the pinned releases (sglang 0.5.23, vLLM 0.33.0). ``guardlint
+# diagnose`` shows the one of the engine that a traceback runs through ("In <engine>: ...").
+SGLANG_CUDNN_FIX = (
+    "In sglang: build the metadata once per forward, before the block loop, with the engine's own "
+    "meta = prepare_flashinfer_cudnn_vision_attention_metadata(cu_seqlens, device, elem_per_token=H*D) "
+    "(sglang.srt.layers.attention.vision; H = attention heads on this rank, D = head_dim) and pass "
+    "forward_metadata=meta to every VisionAttention call. prepare_vision_attention_metadata(...) is not "
+    "enough for flashinfer_cudnn: it has no packed_indptrs, so the backend reads sequence_lengths and "
+    "max_seqlen from kwargs, which VisionAttention fills with None."
+)
+VLLM_CUDNN_FIX = (
+    "In vLLM: once per forward, before the block loop, from cu_seqlens as a host numpy array: "
+    "sequence_lengths = MMEncoderAttention.maybe_compute_seq_lens(attn_backend, cu_seqlens, device) and "
+    "max_seqlen = torch.tensor(MMEncoderAttention.compute_max_seqlen(attn_backend, cu_seqlens), "
+    "dtype=torch.int32) (a CPU scalar: the wrapper calls .item()); pass sequence_lengths= and max_seqlen= "
+    "to every MMEncoderAttention call, and for FLASHINFER also the element offsets "
+    "MMEncoderAttention.maybe_recompute_cu_seqlens(attn_backend, cu_seqlens, hidden_size, tp_size, device) "
+    "as cu_seqlens, as Qwen2.5-VL's prepare_encoder_metadata does."
+)
+
 _VISION_DIAG_COMMON = dict(
     when_it_happens=(
         "A ViT block calls the vision attention with cu_seqlens only: the model was written for the "
@@ -160,6 +182,8 @@ _VISION_DIAG_COMMON = dict(
         "(token offsets only; the engine's packed element indptrs need prepare_varlen_metadata).",
         "Or decorate the caller with @guard(\"GL101\") / use guardlint.kernels.cudnn_vision_attention, "
         "which derive the values at runtime and cache them per cu_seqlens version.",
+        SGLANG_CUDNN_FIX,
+        VLLM_CUDNN_FIX,
     ),
     fix_safety=(
         "Unsafe: the fix adds forward_metadata=prepare_varlen_metadata(cu_seqlens, q, layout=\"cudnn\") "
@@ -251,6 +275,10 @@ GL103 = Contract(
             "Build cu_seqlens as torch.cat([zeros(1), lengths.cumsum(0)]).to(torch.int32) on q's device.",
             "Use prepare_varlen_metadata(cu_seqlens, q) and pass the result instead of separate values.",
             "Run with GUARDLINT_MODE=strict while debugging to validate every call.",
+            "In sglang: let prepare_flashinfer_cudnn_vision_attention_metadata(cu_seqlens, device, "
+            "elem_per_token=H*D) build the packed indptrs, H being the heads on this rank (not the model's "
+            "total under tensor parallelism) and D head_dim, and pass forward_metadata=; indptrs scaled by "
+            "another stride point past the end of q.",
         ),
     ),
 )
@@ -388,6 +416,7 @@ GL107 = Contract(
         solutions=(
             "prepare_varlen_metadata(cu_seqlens, q, layout=\"cudnn\") builds the packed indptrs from "
             "either form and tells them apart by shape and by the last value.",
+            SGLANG_CUDNN_FIX,
         ),
         patterns=(
             r"packed indptr numel mismatch",
@@ -468,6 +497,10 @@ GL201 = Contract(
             "max_len=int(max(lengths)).",
             "Under CUDA graphs, compute both over the live num_segments only; entries past it are stale.",
             "Or let the guard derive them: guardlint.kernels.lora kernels do, cached per seg_indptr version.",
+            "In sglang: the Triton LoRA kernels size their grid with triton.cdiv(batch_info.max_len, "
+            "BLOCK_S), so they need max_len itself (seg_lens alone is not enough there): set max_len to a "
+            "host int, as the backend's prepare_lora_batch does from forward_batch.extend_seq_lens_cpu "
+            "(no device read), and seg_lens on the LoRABatchInfo before the LoRA layers run.",
         ),
         fix_safety=(
             "Unsafe: the fix adds seg_lens=seg_indptr[1:] - seg_indptr[:-1] from the call's own "
@@ -671,18 +704,69 @@ GL301 = Contract(
     kind="runtime",
     diagnosis=Diagnosis(
         message="no GPU driver: GPU kernels cannot launch here",
-        what_it_means="Triton found no active driver (no CUDA device visible), so compiled kernels cannot "
-        "run on this machine.",
+        what_it_means="Not a metadata error: Triton or CUDA found no usable GPU (no driver, or no CUDA "
+        "device visible), so compiled kernels cannot run on this machine.",
         when_it_happens="Running GPU code on a CPU-only machine or container, or with CUDA_VISIBLE_DEVICES "
         "empty.",
         solutions=(
             "Use backend=\"sdpa\" (the torch reference) on the CPU, or run on a GPU machine.",
             "For testing kernels on the CPU, set TRITON_INTERPRET=1 before the kernels are imported.",
         ),
-        patterns=(r"0 active drivers", r"Found no NVIDIA driver on your system"),
+        patterns=(r"0 active drivers", r"Found no NVIDIA driver on your system",
+                  r"no CUDA-capable device is detected"),
     ),
 )
 
 BUILTIN: tuple[Contract, ...] = (
     GL000, GL001, GL101, GL102, GL103, GL104, GL105, GL106, GL107, GL201, GL202, GL203, GL204, GL205, GL301,
+)
+
+
+class EngineError(NamedTuple):
+    """For ``guardlint diagnose``: an engine error that names no argument or no rule (a TypeError on None, a
+    bare assert, a CUDA fault, the engine's own wording). It means ``code`` when an exception line matches
+    ``exception`` and, if ``file`` is set, the innermost frame whose path matches ``file`` quotes a source
+    line matching ``source``. ``engine`` picks the fix (the solution starting "In <engine>:") when no frame
+    shows it; ``confirm`` marks the rule as one possible cause among several and says how to tell."""
+
+    code: str
+    exception: str
+    file: str = ""
+    source: str = ""
+    engine: str = ""
+    confirm: str = ""
+
+
+_SGLANG_VISION = r"(?:^|/)sglang/srt/layers/attention/vision\.py$"
+_SGLANG_LORA = r"(?:^|/)sglang/(?:srt/lora|kernels/ops/lora)/"
+_VLLM_VIT = r"(?:^|/)vllm/v1/attention/ops/vit_attn_wrappers\.py$"
+_LORA_FRAMES = (r"(?:^|/)(?:sglang/(?:srt/lora|kernels/ops/lora)|vllm/lora|guardlint/kernels/lora|kernels/lora)"
+                r"(?:/|\.py$)")
+_ILLEGAL_ACCESS = r"CUDA error: an illegal memory access was encountered"
+_CONFIRM = (
+    "An illegal memory access has several causes, and {what} is one of them. CUDA reports the fault at a "
+    "later call, so the frames need not show the kernel that faulted. To confirm, run again with "
+    "CUDA_LAUNCH_BLOCKING=1 (the error then surfaces at the launch that faulted) and GUARDLINT_MODE=strict "
+    "(guardlint checks the metadata of every guarded call and names the wrong argument)."
+)
+
+ENGINE_ERRORS: tuple[EngineError, ...] = (
+    EngineError("GL101", r"sequence_lengths must be a torch\.Tensor", engine="sglang"),
+    EngineError("GL103", r"offset \+ len out of bounds; packed indptr is wrong", engine="sglang"),
+    EngineError("GL107", r"packed indptr numel mismatch", engine="sglang"),
+    EngineError("GL107", r"flashinfer_cudnn expects packed indptrs as a torch\.Tensor", engine="sglang"),
+    # VisionAttention always forwards max_seqlen= and sequence_lengths= (None when not given), so without
+    # prepared forward_metadata the cuDNN backend gets past its "should be prepared" checks and fails here.
+    EngineError("GL102", r"^TypeError: int\(\) argument must be .*, not 'NoneType'$", _SGLANG_VISION,
+                r"^max_seqlen = int\(max_seqlen\)$", "sglang"),
+    # triton.cdiv(None, BLOCK_S) computes None + BLOCK_S - 1.
+    EngineError("GL201", r"^TypeError: unsupported operand type\(s\) for [-+]: 'NoneType' and 'int'$",
+                _SGLANG_LORA, r"\bcdiv\(batch_info\.max_len\b", "sglang"),
+    # vLLM's FlashInfer (cuDNN) wrapper asserts without a message.
+    EngineError("GL101", r"^AssertionError$", _VLLM_VIT, r"^assert sequence_lengths is not None$", "vllm"),
+    EngineError("GL102", r"^AssertionError$", _VLLM_VIT, r"^assert max_seqlen is not None$", "vllm"),
+    EngineError("GL204", _ILLEGAL_ACCESS, _LORA_FRAMES,
+                confirm=_CONFIRM.format(what="LoRA batch info that does not describe the batch")),
+    EngineError("GL103", _ILLEGAL_ACCESS, confirm=_CONFIRM.format(what="varlen metadata that does not "
+                                                                        "describe the packed tensors")),
 )
