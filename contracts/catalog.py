@@ -9,19 +9,47 @@ from typing import NamedTuple
 
 from .model import Contract, Derivation, Diagnosis, Example, Target
 
-VISION_FI = "sglang.srt.layers.attention.vision.VisionFlashInferAttention"
+VISION_MODULE = "sglang.srt.layers.attention.vision"
+VISION_FI = f"{VISION_MODULE}.VisionFlashInferAttention"
+# The engine's backend table (``--mm-attention-backend`` picks an entry): ``QKV_BACKEND_IMPL[backend](...)``
+# with a key that is not a constant may be the cuDNN backend.
+QKV_BACKENDS = f"{VISION_MODULE}.QKV_BACKEND_IMPL[]"
+# Constant keys of such tables, resolved: a key that names another backend is no candidate.
+REGISTRIES = {f"{VISION_MODULE}.QKV_BACKEND_IMPL": {"flashinfer_cudnn": VISION_FI}}
+VISION_ATTENTION = f"{VISION_MODULE}.VisionAttention"
+VLLM_MM = "vllm.model_executor.layers.attention.mm_encoder_attention.MMEncoderAttention"
 OUR_CUDNN = "guardlint.kernels.cudnn_vision_attention"
 ENGINE_LORA_INFO = "sglang.srt.lora.utils.LoRABatchInfo"
 OUR_LORA_INFO = "guardlint.kernels.lora.LoRABatchInfo"
 
-# Engine signature of VisionFlashInferAttention.forward (and of our drop-in); the prepared values
-# travel through **kwargs, so they are keyword-only.
+# Engine signature of VisionFlashInferAttention.forward in sglang 0.5.23 (and of our drop-in); the prepared
+# values travel through **kwargs, so they are keyword-only. tests/engines/test_catalog_drift.py compares
+# these tuples with the pinned releases.
 VISION_PARAMS = ("q", "k", "v", "cu_seqlens", "bsz", "seq_len", "softmax_scale", "forward_metadata")
-# Engine field order of LoRABatchInfo (it changed between releases: positional construction is a trap).
+# VisionAttention.forward, the layer the engine's models call (0.5.23).
+VISION_ATTENTION_PARAMS = (
+    "x", "cu_seqlens", "position_embeddings", "rotary_pos_emb_cos", "rotary_pos_emb_sin", "attention_mask",
+    "forward_metadata", "full_attn",
+)
+# vLLM 0.33 MMEncoderAttention.forward_native / forward_cuda.
+VLLM_MM_PARAMS = ("query", "key", "value", "cu_seqlens", "max_seqlen", "sequence_lengths")
+# Engine field order of LoRABatchInfo in sglang 0.5.23 (it changed between releases: positional
+# construction is a trap). Ours has the first ten.
 LORA_FIELDS = (
     "use_cuda_graph", "bs", "num_segments", "seg_indptr", "weight_indices", "lora_ranks", "scalings",
-    "max_len", "seg_lens", "permutation",
+    "max_len", "seg_lens", "permutation", "expected_tokens", "has_active_lora", "is_prefill",
+    "req_seg_indptr", "req_weight_indices", "moe_lora_info",
 )
+# Functions that build VisionAttentionMetadata: the fields each sets whatever its arguments (the rest
+# are set only when passed as a keyword, not None). Read by the linter to tell metadata that carries the
+# cuDNN fields from metadata that does not.
+METADATA_BUILDERS = {
+    f"{VISION_MODULE}.prepare_vision_attention_metadata": ("cu_seqlens", "seq_lens", "max_seqlen"),
+    f"{VISION_MODULE}.prepare_flashinfer_cudnn_vision_attention_metadata": (
+        "cu_seqlens", "seq_lens", "max_seqlen", "packed_indptrs", "sequence_lengths", "flashinfer_max_seqlen"),
+    f"{VISION_MODULE}.VisionAttentionMetadata": ("cu_seqlens", "seq_lens", "max_seqlen"),
+}
+ENGINE_PREPARE_IMPORT = ((VISION_MODULE, "prepare_flashinfer_cudnn_vision_attention_metadata"),)
 
 PREPARE_IMPORT = (("guardlint.guard", "prepare_varlen_metadata"),)
 
@@ -32,6 +60,21 @@ SEQLEN_STEMS = ("cu_seqlens", "seqlens", "seq_lens", "seg_lens", "seg_indptr")
 HOST_SUFFIXES = ("_cpu", "_host", "_list", "_np")
 _STEMS = "|".join(SEQLEN_STEMS)
 _HOST = "|".join(h.lstrip("_") for h in HOST_SUFFIXES)
+
+# In the engine's own files the fix calls the engine's helper: it builds the padded sequence_lengths and
+# bucketed flashinfer_max_seqlen the engine reads, and adds no import of guardlint to an engine file.
+ENGINE_PREPARE_CUDNN = Derivation(
+    target="forward_metadata",
+    sources=("cu_seqlens", "q"),
+    name="engine_prepare_cudnn",
+    template="prepare_flashinfer_cudnn_vision_attention_metadata({cu_seqlens}, {q}.device, "
+             "elem_per_token={q}.shape[-2] * {q}.shape[-1])",
+    imports=ENGINE_PREPARE_IMPORT,
+    host_read=True,
+    note="The engine's own helper (one host read: the maximum length). Once per model forward, before "
+    "the block loop; in a per-layer forward the fix says so.",
+    for_targets=(VISION_FI, QKV_BACKENDS),
+)
 
 # One derivation serves GL101 and GL102: prepared metadata carries both values. prepare_varlen_metadata
 # tells token offsets (B+1,) from the engine's packed element indptrs (3(B+1),), so the fix is right
@@ -45,6 +88,7 @@ PREPARE_CUDNN = Derivation(
     host_read=True,
     note="One host read when cu_seqlens is on the GPU, none when it is on the host; cached per tensor "
     "version, so 32 layers sharing one cu_seqlens cost one read. Better: call it once per forward.",
+    for_targets=(OUR_CUDNN,),
 )
 SEQUENCE_LENGTHS = Derivation(
     target="sequence_lengths",
@@ -53,6 +97,7 @@ SEQUENCE_LENGTHS = Derivation(
     template="{cu_seqlens}[1:] - {cu_seqlens}[:-1]",
     host_read=False,
     note="Token offsets only: on packed element indptrs this is wrong, hence forward_metadata for fixes.",
+    for_targets=(OUR_CUDNN, VISION_FI, QKV_BACKENDS),
 )
 MAX_SEQLEN = Derivation(
     target="max_seqlen",
@@ -60,6 +105,7 @@ MAX_SEQLEN = Derivation(
     name="max_of_diff",
     template="int(({cu_seqlens}[1:] - {cu_seqlens}[:-1]).max())",
     host_read=True,
+    for_targets=(OUR_CUDNN, VISION_FI, QKV_BACKENDS),
 )
 SEG_LENS = Derivation(
     target="seg_lens",
@@ -72,11 +118,12 @@ SEG_LENS = Derivation(
 )
 MAX_LEN = Derivation(
     target="max_len",
-    sources=("seg_indptr", "num_segments"),
+    sources=("seg_lens",),
     name="max_of_live_diff",
-    template="int(({seg_indptr}[1:] - {seg_indptr}[:-1]).max())",
+    template="int({seg_lens}.max())",
     host_read=True,
-    note="Over the live num_segments only.",
+    note="One host read per batch (LoRABatchInfo is built once per batch, not per layer). Prefer a host "
+    "value already at hand (the scheduler's lengths, e.g. max(extend_seq_lens_cpu)).",
 )
 
 _VISION_ENGINE_BAD = '''\
@@ -198,10 +245,17 @@ GL101 = Contract(
     name="missing-sequence-lengths",
     summary="Varlen ViT attention called without sequence_lengths or prepared forward_metadata",
     kind="call",
-    targets=(Target(VISION_FI, "instance"), Target(OUR_CUDNN, "function")),
+    targets=(
+        Target(VISION_FI, "instance"),
+        Target(QKV_BACKENDS, "instance"),
+        Target(OUR_CUDNN, "function"),
+        # vLLM's FlashInfer (cuDNN) path asserts sequence_lengths whenever cu_seqlens is given (its
+        # issue 42787); calls without cu_seqlens take the fixed-length path.
+        Target(VLLM_MM, "instance", params=VLLM_MM_PARAMS, when_passed=("cu_seqlens",)),
+    ),
     params=VISION_PARAMS,
     require=(("forward_metadata",), ("sequence_lengths",)),
-    derivations=(PREPARE_CUDNN, SEQUENCE_LENGTHS),
+    derivations=(ENGINE_PREPARE_CUDNN, PREPARE_CUDNN, SEQUENCE_LENGTHS),
     fix_safety="unsafe",
     diagnosis=Diagnosis(
         message="sequence_lengths should be prepared for vision flashinfer_cudnn attention backend",
@@ -231,10 +285,10 @@ GL102 = Contract(
     name="missing-max-seqlen",
     summary="Varlen ViT attention called without max_seqlen or prepared forward_metadata",
     kind="call",
-    targets=GL101.targets,
+    targets=(Target(VISION_FI, "instance"), Target(QKV_BACKENDS, "instance"), Target(OUR_CUDNN, "function")),
     params=VISION_PARAMS,
     require=(("forward_metadata",), ("max_seqlen",)),
-    derivations=(PREPARE_CUDNN, MAX_SEQLEN),
+    derivations=(ENGINE_PREPARE_CUDNN, PREPARE_CUDNN, MAX_SEQLEN),
     fix_safety="unsafe",
     diagnosis=Diagnosis(
         message="max_seqlen should be prepared for vision flashinfer_cudnn attention backend",
@@ -425,6 +479,126 @@ GL107 = Contract(
     ),
 )
 
+_GL108_BAD = '''\
+from sglang.srt.layers.attention.vision import VisionFlashInferAttention, prepare_vision_attention_metadata
+
+
+def encode(q, k, v, cu_seqlens):
+    attn = VisionFlashInferAttention()
+    meta = prepare_vision_attention_metadata(cu_seqlens, q.device)
+    return attn(q, k, v, cu_seqlens, 1, q.shape[0], forward_metadata=meta)  # expect: GL108
+'''
+
+_GL108_GOOD = '''\
+from sglang.srt.layers.attention.vision import (
+    VisionFlashInferAttention,
+    prepare_flashinfer_cudnn_vision_attention_metadata,
+)
+
+
+def encode(q, k, v, cu_seqlens):
+    attn = VisionFlashInferAttention()
+    meta = prepare_flashinfer_cudnn_vision_attention_metadata(cu_seqlens, q.device, elem_per_token=64)
+    return attn(q, k, v, cu_seqlens, 1, q.shape[0], forward_metadata=meta)
+'''
+
+GL108 = Contract(
+    code="GL108",
+    name="metadata-without-cudnn-fields",
+    summary="Prepared forward_metadata without the packed indptrs the cuDNN backend reads",
+    kind="call",
+    targets=(
+        Target(VISION_FI, "instance", when_passed=("forward_metadata",)),
+        Target(QKV_BACKENDS, "instance", when_passed=("forward_metadata",)),
+    ),
+    params=VISION_PARAMS,
+    require=(("forward_metadata.packed_indptrs",), ("sequence_lengths",)),
+    notes=(
+        "Reported only when the metadata is built in the same function (or inline) by a builder the "
+        "catalog knows (METADATA_BUILDERS) and packed_indptrs is not passed to it; metadata from elsewhere "
+        "is trusted.",
+        "Not reported for VisionAttention, whose backend is the user's choice: models that build metadata "
+        "without the cuDNN fields do not offer flashinfer_cudnn.",
+    ),
+    diagnosis=Diagnosis(
+        message="forward_metadata lacks packed_indptrs: the flashinfer_cudnn backend cannot use it",
+        what_it_means=(
+            "The cuDNN backend uses forward_metadata only when its packed_indptrs is set (with the padded "
+            "sequence_lengths and flashinfer_max_seqlen). Metadata from prepare_vision_attention_metadata(...) "
+            "without them falls through to the kwargs path, which raises 'sequence_lengths should be "
+            "prepared' (or, through VisionAttention, a TypeError from int(None))."
+        ),
+        when_it_happens="A block switched to flashinfer_cudnn keeps the metadata built for FA3/Triton.",
+        solutions=(
+            "Build the metadata with prepare_flashinfer_cudnn_vision_attention_metadata(cu_seqlens, device, "
+            "elem_per_token=heads * head_dim) once per forward when the backend is flashinfer_cudnn.",
+            "Or pass packed_indptrs=, sequence_lengths= and flashinfer_max_seqlen= to "
+            "prepare_vision_attention_metadata.",
+        ),
+        fix_safety="No automatic fix: which builder to call depends on the backend the model runs with.",
+    ),
+    examples=(Example("bad", _GL108_BAD), Example("good", _GL108_GOOD)),
+)
+
+_GL109_BAD = '''\
+import torch.nn as nn
+from sglang.srt.layers.attention.vision import VisionAttention
+
+
+class VisionBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = VisionAttention(embed_dim=1024, num_heads=16, projection_size=1024, use_qkv_parallel=True)
+
+    def forward(self, x, cu_seqlens, position_embeddings):
+        return self.attn(x, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings)  # expect: GL109
+'''
+
+_GL109_GOOD = '''\
+import torch.nn as nn
+from sglang.srt.layers.attention.vision import VisionAttention
+
+
+class VisionBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = VisionAttention(embed_dim=1024, num_heads=16, projection_size=1024, use_qkv_parallel=True)
+
+    def forward(self, x, cu_seqlens, forward_metadata):
+        return self.attn(x, cu_seqlens=cu_seqlens, forward_metadata=forward_metadata)
+'''
+
+GL109 = Contract(
+    code="GL109",
+    name="vision-attention-without-metadata",
+    summary="VisionAttention called per layer without forward_metadata: a host read in every block",
+    kind="call",
+    severity="warning",
+    targets=(Target(VISION_ATTENTION, "instance"),),
+    params=VISION_ATTENTION_PARAMS,
+    require=(("forward_metadata",), ("max_seqlen",)),
+    diagnosis=Diagnosis(
+        message="VisionAttention without forward_metadata derives max_seqlen with a host read in every block",
+        what_it_means=(
+            "Without forward_metadata (or a max_seqlen keyword) the FA3/FA4/Triton backends compute "
+            "max_seqlen from cu_seqlens on the GPU in each block (resolve_precomputed_max_seqlen: "
+            ".item(), a device-to-host sync, ~30 us a layer on an H200, illegal under CUDA graph "
+            "capture), and the flashinfer_cudnn backend dies with a TypeError from int(None)."
+        ),
+        when_it_happens="A ViT block written before the engine's prepared metadata existed, or a model "
+        "that builds cu_seqlens per forward but never the metadata.",
+        solutions=(
+            "Build the metadata once per model forward, before the block loop: "
+            "prepare_vision_attention_metadata(cu_seqlens, device) (or, for flashinfer_cudnn, "
+            "prepare_flashinfer_cudnn_vision_attention_metadata(cu_seqlens, device, elem_per_token=...)), "
+            "and pass forward_metadata= to every block.",
+        ),
+        fix_safety="No automatic fix: building the metadata at the call would keep the read per layer; it "
+        "belongs before the block loop, in another function.",
+    ),
+    examples=(Example("bad", _GL109_BAD), Example("good", _GL109_GOOD)),
+)
+
 _LORA_BAD = '''\
 import torch
 from guardlint.kernels.lora import LoRABatchInfo, sgemm_lora_a
@@ -462,6 +636,7 @@ info = LoRABatchInfo(
     scalings=torch.tensor([1.0, 0.5]),
     permutation=None,
     seg_lens=seg_indptr[1:] - seg_indptr[:-1],
+    max_len=int((seg_indptr[1:] - seg_indptr[:-1]).max()),
 )
 shrunk = sgemm_lora_a(x, lora_a, info)
 '''
@@ -477,6 +652,7 @@ GL201 = Contract(
     derivations=(SEG_LENS, MAX_LEN),
     fix_safety="unsafe",
     satisfied_by_later_assignment=True,
+    fix_writes=("seg_lens", "max_len"),
     notes=(
         "dataclasses.replace(info, max_len=None, seg_lens=None) is reported too.",
         "Not reported when the same function later sets info.max_len or info.seg_lens to a non-None value.",
@@ -503,9 +679,12 @@ GL201 = Contract(
             "(no device read), and seg_lens on the LoRABatchInfo before the LoRA layers run.",
         ),
         fix_safety=(
-            "Unsafe: the fix adds seg_lens=seg_indptr[1:] - seg_indptr[:-1] from the call's own "
-            "seg_indptr. On graph-padded buffers the tail past num_segments is stale (the kernels ignore "
-            "it). Applied with --unsafe-fixes, only when seg_indptr is a name or attribute chain."
+            "Unsafe: the fix adds seg_lens (a seg_lens already in scope, else seg_indptr[1:] - "
+            "seg_indptr[:-1] from the call's own seg_indptr) and max_len (a max_len already in scope, else "
+            "int(seg_lens.max()): one host read per batch). The engine's Triton kernels size their grid "
+            "with triton.cdiv(max_len, BLOCK_S), so seg_lens alone is not enough; only the absorbed-MLA "
+            "kv_b_proj path derives max_len itself. On graph-padded buffers the tail past num_segments is "
+            "stale. Applied with --unsafe-fixes, only when the sources are names or attribute chains."
         ),
         patterns=(r"LoRA batch_info must provide max_len or seg_lens",),
     ),
@@ -554,16 +733,17 @@ GL202 = Contract(
         message="LoRABatchInfo takes keywords: its field order changed between releases",
         what_it_means=(
             "LoRABatchInfo's field order is not stable across engine releases (max_len and seg_lens moved, "
-            "permutation was added). A positional call silently puts a tensor in the wrong field after an "
+            "permutation was added; sglang 0.5.23 has 16 fields, ten as before and then expected_tokens, "
+            "has_active_lora, is_prefill, req_seg_indptr, req_weight_indices, moe_lora_info). A positional call silently puts a tensor in the wrong field after an "
             "upgrade."
         ),
         when_it_happens="Code written against one release and run against another, or copied from an "
         "older test.",
         solutions=("Name every field: LoRABatchInfo(use_cuda_graph=..., bs=..., ...).",),
         fix_safety=(
-            "Unsafe: the fix names each positional argument by the current field order (use_cuda_graph, "
-            "bs, num_segments, seg_indptr, weight_indices, lora_ranks, scalings, max_len, seg_lens, "
-            "permutation). If the code was written for an older order, check the result by eye."
+            "Unsafe: the fix names each positional argument by the field order of sglang 0.5.23 ("
+            + ", ".join(LORA_FIELDS) + "; guardlint's own LoRABatchInfo has the first ten). If the code "
+            "was written for an older order, check the result by eye."
         ),
     ),
     examples=(
@@ -592,6 +772,13 @@ GL203 = Contract(
     targets=GL201.targets,
     params=LORA_FIELDS,
     forbidden_values=(("max_len", "0"),),
+    satisfied_by_later_assignment=True,
+    notes=(
+        "Not reported when the record is kept (self.<buf> = LoRABatchInfo(...) or a local name) and the "
+        "field is stored with another value on it, directly or through a local alias (batch_info = "
+        "self.<buf>; batch_info.max_len = ...), in the same class or function: a CUDA-graph buffer whose "
+        "placeholder is overwritten per batch.",
+    ),
     diagnosis=Diagnosis(
         message="max_len=0 launches an empty grid: the LoRA kernels silently do nothing",
         what_it_means=(
@@ -718,7 +905,7 @@ GL301 = Contract(
 )
 
 BUILTIN: tuple[Contract, ...] = (
-    GL000, GL001, GL101, GL102, GL103, GL104, GL105, GL106, GL107, GL201, GL202, GL203, GL204, GL205, GL301,
+    GL000, GL001, GL101, GL102, GL103, GL104, GL105, GL106, GL107, GL108, GL109, GL201, GL202, GL203, GL204, GL205, GL301,
 )
 
 

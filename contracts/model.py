@@ -39,6 +39,12 @@ class Derivation:
     imports: Tuple[Tuple[str, str], ...] = ()
     host_read: bool = False
     note: str = ""
+    # Qualified names of the targets this derivation is written for (empty: all of the contract's):
+    # a call of an engine's class is fixed with the engine's own helper, ours with ours.
+    for_targets: Tuple[str, ...] = ()
+
+    def applies_to(self, qualname: Optional[str]) -> bool:
+        return not self.for_targets or qualname is None or qualname in self.for_targets
 
 
 @dataclass(frozen=True)
@@ -94,14 +100,21 @@ class Target:
 
     ``qualname`` is the fully qualified import name. ``kind``: ``function`` (called directly),
     ``class`` (constructed), ``instance`` (a class whose *instances* are called, directly or through
-    ``.forward``; the contract's parameters are then the instance call's)."""
+    ``.forward``; the contract's parameters are then the instance call's). A qualname ending in ``[]``
+    names a dict of classes: instances made by ``DICT[key](...)`` with a key that is not a constant
+    (a backend picked by configuration) are candidates of every class in it.
+
+    ``params`` replaces the contract's parameter order for this target (engines differ); with
+    ``when_passed``, the contract applies only to calls that pass each of these names and not None."""
 
     qualname: str
     kind: Literal["function", "class", "instance"] = "function"
+    params: Tuple[str, ...] = ()
+    when_passed: Tuple[str, ...] = ()
 
     @property
     def short_name(self) -> str:
-        return self.qualname.rsplit(".", 1)[-1]
+        return self.qualname.rsplit(".", 1)[-1].removesuffix("[]")
 
     @property
     def module(self) -> str:
@@ -128,8 +141,13 @@ class Contract:
     examples: Tuple[Example, ...] = ()
     # Filled for contracts declared in a user's [tool.guardlint] configuration.
     user_defined: bool = False
-    # GL201: a later ``var.<field> = <not None>`` in the same function satisfies the contract.
+    # GL201: a later ``var.<field> = <not None>`` in the same function satisfies the contract; GL203: a
+    # store of the field on the record (``self.buf.max_len = ...`` or through a local alias, in any method
+    # of the class that keeps it) before the record is used.
     satisfied_by_later_assignment: bool = False
+    # kind == "call": the fix writes every one of these (in order) that is missing, not only one group
+    # (GL201: the engines' Triton kernels need max_len even when seg_lens is given).
+    fix_writes: Tuple[str, ...] = ()
     # Extra notes for the linter (e.g. dataclasses.replace handling); free text shown by explain.
     notes: Tuple[str, ...] = field(default=())
 
@@ -150,6 +168,18 @@ class Contract:
             if best is None or len(gaps) < len(best):
                 best = gaps
         return best
+
+    def params_for(self, qualname: str) -> Tuple[str, ...]:
+        for t in self.targets:
+            if t.params and qualname in (t.qualname, t.qualname.removesuffix("[]")):
+                return t.params
+        return self.params
+
+    def target(self, qualname: str) -> Optional[Target]:
+        for t in self.targets:
+            if qualname == t.qualname:
+                return t
+        return None
 
     def requirement_text(self) -> str:
         return " or ".join("+".join(g) for g in self.require)

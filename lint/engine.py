@@ -23,7 +23,8 @@ from guardlint.contracts import Contract, get as _builtin_contract
 from . import fixes, suppress
 from .findings import Edit, Finding, Fix
 from .names import Binding, ClassInfo, FuncInfo, Resolver, Scope, dotted, is_none
-from .patterns import PATTERNS
+from .host_sync import _layer_loop
+from .patterns import PATTERNS, PER_LAYER_CLASS_SUFFIXES
 from .rules import REPLACE_FUNCTIONS, RuleSet
 from .walk import Walker
 
@@ -470,7 +471,7 @@ class Checker:
                 label = ref.qual.rsplit(".", 1)[-1] + "(...)"
             elif ref.kind == "inst" and ref.method in ("", "forward"):
                 contracts = self.rules.by_instance.get(ref.qual, ())
-                short = ref.qual.rsplit(".", 1)[-1]
+                short = ref.qual.rsplit(".", 1)[-1].replace("[]", "[...]")
                 label = f"{short}.forward(...)" if ref.method else f"{short}(...)"
             else:
                 continue
@@ -479,18 +480,23 @@ class Checker:
             guarded = ref.guarded or self.resolver.inside_guarded(func)
             first = len(out)
             for contract in contracts:
-                self._check(contract, node, scope, seq, label, guarded, out)
+                self._check(contract, node, scope, seq, label, guarded, out, ref.qual)
             for r in out[first:]:
                 r.indent = indent
+                r.qual = ref.qual
+                r.per_layer = self.c.per_layer.get(id(node), "")
         return out
 
-    def _check(self, c: Contract, node, scope, seq, label, guarded, out) -> None:
-        bound = bind_args(node, c.params)
+    def _check(self, c: Contract, node, scope, seq, label, guarded, out, qual: str = "") -> None:
+        bound = bind_args(node, c.params_for(qual))
+        target = c.target(qual)
+        if target is not None and target.when_passed and not set(target.when_passed) <= bound.present():
+            return
         diag = _stem(c.diagnosis.message)
         if c.kind == "call":
             if guarded:  # the guard derives what is missing at runtime
                 return
-            missing = self._missing(c, bound.present(), node, scope, seq)
+            missing = self._missing(c, self._present(c, bound, scope, seq), node, scope, seq)
             if missing is None:
                 return
             if bound.star or bound.double_star:
@@ -512,11 +518,68 @@ class Checker:
             for name, literal in c.forbidden_values:
                 value = bound.values.get(name)
                 if value is not None and _literal_equal(value, literal):
+                    if c.satisfied_by_later_assignment and self._overwritten(node, scope, seq, name, literal):
+                        continue
                     arg = next(i for i, a in enumerate(node.args) if a.value is value)
                     out.append(RawFinding(node, c, f"{diag}: {label} passes {name}={literal}", c.severity, arg))
 
+    def _present(self, c: Contract, bound: BoundArgs, scope, seq) -> set[str]:
+        """Names passed and not None; an attribute path (``forward_metadata.packed_indptrs``) counts as
+        present unless its object is provably built without it (``METADATA_BUILDERS``)."""
+        present = bound.present()
+        paths = {n for g in c.require for n in g if "." in n and _top(n) in present}
+        for path in paths:
+            top, attr = path.split(".", 1)
+            fields = self._built_fields(bound.values[top], scope, seq)
+            if fields is None or attr in fields:
+                present.add(path)
+        return present
+
+    def _built_fields(self, expr, scope, seq) -> Optional[set]:
+        """The fields a metadata value certainly has, when it is built by a known builder in this
+        function (``meta = prepare_...(...)`` before the call, or inline); None when unknown."""
+        from guardlint.contracts.catalog import METADATA_BUILDERS
+
+        call = expr if isinstance(expr, cst.Call) else None
+        if isinstance(expr, cst.Name):
+            b = self.resolver.lookup(scope, expr.value, seq)
+            fn = scope.function_scope()
+            binds = fn.bindings.get(expr.value, [])
+            if b is None or b.kind != "call" or len(b.value) < 4 or len(binds) != 1:
+                return None  # rebound (a branch per backend) or not built here: trusted
+            call, s, sq = b.value[3], b.value[1], b.value[2]
+            scope, seq = s, sq
+        if call is None:
+            return None
+        ref = self.resolver.resolve(call.func, scope, seq)
+        if ref is None or ref.kind != "qual" or ref.qual not in METADATA_BUILDERS:
+            return None
+        if any(a.star for a in call.args):
+            return None
+        fields = set(METADATA_BUILDERS[ref.qual])
+        fields.update(a.keyword.value for a in call.args if a.keyword is not None and not is_none(a.value))
+        return fields
+
+    def _overwritten(self, node, scope: Scope, seq: int, name: str, literal: str) -> bool:
+        """The record built by ``node`` is kept (``self.buf = C(...)`` / ``x = C(...)``) and its field
+        ``name`` is stored with another value: in any method of the class for ``self.buf``, later in the
+        function for a local name (directly or through ``alias = self.buf``)."""
+        target = self.c.assigned.get(id(node))
+        if target is None:
+            return False
+        fn = scope.function_scope()
+        owner = fn.info.def_scope.info if isinstance(fn.info, FuncInfo) else None
+        for cls, store_fn, sq, obj, attr, value in self.c.stores:
+            if attr != name or obj != target or is_none(value) or _literal_equal(value, literal):
+                continue
+            if target.startswith("self.") and isinstance(owner, ClassInfo) and cls is owner:
+                return True
+            if store_fn is fn and sq > seq:
+                return True
+        return False
+
     def _missing(self, c: Contract, present: set[str], node, scope, seq):
-        items = {n for g in c.require for n in g if _top(n) in present}
+        items = {n for g in c.require for n in g if n in present or ("." not in n and _top(n) in present)}
         missing = c.missing_groups(items)
         if missing is not None and c.satisfied_by_later_assignment:
             later = self._stored_later(node, scope, seq)
@@ -530,7 +593,7 @@ class Checker:
         target = self.c.assigned.get(id(node))
         if target is None:
             return set()
-        return {attr for sq, obj, attr, none in scope.function_scope().attr_stores
+        return {attr for sq, obj, attr, none, _ in scope.function_scope().attr_stores
                 if obj == target and sq > seq and not none}
 
     def _unknown(self, c: Contract, node, label, bound: BoundArgs, out) -> None:
@@ -815,8 +878,17 @@ class _Fixer:
                 return ""
             return f"{name} already names something else here, so {module}.{name} cannot be imported"
 
+        def in_scope(name: str) -> bool:
+            """A value of this name bound in the call's own function before it (not an import)."""
+            if r.scope is None:
+                return False
+            fn = r.scope.function_scope()
+            binds = [b for b in fn.bindings.get(name, []) if b.seq < r.seq]
+            return fn.kind == "function" and bool(binds) and all(b.kind in ("local", "call") for b in binds)
+
         if r.how == "call":
-            plan = fixes.plan_call(r.contract, r.node, r.bound.values, can_import)
+            plan = fixes.plan_call(r.contract, r.node, r.bound.values, can_import, r.qual, in_scope,
+                                   r.per_layer)
         elif r.how == "replace":
             plan = fixes.plan_replace(r.contract, r.node, can_import)
         else:

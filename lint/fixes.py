@@ -10,6 +10,7 @@ contract's ``params`` order; the engine turns the new call into text edits (``fi
 # allocate twice or advance a generator; the finding then says why there is no fix.
 from __future__ import annotations
 
+import dataclasses
 import re
 import string
 from dataclasses import dataclass
@@ -273,11 +274,21 @@ def _derive_into(contract: Contract, call: cst.Call, passed: dict, missing_in, s
     return Plan(new_call, imports, "; ".join(words))
 
 
-def plan_call(contract: Contract, call: cst.Call, bound_values: dict, can_import: ImportCheck) -> Outcome:
+def plan_call(contract: Contract, call: cst.Call, bound_values: dict, can_import: ImportCheck,
+              qual: str = "", in_scope: Optional[Callable[[str], bool]] = None, per_layer: str = "") -> Outcome:
     """Fix for a ``call`` contract: derive what is missing from the call's own arguments. A name
-    passed as None gets its value replaced; an absent one is added as a keyword."""
+    passed as None gets its value replaced; an absent one is added as a keyword.
+
+    Only the derivations written for ``qual`` (the resolved target) are used. A missing value that
+    ``in_scope`` says is already bound under its own name is passed as that name. A derivation with a
+    host read is not written into code that runs once per layer (``per_layer`` says why it does)."""
     if not contract.derivations or contract.fix_safety == "none":
         return None
+    derivations = tuple(d for d in contract.derivations if d.applies_to(qual or None))
+    if not derivations:
+        return NoFix("the engine offers no helper to write here")
+    contract = dataclasses.replace(contract, derivations=derivations)
+    in_scope = in_scope or (lambda name: False)
 
     def missing_in(group):
         return tuple(n for n in group if n.split(".", 1)[0] not in bound_values
@@ -292,7 +303,72 @@ def plan_call(contract: Contract, call: cst.Call, bound_values: dict, can_import
         problem = _source_problem(name, expr)
         return NoFix(problem) if problem else _code(expr.with_changes(lpar=(), rpar=()))
 
+    if contract.fix_writes:
+        return _write_all(contract, call, bound_values, missing_in, source_of, can_import, in_scope, per_layer)
+    choice = choose_derivations(contract, missing_in, source_of)
+    if not isinstance(choice, NoFix) and per_layer and any(d.host_read for _, d, _ in choice.uses):
+        return NoFix(f"the call runs in {per_layer}: writing {', '.join(t for t, _, _ in choice.uses)} "
+                     f"here would add a host read per layer; build it once per model forward, before the "
+                     f"block loop ({choice.uses[0][1].template.split('(')[0]}(...)), and pass it down")
     return _derive_into(contract, call, bound_values, missing_in, source_of, can_import)
+
+
+def _write_all(contract: Contract, call: cst.Call, passed: dict, missing_in, source_of, can_import,
+               in_scope, per_layer: str) -> Outcome:
+    """Write every name of ``contract.fix_writes`` that is missing, each from a value in scope when one
+    has its name, else from its first derivation (whose sources may be values written just before)."""
+    written: dict[str, str] = {}
+    uses = []
+    for target in contract.fix_writes:
+        if not missing_in((target,)):
+            continue
+        if in_scope(target):
+            written[target] = target
+            uses.append((target, None, target))
+            continue
+        d = contract.derivation_for(target)
+        if d is None:
+            return NoFix(f"{target} has no derivation to write")
+        if per_layer and d.host_read:
+            return NoFix(f"the call runs in {per_layer}: deriving {target} here is a host read per layer")
+        sources = {}
+        for name in placeholders(d.template):
+            if name in written:
+                text = written[name]
+                sources[name] = text if reevaluation_problem(cst.parse_expression(text)) is None else f"({text})"
+                continue
+            if not missing_in((name,)):
+                got = source_of(name)
+            elif in_scope(name):
+                got = name
+            else:
+                got = source_of(name)
+            if isinstance(got, NoFix):
+                return got
+            sources[name] = got
+        rendered = _render(d, sources)
+        if isinstance(rendered, NoFix):
+            return rendered
+        written[target] = rendered
+        uses.append((target, d, rendered))
+    imports = _imports_for([u for u in uses if u[1] is not None], can_import)
+    if isinstance(imports, NoFix):
+        return imports
+    new_call = call
+    words = []
+    for target, d, text in uses:
+        value = cst.parse_expression(text)
+        current = passed.get(target)
+        if current is not None:
+            new_call = new_call.with_changes(args=[_set_value(a, value) if a.value is current else a
+                                                   for a in new_call.args])
+            words.append(f"Set {target}={text}")
+        else:
+            new_call = append_argument(new_call, keyword_arg(target, value))
+            words.append(f"Add {target}={text}")
+        if d is not None and d.host_read:
+            words[-1] += " (a host read, once per batch)"
+    return Plan(new_call, imports, "; ".join(words))
 
 
 def plan_replace(contract: Contract, call: cst.Call, can_import: ImportCheck) -> Outcome:

@@ -61,8 +61,10 @@ class Scope:
     global_names: set[str] = field(default_factory=set)
     nonlocal_names: set[str] = field(default_factory=set)
     star_modules: list[str] = field(default_factory=list)
-    # (seq, dotted object, attribute, value is None) for ``obj.attr = value`` in this function.
-    attr_stores: list[tuple[int, str, str, bool]] = field(default_factory=list)
+    # (seq, dotted object, attribute, value is None, value) for ``obj.attr = value`` in this function.
+    attr_stores: list[tuple] = field(default_factory=list)
+    # ``name = a.b`` in this function: name -> the dotted expressions it was bound to (aliases of a record).
+    aliases: dict[str, list[str]] = field(default_factory=dict)
 
     def function_scope(self) -> "Scope":
         """The scope whose statements run together: comprehensions and lambdas belong to it."""
@@ -160,7 +162,26 @@ class Resolver:
             return None
         if isinstance(expr, cst.Call):
             return self._instance_made_by(expr.func, scope, seq, depth + 1)
+        if isinstance(expr, cst.Subscript):
+            return self._registry_entry(expr, scope, seq, depth + 1)
         return None
+
+    def _registry_entry(self, expr: cst.Subscript, scope, seq, depth) -> Optional[Ref]:
+        """``TABLE[key]`` of a dict of classes the catalog knows (``REGISTRIES``): a constant key is the
+        class it maps to (None when it names no target); any other key may be any of them (``TABLE[]``)."""
+        base = self.resolve(expr.value, scope, seq, depth)
+        if base is None or base.kind != "qual" or len(expr.slice) != 1:
+            return None
+        from guardlint.contracts.catalog import REGISTRIES
+
+        table = REGISTRIES.get(base.qual)
+        if table is None:
+            return None
+        index = expr.slice[0].slice
+        if isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString):
+            mapped = table.get(index.value.evaluated_value)
+            return Ref("qual", mapped) if mapped else None
+        return Ref("qual", base.qual + "[]")
 
     def _instance_made_by(self, callee, scope, seq, depth) -> Optional[Ref]:
         ref = self.resolve(callee, scope, seq, depth)
@@ -185,7 +206,7 @@ class Resolver:
                 return None
             return Ref("qual", info.qualname, guarded=isinstance(info, FuncInfo) and self.guarded(info))
         if b.kind == "call":
-            callee, s, sq = b.value
+            callee, s, sq = b.value[:3]
             return self._instance_made_by(callee, s, sq, depth + 1)
         if b.kind == "self":
             return Ref("self", cls=b.value)
