@@ -8,8 +8,11 @@ torch, einops, triton's helpers, and the engine's other definitions named in the
 """
 from __future__ import annotations
 
+import __future__
 import ast
 import functools
+import sys
+import types
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -65,9 +68,22 @@ def load(release: str, module: str, names: Iterable[str], namespace: dict) -> di
     missing = wanted - {d for n in body for d in _defined(n)}
     if missing:
         raise LookupError(f"{release}: {module} defines no top-level {sorted(missing)}: has the engine renamed it?")
-    code = compile(ast.Module(body=body, type_ignores=[]), str(path), "exec")
-    namespace.setdefault("__name__", module)
-    exec(code, namespace)
+    tree = _tree(path)
+    # The file's own future imports (``annotations`` changes how dataclasses read their fields).
+    flags = 0
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+            for alias in node.names:
+                flags |= getattr(__future__, alias.name).compiler_flag
+    code = compile(ast.Module(body=body, type_ignores=[]), str(path), "exec", flags=flags, dont_inherit=True)
+    # A real module object under a private name: dataclasses and pickling look classes up in sys.modules.
+    name = f"_engine_{release.replace('.', '_').replace('-', '_')}.{module}"
+    mod = sys.modules.get(name) or types.ModuleType(name)
+    mod.__dict__.update(namespace)
+    mod.__file__ = str(path)
+    sys.modules[name] = mod
+    exec(code, mod.__dict__)
+    namespace.update(mod.__dict__)
     return namespace
 
 
