@@ -2,7 +2,8 @@
 the frame in the user's own code where it happened, and the command that finds the same pattern elsewhere.
 
 Tracebacks are read loosely (chained, pytest, IPython, log lines with timestamps). Rules are recognised by the
-catalog's ``Diagnosis.patterns`` and by a ``GuardError``'s ``[GLxxx]`` code; nothing here knows an error text.
+catalog's ``Diagnosis.patterns``, by its ``ENGINE_ERRORS`` (engine errors told apart by the frame that raised
+them) and by a ``GuardError``'s ``[GLxxx]`` code; nothing here knows an error text.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import PurePosixPath, PureWindowsPath
 from typing import Iterable, Optional, Sequence, Union
 
 from guardlint.contracts import Contract, all_contracts
+from guardlint.contracts.catalog import ENGINE_ERRORS, EngineError
 
 from .commands import EXIT_CLEAN, EXIT_FINDINGS, Outcome
 
@@ -215,10 +217,16 @@ class _Reader:
         if self.state == "frames":
             self._frame_line(i, line)
         elif self.state == "message":
-            if line.strip():
-                self.block.message.append(line)
-            else:
+            if not line.strip():
                 self._close(i - 1)
+            elif (self.block.style == "bare" and not line[:1].isspace()
+                  and _looks_like_exception(line.strip())):
+                # Error lines pasted one after another: each is an error of its own.
+                block = self._open("bare", i)
+                block.exception, block.exception_index = line.strip(), i
+                self.state = "message"
+            else:
+                self.block.message.append(line)
         else:
             self._outside_line(i, line)
 
@@ -341,9 +349,13 @@ def parse(text: str) -> Parsed:
 
 # -- the user's frame -------------------------------------------------------------------------------------
 
-# Frames in these packages (a path component of this name) are never the user's code.
-LIBRARY_PARTS = frozenset({"torch", "triton", "flashinfer", "sglang", "site-packages", "dist-packages",
+# Frames in these packages (a path component of this name) are never the user's code...
+LIBRARY_PARTS = frozenset({"torch", "triton", "flashinfer", "sglang", "vllm", "site-packages", "dist-packages",
                            "importlib", "_guardlint"})
+# ...except the engines' model files, wherever installed: there a model calls the attention layer, and that
+# call is where the metadata is to be passed (the engine's backends, LoRA and scheduler stay library code).
+_ENGINE_MODEL_FILE = re.compile(r"(?:^|/)(?:sglang/srt/models|vllm/model_executor/models)/[^/]+\.py$")
+ENGINES = ("sglang", "vllm")
 _GUARDLINT_SUBPACKAGES = ("guard", "kernels", "lint", "contracts")
 _USER_PSEUDO_FILE = re.compile(r"^(?:<stdin>|<string>|<console>|<input>|<ipython-input-[^>]*>|In ?\[\d+\])$")
 _STDLIB = re.compile(r"[\\/]lib(?:64)?[\\/]python\d+(?:\.\d+)?t?[\\/]|(?i:[\\/]python\d*[\\/]lib[\\/])")
@@ -367,12 +379,14 @@ def _local_roots() -> tuple[str, ...]:
 
 @lru_cache(maxsize=4096)
 def is_library_frame(file: str) -> bool:
-    """Is this frame's file part of torch, triton, flashinfer, the serving engine, an installed package,
-    the Python standard library or guardlint itself (rather than the user's code)?"""
+    """Is this frame's file part of torch, triton, flashinfer, a serving engine (but for its model files), an
+    installed package, the Python standard library or guardlint itself (rather than the user's code)?"""
     if _USER_PSEUDO_FILE.match(file):
         return False
     if file.startswith("<"):  # <frozen runpy>, <guardlint wrapper of varlen_attention>
         return True
+    if _ENGINE_MODEL_FILE.search(file.replace("\\", "/")):
+        return False
     parts = [p for p in re.split(r"[\\/]+", file) if p]
     if LIBRARY_PARTS.intersection(parts):
         return True
@@ -411,22 +425,48 @@ class _Hit:
     contract: Contract
     line: str
     block: Optional[ErrorBlock]
+    entry: Optional[EngineError] = None
+    raised_at: Optional[Frame] = None
 
     @property
     def rank(self) -> tuple:
-        return (self.tier, self.position, self.span)
+        # A rule that is one possible cause among several yields to a certain one of the same tier.
+        return (self.tier, not (self.entry and self.entry.confirm), self.position, self.span)
 
 
 def _regexes(contract: Contract) -> tuple:
     return (rf"\b{re.escape(contract.code)}\b", *contract.diagnosis.patterns)
 
 
-def _longest_match(contract: Contract, text: str) -> int:
-    best = 0
+def _longest_match(contract: Contract, text: str) -> tuple[int, int]:
+    """The longest match of the contract's patterns in ``text``: (its length, where it starts)."""
+    best, at = 0, 0
     for pattern in _regexes(contract):
         for m in re.finditer(pattern, text):
-            best = max(best, m.end() - m.start())
-    return best
+            if m.end() - m.start() > best:
+                best, at = m.end() - m.start(), m.start()
+    return best, at
+
+
+# A frame-confirmed engine error outranks a plain pattern on the same exception line.
+_FRAME_CONFIRMED = 1000
+
+
+def _posix(file: str) -> str:
+    return file.replace("\\", "/")
+
+
+def _engine_error(entry: EngineError, block: ErrorBlock) -> Optional[tuple]:
+    """(match on the exception, the raising frame) when ``block`` is this engine error, else None."""
+    m = re.search(entry.exception, block.text, re.M)
+    if m is None:
+        return None
+    if not entry.file:
+        return m, None
+    frame = next((f for f in reversed(block.frames) if re.search(entry.file, _posix(f.file))), None)
+    if frame is None or (entry.source and not (frame.source and re.search(entry.source, frame.source))):
+        return None
+    return m, frame
 
 
 def _line_of(text: str, at: int) -> str:
@@ -468,9 +508,29 @@ def _hits(parsed: Parsed, contracts: Sequence[Contract]) -> list[_Hit]:
                 hits.append(_Hit(GUARD_CODE_IN_EXCEPTION, position, m.end() - m.start(), contract,
                                  _line_of(text, m.start()), block))
         for contract in candidates:
-            span = _longest_match(contract, text)
+            span, at = _longest_match(contract, text)
             if span:
-                hits.append(_Hit(PATTERN_IN_EXCEPTION, position, span, contract, block.exception, block))
+                hits.append(_Hit(PATTERN_IN_EXCEPTION, position, span, contract, _line_of(text, at), block))
+        for entry in ENGINE_ERRORS:
+            contract = by_code.get(entry.code)
+            found = _engine_error(entry, block) if contract is not None else None
+            if found:
+                m, frame = found
+                span = m.end() - m.start() + (_FRAME_CONFIRMED if entry.file else 0)
+                hits.append(_Hit(PATTERN_IN_EXCEPTION, position, span, contract, _line_of(text, m.start()), block,
+                                 entry, frame))
+    # An engine error that needs no frame, in a log line or a pasted message without its type.
+    joined = "\n".join(lines)
+    starts = list(accumulate((len(line) + 1 for line in lines[:-1]), initial=0))
+    for entry in ENGINE_ERRORS:
+        contract = by_code.get(entry.code)
+        if entry.file or contract is None:
+            continue
+        for m in re.finditer(entry.exception, joined, re.M):
+            i = bisect_right(starts, m.start()) - 1
+            if m.end() > m.start() and i not in parsed.code_of:
+                block = next((b for b in blocks if b.start <= i <= b.end), None)
+                hits.append(_Hit(PATTERN_IN_TEXT, i, m.end() - m.start(), contract, lines[i].strip(), block, entry))
     block_of_frame = {id(f): b for b in blocks for f in b.frames}
     for i in sorted(set(spans_by_line) | {i for i, line in enumerate(lines) if "[GL" in line}):
         line, spans = lines[i], spans_by_line.get(i, {})
@@ -496,7 +556,10 @@ def _hits(parsed: Parsed, contracts: Sequence[Contract]) -> list[_Hit]:
 @dataclass(frozen=True)
 class DiagnoseResult:
     """What ``guardlint diagnose`` answers. ``contract`` is None when no rule matches the error itself;
-    ``related`` are codes matched only by code quoted from the user's frames (hints for the command)."""
+    ``related`` are codes matched only by code quoted from the user's frames (hints for the command).
+    ``engine``: the serving engine the error came from (its fix is the one shown); ``raised_at``: the engine
+    frame that told an argument-less error apart; ``confirm``: set when the rule is one possible cause among
+    several, saying how to confirm it; ``also``: other errors of the input, each (code, its message, fix)."""
 
     contract: Optional[Contract]
     message: Optional[str]
@@ -508,6 +571,10 @@ class DiagnoseResult:
     guard_fix: Optional[str] = None
     program: Optional[str] = None
     files: tuple = ()
+    engine: Optional[str] = None
+    raised_at: Optional[Frame] = None
+    confirm: Optional[str] = None
+    also: tuple = ()
 
     @property
     def code(self) -> Optional[str]:
@@ -517,10 +584,11 @@ class DiagnoseResult:
     def fix(self) -> Optional[str]:
         if self.contract is None:
             return None
-        if self.guard_fix:
-            return self.guard_fix
-        solutions = self.contract.diagnosis.solutions
-        return solutions[0] if solutions else None
+        return self.guard_fix or fix_for(self.contract, self.engine)
+
+    @property
+    def engine_fix(self) -> bool:
+        return not self.guard_fix and self.engine is not None and self.fix != _first_solution(self.contract)
 
     @property
     def lint_command(self) -> Optional[str]:
@@ -543,6 +611,31 @@ class DiagnoseResult:
         if self.contract is None or self.contract.linted:
             return None
         return prevention(self.contract, self.program)
+
+
+def _first_solution(contract: Optional[Contract]) -> Optional[str]:
+    solutions = contract.diagnosis.solutions if contract else ()
+    return solutions[0] if solutions else None
+
+
+def fix_for(contract: Contract, engine: Optional[str] = None) -> Optional[str]:
+    """The contract's solution for ``engine`` (the one starting "In <engine>:"), else its first."""
+    if engine:
+        for solution in contract.diagnosis.solutions:
+            if re.match(rf"In {re.escape(engine)}\b", solution, re.I):
+                return solution
+    return _first_solution(contract)
+
+
+def _engine_of(hit: "_Hit") -> Optional[str]:
+    """The engine whose frames the error runs through (the innermost one), else the engine error's own."""
+    frames = hit.block.frames if hit.block else []
+    for frame in reversed(frames):
+        parts = set(re.split(r"[\\/]+", frame.file))
+        engine = next((e for e in ENGINES if e in parts), None)
+        if engine:
+            return engine
+    return hit.entry.engine if hit.entry and hit.entry.engine else None
 
 
 def _linted(code: str) -> bool:
@@ -643,6 +736,14 @@ def diagnose(text: Union[str, bytes], contracts: Optional[Sequence[Contract]] = 
         m = _GUARD_FIX.search(block.text)
         guard_fix = m.group("fix").strip() if m else None
     message = best.line or (block.exception if block else None)
+    engine = _engine_of(best)
+    # Other errors of the input, each quoted with its own line: two messages pasted together, a log line
+    # beside a traceback, the other link of a chain.
+    also, seen = [], {best.contract.code}
+    for h in hits:
+        if h.tier > PATTERN_IN_USER_CODE and h.contract.code not in seen and h.line != best.line:
+            seen.add(h.contract.code)
+            also.append((h.contract.code, h.line, fix_for(h.contract, _engine_of(h))))
     if best.tier in (GUARD_CODE_IN_EXCEPTION, PATTERN_IN_EXCEPTION):
         exception_type = block.exception_type
     elif message and _looks_like_exception(message):
@@ -650,7 +751,8 @@ def diagnose(text: Union[str, bytes], contracts: Optional[Sequence[Contract]] = 
     else:
         exception_type = None
     return DiagnoseResult(best.contract, message, frame, matches, related, EVIDENCE[best.tier], exception_type,
-                          guard_fix, program, files)
+                          guard_fix, program, files, engine, best.raised_at,
+                          best.entry.confirm if best.entry and best.entry.confirm else None, tuple(also))
 
 
 # -- output ---------------------------------------------------------------------------------------------
@@ -699,6 +801,12 @@ def as_dict(result: DiagnoseResult) -> dict:
         "prevent": result.prevention,
         "matches": list(result.matches),
         "related": list(result.related),
+        "engine": result.engine,
+        "raised_at": result.raised_at.as_dict() if result.raised_at else None,
+        "possible": result.confirm is not None,
+        "confirm": result.confirm,
+        "also": [{"code": code, "name": _name(code)[len(code) + 2:-1] or None, "message": message, "fix": fix}
+                 for code, message, fix in result.also],
     }
     if c is not None:
         d = c.diagnosis
@@ -752,9 +860,17 @@ def as_text(result: DiagnoseResult) -> str:
             out.append(f"         {result.frame.source}")
     else:
         out.append("  where: no frame of your own code in the input")
+    if result.raised_at:
+        out.append(f"  raised: {result.raised_at.location()}")
+        if result.raised_at.source:
+            out.append(f"          {result.raised_at.source}")
+    if result.confirm:
+        out += ["", f"Possibly {c.code}: confirm it", *_wrap(result.confirm)]
     out += ["", "What it means", *_wrap(d.what_it_means), "", "When it happens", *_wrap(d.when_it_happens)]
     if result.guard_fix and result.guard_fix not in d.solutions:
         out += ["", "Fix (from the error)", *_wrap(result.guard_fix)]
+    elif result.engine_fix:
+        out += ["", f"Fix ({result.engine})", *_wrap(result.fix)]
     if d.solutions:
         out += ["", "Solutions", *[line for s in d.solutions for line in _wrap(f"- {s}")]]
     example = _example(c, result.files)
@@ -774,7 +890,15 @@ def as_text(result: DiagnoseResult) -> str:
         out += ["", "Find the same pattern elsewhere", f"  {result.lint_command}"]
     if result.related:
         out += ["", f"The code of your frames matches {', '.join(map(_name, result.related))}."]
-    others = [code for code in result.matches if code != c.code and code not in result.related]
+    if result.also:
+        out += ["", "Also in the input"]
+        for code, message, fix in result.also:
+            out += _wrap(f"- {_name(code)}: {message}")
+            if fix:
+                out += _wrap(f"fix: {fix}", "    ")
+    quoted = {code for code, _, _ in result.also}
+    others = [code for code in result.matches
+              if code != c.code and code not in result.related and code not in quoted]
     if others:
         out += ["", f"Also matched: {', '.join(map(_name, others))}."]
     out += ["", f"More: guardlint explain {c.code}"]

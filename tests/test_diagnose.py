@@ -203,7 +203,7 @@ def test_diagnose_engine_source_in_pytest_output_is_no_evidence():
 def test_diagnose_host_read_in_user_code_is_a_hint_not_a_diagnosis():
     text = ('Traceback (most recent call last):\n  File "/srv/app/vit.py", line 97, in forward\n'
             "    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())\n"
-            "torch.AcceleratorError: CUDA error: an illegal memory access was encountered\n")
+            "torch.AcceleratorError: CUDA error: an out of memory error was encountered\n")
     result = diagnose(text)
     assert result.code is None and result.related == ("GL104",)
     assert result.command == "guardlint --select GL104 /srv/app"
@@ -215,6 +215,10 @@ def test_diagnose_host_read_in_user_code_is_a_hint_not_a_diagnosis():
     # A host copy of lengths already on the host is no hint.
     assert diagnose(text.replace("int((cu_seqlens[1:] - cu_seqlens[:-1]).max())",
                                  "max(seq_lens_cpu.tolist())")).related == ()
+    # An illegal memory access is a possible GL103; the host read stays a hint beside it.
+    fault = diagnose(text.replace("an out of memory error", "an illegal memory access"))
+    assert (fault.code, fault.related, fault.frame.line) == ("GL103", ("GL104",), 97)
+    assert "CUDA_LAUNCH_BLOCKING=1" in fault.confirm and "GUARDLINT_MODE=strict" in fault.confirm
 
 
 # -- the user's frame ------------------------------------------------------------------------------------
