@@ -24,6 +24,10 @@ def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: Sequ
         covered = len(offsets) > 1 and offsets[0] == 0 and offsets[-1] == q.shape[0]
         out = torch.empty_like(q) if covered else torch.zeros_like(q)
     gqa = q.shape[1] != k.shape[1]
+    if causal and softmax_scale <= 0:
+        # torch's sdpa masks with -inf before scaling: a causal mask times 0 (or a negative scale) is NaN
+        # (or +inf). Folded into q, the scale meets finite scores only.
+        q, softmax_scale = q * softmax_scale, 1.0
     for start, end in zip(offsets[:-1], offsets[1:]):
         if end <= start:
             continue

@@ -87,11 +87,17 @@ def _attend_kv_tile(
         keep = key_ok[None, :]
         if MASK_CAUSAL:
             keep = keep & (offs_m[:, None] >= offs_n[None, :])
-        qk = tl.where(keep, qk, float("-inf"))
+        # Scaled before masking: -inf * 0 (softmax_scale=0) would be NaN. Only the last tiles take this path.
+        qk = tl.where(keep, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+    else:
+        # No -inf here, and qk_scale >= 0 (the launcher folds a negative scale into q's sign), so the
+        # scaled row max is max(qk) * qk_scale and the scale folds into one FMA.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     # Every tile the caller visits holds at least one visible key for each real query row (key 0 is
     # in the first tile), so m_new is finite from the first tile on and no exp2(-inf - -inf) occurs.
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
 
@@ -285,9 +291,24 @@ def length_class(max_seqlen: int) -> int:
 
 
 def new_output(q: torch.Tensor) -> torch.Tensor:
-    """The output buffer. Uninitialised on purpose (the kernel writes every row of every sequence);
-    tests replace it with a NaN-filled one to prove that."""
-    return torch.empty_like(q)
+    """The output buffer, contiguous whatever q's strides (the kernel stores the last dim with unit
+    stride; ``empty_like`` would keep a permuted q's layout). Uninitialised on purpose (the kernel writes
+    every row of every sequence); tests replace it with a NaN-filled one to prove that."""
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def _unit_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                  softmax_scale: float) -> tuple:
+    """(q, k, v, cu_seqlens, scale) as the kernel reads them: unit-stride last dims and offsets (copies
+    only when they are not), and a scale >= 0 (softmax(s q.k) = softmax(-s (-q).k): the unmasked tiles
+    take the row max as max(q.k) * scale, right only for scale >= 0)."""
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if cu_seqlens.stride(0) != 1:
+        cu_seqlens = cu_seqlens.contiguous()
+    if softmax_scale < 0:
+        q, softmax_scale = -q, -softmax_scale
+    return q, k, v, cu_seqlens, softmax_scale
 
 
 # The interpreter cannot time configs; small tiles keep its per-program cost low and still make
@@ -345,7 +366,7 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     """Launch the kernel. Inputs are already validated by the caller.
 
     q ``(total_tokens, num_heads, head_dim)``, k/v ``(total_tokens, num_kv_heads, head_dim)`` (copied when
-    the last dim is strided); cu_seqlens ``(batch + 1,)`` int32/int64 on q's device; ``max_seqlen`` a host
+    the last dim is strided); cu_seqlens ``(batch + 1,)`` int32/int64 on q's device (any stride); ``max_seqlen`` a host
     int >= every sequence length (it sizes the grid). ``config`` = (BLOCK_M, BLOCK_N, num_warps,
     num_stages) skips autotuning (benchmarks, the interpreter).
     """
@@ -355,10 +376,8 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         out = new_output(q)
     if total_tokens == 0 or batch <= 0 or max_seqlen <= 0:
         return out
+    q, k, v, cu_seqlens, softmax_scale = _unit_strides(q, k, v, cu_seqlens, softmax_scale)
     sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
-    if sq[2] != 1 or sk[2] != 1 or sv[2] != 1:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        sq, sk, sv = q.stride(), k.stride(), v.stride()
     key, size_class, by_length = _launch_key(q, k, cu_seqlens, max_seqlen, causal)
     order = sequence_order(cu_seqlens) if by_length else cu_seqlens
     args = (q, k, v, out, cu_seqlens, order, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1], total_tokens,
@@ -396,7 +415,8 @@ def plan_launch(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_
     """``launch(q, k, v, cu_seqlens) -> out`` for inputs of these shapes and dtypes with these max_seqlen,
     scale and causal flag (plan once, run many): everything that depends only on them is worked out here;
     a launch reads strides, allocates the output and enqueues the kernel. The first launch of a key goes
-    through ``varlen_attention_triton`` (autotuning); strided last dims always do."""
+    through ``varlen_attention_triton`` (autotuning); strided last dims or offsets and negative scales
+    always do."""
     total_tokens, num_heads, _ = q.shape
     batch = cu_seqlens.shape[0] - 1
     key, size_class, by_length = _launch_key(q, k, cu_seqlens, max_seqlen, causal)
@@ -412,9 +432,10 @@ def plan_launch(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_
                 ready.append(((-(-max_seqlen // settings[0]), num_heads, batch), settings[1]))
             return out
         out = new_output(q)
-        sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
-        if sq[2] != 1 or sk[2] != 1 or sv[2] != 1:
+        sq, sk, sv = q.stride(), k.stride(), v.stride()
+        if sq[2] != 1 or sk[2] != 1 or sv[2] != 1 or cu_seqlens.stride(0) != 1 or qk_scale < 0:
             return varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, out=out)
+        so = out.stride()
         grid, kwargs = ready[0]
         order = sequence_order(cu_seqlens) if by_length else cu_seqlens
         kernel[grid](q, k, v, out, cu_seqlens, order, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1],

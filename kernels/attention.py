@@ -42,7 +42,7 @@ def varlen_attention_triton_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 @varlen_attention_triton_op.register_fake
 def _(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal):
-    return torch.empty_like(q)
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def _run_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal):
@@ -74,8 +74,9 @@ def _(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
 
 def _gluon_eager(q, k, v, cu_seqlens, max_seqlen: int, scale: float) -> torch.Tensor:
     gluon_path = _gluon()
-    if not gluon_path.supports(q, k, v, False):
-        # The plan is per shape; strides are checked here, per call: a layout TMA cannot read runs on Triton.
+    if not gluon_path.supports(q, k, v, False) or cu_seqlens.stride(0) != 1 or scale <= 0:
+        # The plan is per shape; strides are checked here, per call: a layout TMA cannot read runs on Triton,
+        # and so do strided offsets and a scale <= 0 (the Gluon softmax scales after masking with -inf).
         return triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, False)
     return gluon_path.varlen_attention_gluon(q, k, v, cu_seqlens, max_seqlen, scale)
 
