@@ -45,52 +45,27 @@ class Settings:
 
 
 # -- gitignore-like globs -----------------------------------------------------------------------------
-def _glob_to_regex(pattern: str) -> str:
-    out = []
-    i = 0
-    while i < len(pattern):
-        ch = pattern[i]
-        if pattern.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-        elif pattern.startswith("/**", i) and i + 3 == len(pattern):
-            out.append("(?:/.*)?")
-            i += 3
-        elif pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif ch == "*":
-            out.append("[^/]*")
-            i += 1
-        elif ch == "?":
-            out.append("[^/]")
-            i += 1
-        elif ch == "[":
-            end = pattern.find("]", i + 1)
-            if end == -1:
-                out.append(re.escape(ch))
-                i += 1
-            else:
-                body = pattern[i + 1:end]
-                if body.startswith("!"):
-                    body = "^" + body[1:]
-                out.append(f"[{body}]")
-                i = end + 1
-        else:
-            out.append(re.escape(ch))
-            i += 1
-    return "".join(out)
+def _pattern_class():
+    """pathspec's gitignore pattern: ``GitIgnoreBasicPattern`` from pathspec 1.0 on (where the older
+    ``gitwildmatch`` name is deprecated), ``GitWildMatchPattern`` before."""
+    try:
+        from pathspec.patterns.gitignore.basic import GitIgnoreBasicPattern
+
+        return GitIgnoreBasicPattern
+    except ImportError:  # pathspec < 1.0
+        from pathspec.patterns.gitwildmatch import GitWildMatchPattern
+
+        return GitWildMatchPattern
 
 
 @dataclass(frozen=True)
 class Glob:
-    """One pattern, matched like a .gitignore line against a path relative to the project root: with
-    no ``/`` inside it matches a name at any depth, with one it is anchored at the root; a trailing
-    ``/`` matches directories only; ``*`` stays within a path segment, ``**`` crosses them."""
+    """One pattern, matched like a .gitignore line (by pathspec) against a path relative to the project
+    root: with no ``/`` inside it matches a name at any depth, with one it is anchored at the root; a
+    trailing ``/`` matches directories only; ``*`` stays within a path segment, ``**`` crosses them."""
 
     pattern: str
     regex: re.Pattern
-    dir_only: bool
 
     @classmethod
     def compile(cls, pattern: str, key: str = "exclude") -> "Glob":
@@ -99,20 +74,25 @@ class Glob:
             raise ConfigError(f"{key}: empty pattern")
         if p.startswith("!"):
             raise ConfigError(f"{key}: negated patterns ({pattern!r}) are not supported")
-        dir_only = p.endswith("/")
-        p = p.rstrip("/")
+        if p.startswith("#"):
+            raise ConfigError(f"{key}: pattern {pattern!r} starts with '#', which gitignore reads as a "
+                              f"comment; write '\\#...' to match a name that starts with '#'")
         if p.startswith("./"):
             p = p[2:]
-        anchored = "/" in p
-        p = p.lstrip("/")
-        body = _glob_to_regex(p)
-        rx = ("^" if anchored else "^(?:.*/)?") + body + "$"
-        return cls(pattern, re.compile(rx), dir_only)
+        try:
+            compiled = _pattern_class()(p)
+        except (ValueError, TypeError, re.error) as e:
+            raise ConfigError(f"{key}: invalid pattern {pattern!r}: expected a gitignore-style glob ({e})") \
+                from None
+        if compiled.regex is None or compiled.include is not True:
+            raise ConfigError(f"{key}: invalid pattern {pattern!r}: expected a gitignore-style glob that "
+                              f"matches paths, got one that matches nothing")
+        return cls(pattern, compiled.regex)
 
     def matches(self, rel: str, is_dir: bool) -> bool:
-        if self.dir_only and not is_dir:
-            return False
-        return bool(self.regex.match(rel))
+        """``rel`` (posix, relative to the root; ``is_dir``: a folder) matches; ``PathMatcher`` tries
+        the folders above it."""
+        return self.regex.match(rel + "/" if is_dir else rel) is not None
 
 
 class PathMatcher:
