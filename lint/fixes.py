@@ -305,11 +305,12 @@ def plan_call(contract: Contract, call: cst.Call, bound_values: dict, can_import
 
     if contract.fix_writes:
         return _write_all(contract, call, bound_values, missing_in, source_of, can_import, in_scope, per_layer)
+    first = derivations[0]
+    if per_layer and first.host_read:
+        return NoFix(f"the call runs in {per_layer}: writing {first.target} here would add a host read per "
+                     f"layer; build it once per model forward, before the block loop "
+                     f"({first.template.split('(')[0]}(...)), and pass it down")
     choice = choose_derivations(contract, missing_in, source_of)
-    if not isinstance(choice, NoFix) and per_layer and any(d.host_read for _, d, _ in choice.uses):
-        return NoFix(f"the call runs in {per_layer}: writing {', '.join(t for t, _, _ in choice.uses)} "
-                     f"here would add a host read per layer; build it once per model forward, before the "
-                     f"block loop ({choice.uses[0][1].template.split('(')[0]}(...)), and pass it down")
     return _derive_into(contract, call, bound_values, missing_in, source_of, can_import)
 
 

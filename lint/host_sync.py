@@ -1,7 +1,12 @@
 """GL104 per-layer-host-sync: a device-to-host read of sequence-length metadata in code run per layer.
 
 Per layer means the ``forward`` of a class named ``*Block``, ``*Layer`` or ``*Attention`` (any case),
-or the body of a ``for`` loop over something named like layers or blocks. The vocabulary (which names
+or the body of a ``for`` loop over something named like layers or blocks. Reads are ``.item()``,
+``.tolist()`` and ``int(t.max())`` of sequence-length metadata, ``.any()``/``.all()`` of a tensor tested
+by ``if``/``while``, and calls of a same-module helper that does one of those. A class whose
+``__init__`` refuses to run off the CPU holds host tensors only: nothing there is a device sync. A
+helper called in the fallback branch of a prepared-metadata test (``if forward_metadata is not None:
+... else: helper(...)``) is reported at the callers that pass no metadata instead (GL109). The vocabulary (which names
 hold metadata, which calls read back) lives in ``patterns.py`` beside the pre-filter's needles.
 """
 from __future__ import annotations
@@ -54,16 +59,49 @@ class PerLayerHostSync:
         self._contexts: list[Optional[str]] = []  # why the code here runs per layer
         self._inside_report = 0  # depth of calls nested in an already reported one
 
+    def visit_Module(self, node: cst.Module) -> None:
+        self._helpers: dict[str, str] = {}
+        for stmt in node.body:
+            if isinstance(stmt, cst.FunctionDef):
+                what = _first_read(stmt.body)
+                if what:
+                    self._helpers[stmt.name.value] = what
+        self._fallback = 0
+
+    def visit_If(self, node: cst.If) -> None:
+        if _tests_metadata(node.test):
+            self._fallback += 1
+        if self._context() and isinstance(node.test, cst.Call):
+            what = _tensor_truth(node.test)
+            if what:
+                self.report(node.test, f"{self.contract.diagnosis.message}: {what} inside {self._context()}")
+
+    def leave_If(self, node: cst.If) -> None:
+        if _tests_metadata(node.test):
+            self._fallback -= 1
+
+    def _context(self) -> Optional[str]:
+        return next((c for c in reversed(self._contexts) if c), None)
+
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        if _host_only(node):
+            self._classes.append(None)
+            self._contexts.append(None)
+            self._host_class = getattr(self, "_host_class", 0) + 1
+            return
         self._classes.append(node.name.value)
 
     def leave_ClassDef(self, node: cst.ClassDef) -> None:
         self._classes.pop()
+        if _host_only(node):
+            self._contexts.pop()
+            self._host_class -= 1
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         owner = self._classes[-1] if self._classes else None
         context = None
-        if node.name.value == "forward" and owner and owner.lower().endswith(PER_LAYER_CLASS_SUFFIXES):
+        if node.name.value == "forward" and owner and owner.lower().endswith(PER_LAYER_CLASS_SUFFIXES) \
+                and not getattr(self, "_host_class", 0):
             context = f"{owner}.forward, which runs once per layer"
         self._contexts.append(context)
         self._classes.append(None)
@@ -86,7 +124,12 @@ class PerLayerHostSync:
         context = next((c for c in reversed(self._contexts) if c), None)
         if context is None:
             return
+        if getattr(self, "_fallback", 0):
+            return
         what = self._host_read(node)
+        if what is None and isinstance(node.func, cst.Name) and node.func.value in getattr(self, "_helpers", {}) \
+                and not self._fallback:
+            what = f"{node.func.value}(...), which reads {self._helpers[node.func.value]}"
         if what is not None:
             self.report(node, f"{self.contract.diagnosis.message}: {what} inside {context}")
             self._inside_report = 1
@@ -112,3 +155,66 @@ class PerLayerHostSync:
                     if name:
                         return f"int(....max()) on {name}"
         return None
+
+
+def _first_read(body: cst.CSTNode) -> Optional[str]:
+    stack = [body]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, cst.Call):
+            what = PerLayerHostSync._host_read(node)
+            if what:
+                return what
+        stack.extend(node.children)
+    return None
+
+
+def _tests_metadata(test: cst.BaseExpression) -> bool:
+    """``if forward_metadata is not None`` / ``if metadata ...``: the else branch is the fallback."""
+    return any("metadata" in name for name in _names_in_all(test)) if not isinstance(test, cst.Call) else False
+
+
+_TRUTH_METHODS = ("any", "all")
+
+
+def _tensor_truth(test: cst.Call) -> Optional[str]:
+    """``if (a > b).any():`` - the truth of a tensor is a device-to-host read."""
+    func = test.func
+    if isinstance(func, cst.Attribute) and func.attr.value in _TRUTH_METHODS and not test.args:
+        base = func.value
+        if isinstance(base, cst.Comparison) or (isinstance(base, cst.Name) and not base.value.endswith(HOST_NAMES)):
+            return f"if (...).{func.attr.value}() (the truth of a tensor)"
+    return None
+
+
+HOST_NAMES = ("_cpu", "_host", "_list", "_np")
+
+
+def _host_only(node: cst.ClassDef) -> bool:
+    """A class whose ``__init__`` raises unless on the CPU (``if not _is_cpu ...: raise``)."""
+    for stmt in getattr(node.body, "body", ()):
+        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "__init__":
+            for inner in getattr(stmt.body, "body", ()):
+                if isinstance(inner, cst.If) and any("cpu" in n.lower() for n in _names_in_all(inner.test)) \
+                        and any(isinstance(b, cst.Raise) for b in _statements(inner.body)) \
+                        and not any(other in n.lower() for n in _names_in_all(inner.test)
+                                    for other in ("cuda", "hip", "xpu", "npu", "musa")):
+                    return True
+    return False
+
+
+def _names_in_all(expr: cst.CSTNode):
+    stack = [expr]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, cst.Name):
+            yield node.value
+        stack.extend(node.children)
+
+
+def _statements(block):
+    for stmt in getattr(block, "body", ()):
+        if isinstance(stmt, cst.SimpleStatementLine):
+            yield from stmt.body
+        else:
+            yield stmt

@@ -52,7 +52,7 @@ PATTERNS: dict[str, PatternSpec] = {
         visitor="host_sync:PerLayerHostSync",
         # cu_seqlens contains seqlens: the shorter stems cover every name
         needles=tuple(stem.encode() for stem in SEQLEN_STEMS if stem != "cu_seqlens"),
-        also=((b".item(",), (b".tolist(",), (b"int(", b".max(")),
+        also=((b".item(",), (b".tolist(",), (b"int(", b".max("), (b".any()",), (b".all()",)),
         # A per-layer place: class *Block/*Layer/*Attention, or a loop over layers/blocks.
         context=(b"block", b"layer", b"attention"),
     ),

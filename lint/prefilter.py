@@ -38,7 +38,7 @@ class TreeFilter:
 
     @classmethod
     def from_rules(cls, rules: RuleSet) -> "TreeFilter":
-        names = {q.rsplit(".", 1)[-1] for q in (*rules.by_callee, *rules.by_instance)}
+        names = {q.rsplit(".", 1)[-1].removesuffix("[]") for q in (*rules.by_callee, *rules.by_instance)}
         fields = {n.split(".", 1)[0] for c in rules.replace_contracts for g in c.require for n in g}
         codes = {c.code for c in rules.patterns}
         return cls(frozenset(names), frozenset(fields), HOST_SYNC in codes, bool(codes - {HOST_SYNC}))
@@ -71,6 +71,14 @@ class TreeFilter:
             elif t is ast.Import or t is ast.ImportFrom:
                 if names and _imports_name(node, names):
                     return True
+        if suspects:
+            # A module-level helper that reads the host makes its callers suspects too (host_sync).
+            found = {id(n) for n in suspects}
+            helpers = {d.name for d in getattr(tree, "body", ()) if type(d) is ast.FunctionDef
+                       and any(id(n) in found for n in ast.walk(d))}
+            if helpers:
+                suspects.extend(n for n in ast.walk(tree) if type(n) is ast.Call
+                                and type(n.func) is ast.Name and n.func.id in helpers)
         return bool(suspects) and _any_inside_context(tree, suspects)
 
 
@@ -101,6 +109,8 @@ def _host_read(call: ast.Call) -> bool:
     """Could GL104's visitor report this call (context aside)?"""
     func = call.func
     if type(func) is ast.Attribute:
+        if func.attr in ("any", "all") and not call.args and not call.keywords:
+            return True  # ``if (a > b).any():`` (host_sync looks at the if)
         return func.attr in SYNC_METHODS and not call.args and not call.keywords \
             and _reads_seqlen(func.value)
     if type(func) is ast.Name and func.id == "int" and len(call.args) + len(call.keywords) == 1:
