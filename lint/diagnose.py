@@ -627,15 +627,18 @@ def fix_for(contract: Contract, engine: Optional[str] = None) -> Optional[str]:
     return _first_solution(contract)
 
 
-def _engine_of(hit: "_Hit") -> Optional[str]:
-    """The engine whose frames the error runs through (the innermost one), else the engine error's own."""
+def _engine_of(hit: "_Hit", hits: Sequence["_Hit"] = ()) -> Optional[str]:
+    """The engine whose frames the error runs through (the innermost one), else that of an engine error
+    matched on the same line for the same rule."""
     frames = hit.block.frames if hit.block else []
     for frame in reversed(frames):
         parts = set(re.split(r"[\\/]+", frame.file))
         engine = next((e for e in ENGINES if e in parts), None)
         if engine:
             return engine
-    return hit.entry.engine if hit.entry and hit.entry.engine else None
+    same = (h for h in (hit, *hits) if h.entry and h.entry.engine and h.contract is hit.contract
+            and h.line == hit.line)
+    return next((h.entry.engine for h in same), None)
 
 
 def _linted(code: str) -> bool:
@@ -736,14 +739,14 @@ def diagnose(text: Union[str, bytes], contracts: Optional[Sequence[Contract]] = 
         m = _GUARD_FIX.search(block.text)
         guard_fix = m.group("fix").strip() if m else None
     message = best.line or (block.exception if block else None)
-    engine = _engine_of(best)
+    engine = _engine_of(best, hits)
     # Other errors of the input, each quoted with its own line: two messages pasted together, a log line
     # beside a traceback, the other link of a chain.
     also, seen = [], {best.contract.code}
     for h in hits:
         if h.tier > PATTERN_IN_USER_CODE and h.contract.code not in seen and h.line != best.line:
             seen.add(h.contract.code)
-            also.append((h.contract.code, h.line, fix_for(h.contract, _engine_of(h))))
+            also.append((h.contract.code, h.line, fix_for(h.contract, _engine_of(h, hits))))
     if best.tier in (GUARD_CODE_IN_EXCEPTION, PATTERN_IN_EXCEPTION):
         exception_type = block.exception_type
     elif message and _looks_like_exception(message):

@@ -445,3 +445,155 @@ def test_diagnose_is_imported_lazily_and_listed_in_help():
     r = CliRunner().invoke(main, ["--help"])
     assert "diagnose" in r.stdout
     assert "--format" in CliRunner().invoke(main, ["diagnose", "--help"]).stdout
+
+
+# -- the engines' current errors (sglang 0.5.23, vLLM 0.33.0) ------------------------------------------------
+ENGINES_DIR = ROOT / ".engines"
+# (fixture, code, user frame (file, line), the engine frame that raised it, the fix's start)
+ENGINE_CASES = [
+    (FIXTURES / "sglang_vit_gl102_int_none.txt", "GL102",
+     ("/sgl-workspace/sglang/python/sglang/srt/models/qwen2_5_vl.py", 282),
+     ("/sgl-workspace/sglang/python/sglang/srt/layers/attention/vision.py", 697, "max_seqlen = int(max_seqlen)"),
+     "In sglang: build the metadata once per forward"),
+    (FIXTURES / "sglang_lora_gl201_cdiv_none.log", "GL201", ("/home/ml/lora-exp/lora_exp/replay.py", 73),
+     ("/usr/local/lib/python3.12/dist-packages/sglang/kernels/ops/lora/dense/sgemm_lora_a.py", 151,
+      "triton.cdiv(batch_info.max_len, BLOCK_S) * triton.cdiv(R, BLOCK_R),"),
+     "In sglang: the Triton LoRA kernels size their grid with triton.cdiv(batch_info.max_len"),
+    (FIXTURES / "vllm_qwen2vl_gl101_bare_assert.txt", "GL101",
+     ("/workspace/vllm/vllm/model_executor/models/qwen2_vl.py", 380),
+     ("/workspace/vllm/vllm/v1/attention/ops/vit_attn_wrappers.py", 364, "assert sequence_lengths is not None"),
+     "In vLLM: once per forward"),
+]
+
+
+@pytest.mark.parametrize("path, code, where, raised, fix", ENGINE_CASES, ids=[c[0].name for c in ENGINE_CASES])
+def test_diagnose_engine_error_without_a_rule_in_its_text(path, code, where, raised, fix):
+    result = diagnose(path.read_bytes())
+    assert result.code == code and result.evidence == "exception-line" and result.confirm is None
+    assert (result.frame.file, result.frame.line) == where
+    assert (result.raised_at.file, result.raised_at.line, result.raised_at.source) == raised
+    assert result.fix.startswith(fix) and result.fix in get(code).diagnosis.solutions
+    out = invoke(str(path)).stdout
+    assert f"where: {where[0]}:{where[1]}" in out and f"Fix ({result.engine})" in out
+
+
+def test_diagnose_engine_fixes_name_the_engines_own_helpers():
+    sglang = diagnose((FIXTURES / "sglang_vit_gl102_int_none.txt").read_text()).fix
+    assert "prepare_flashinfer_cudnn_vision_attention_metadata(cu_seqlens, device, elem_per_token=H*D)" in sglang
+    assert "forward_metadata=meta" in sglang
+    vllm = diagnose((FIXTURES / "vllm_qwen2vl_gl101_bare_assert.txt").read_text()).fix
+    assert "MMEncoderAttention.maybe_compute_seq_lens(" in vllm and "compute_max_seqlen(" in vllm
+    assert "sequence_lengths=" in vllm and "max_seqlen=" in vllm
+
+
+def test_diagnose_vllm_bare_assert_is_told_apart_by_its_source_line():
+    text = (FIXTURES / "vllm_qwen2vl_gl101_bare_assert.txt").read_text()
+    max_seqlen = text.replace("line 364, in flashinfer_wrapper\n    assert sequence_lengths is not None",
+                              "line 363, in flashinfer_wrapper\n    assert max_seqlen is not None")
+    result = diagnose(max_seqlen)
+    assert (result.code, result.frame.line, result.raised_at.line) == ("GL102", 380, 363)
+    assert result.fix.startswith("In vLLM:")
+    # cu_seqlens missing has no rule of its own; an unrelated bare assert matches nothing.
+    assert diagnose(text.replace("assert sequence_lengths is not None", "assert cu_seqlens is not None")).code is None
+    assert diagnose(text.replace("vllm/v1/attention/ops/vit_attn_wrappers.py", "myvit/ops.py")).code is None
+
+
+def test_diagnose_typeerror_on_none_needs_the_engine_frame():
+    text = (FIXTURES / "sglang_vit_gl102_int_none.txt").read_text()
+    elsewhere = text.replace("max_seqlen = int(max_seqlen)", "n = int(n)")
+    assert diagnose(elsewhere).code is None
+    lora = (FIXTURES / "sglang_lora_gl201_cdiv_none.log").read_text()
+    assert diagnose(lora.replace("sglang/kernels/ops/lora", "myproj/ops")).code is None
+
+
+@pytest.mark.parametrize("message, code, fix", [
+    ("RuntimeError: sequence_lengths must be a torch.Tensor", "GL101", "In sglang:"),
+    ("RuntimeError: packed indptr numel mismatch: got 3, expected 27 (= 3*(B+1))", "GL107", "In sglang:"),
+    ("RuntimeError: offset + len out of bounds; packed indptr is wrong", "GL103", "In sglang:"),
+    ("RuntimeError: flashinfer_cudnn expects packed indptrs as a torch.Tensor", "GL107", "In sglang:"),
+])
+def test_diagnose_sglang_messages_get_the_sglang_fix(message, code, fix):
+    result = diagnose(message + "\n")
+    assert result.code == code and result.message == message and result.fix.startswith(fix)
+    assert result.engine == "sglang" and result.frame is None
+
+
+def test_diagnose_illegal_memory_access_is_a_possible_cause():
+    message = "torch.AcceleratorError: CUDA error: an illegal memory access was encountered"
+    result = diagnose(message + "\n")
+    assert result.code == "GL103" and result.confirm is not None
+    assert "CUDA_LAUNCH_BLOCKING=1" in result.confirm and "GUARDLINT_MODE=strict" in result.confirm
+    out = invoke(input=message + "\n").stdout
+    assert "Possibly GL103: confirm it" in out and "several causes" in out
+    assert json.loads(invoke("--format", "json", input=message + "\n").stdout)["possible"] is True
+    lora = (FIXTURES / "sglang_lora_gl201_cdiv_none.log").read_text().replace(
+        "TypeError: unsupported operand type(s) for +: 'NoneType' and 'int'", message)
+    in_lora = diagnose(lora)
+    assert (in_lora.code, in_lora.frame.line) == ("GL204", 73) and "LoRA batch info" in in_lora.confirm
+
+
+def test_diagnose_no_cuda_device_is_not_a_metadata_error():
+    text = ('Traceback (most recent call last):\n  File "/home/ml/vit-demo/encode.py", line 6, in encode\n'
+            "    q = q.cuda()\n"
+            "RuntimeError: CUDA error: no CUDA-capable device is detected\n")
+    result = diagnose(text)
+    assert result.code == "GL301" and result.confirm is None and result.frame.line == 6
+    assert get("GL301").diagnosis.what_it_means.startswith("Not a metadata error")
+    assert not set(result.matches) & {"GL101", "GL102", "GL103", "GL107", "GL201", "GL204"}
+
+
+def test_diagnose_two_error_lines_name_both_rules_each_with_its_message():
+    first = "RuntimeError: sequence_lengths must be a torch.Tensor"
+    second = "ValueError: LoRA batch_info must provide max_len or seg_lens."
+    result = diagnose(f"{first}\n{second}\n")
+    assert {result.code, result.also[0][0]} == {"GL101", "GL201"}
+    quoted = {result.code: result.message, result.also[0][0]: result.also[0][1]}
+    assert quoted == {"GL101": first, "GL201": second}
+    out = invoke(input=f"{first}\n{second}\n").stdout
+    assert "Also in the input" in out and first in out and second in out
+    also = json.loads(invoke("--format", "json", input=f"{second}\n{first}\n").stdout)["also"]
+    assert [(a["code"], a["message"]) for a in also] == [("GL201", second)]
+
+
+@pytest.mark.parametrize("file, library", [
+    ("/sgl-workspace/sglang/python/sglang/srt/models/qwen2_5_vl.py", False),
+    ("/usr/local/lib/python3.12/dist-packages/sglang/srt/models/qwen2_5_vl.py", False),
+    ("/workspace/vllm/vllm/model_executor/models/qwen2_vl.py", False),
+    ("/usr/lib/python3.12/site-packages/vllm/model_executor/models/qwen2_5_vl.py", False),
+    ("/sgl-workspace/sglang/python/sglang/srt/layers/attention/vision.py", True),
+    ("/sgl-workspace/sglang/python/sglang/srt/lora/backend/triton_backend.py", True),
+    ("/sgl-workspace/sglang/python/sglang/kernels/ops/lora/dense/sgemm_lora_a.py", True),
+    ("/workspace/vllm/vllm/v1/attention/ops/vit_attn_wrappers.py", True),
+    ("/workspace/vllm/vllm/model_executor/layers/attention/mm_encoder_attention.py", True),
+    ("/workspace/vllm/vllm/model_executor/custom_op.py", True),
+])
+def test_engine_model_files_are_user_frames(file, library):
+    from guardlint.lint.diagnose import is_library_frame
+
+    assert is_library_frame(file) is library
+
+
+@pytest.mark.parametrize("path, release", [
+    (FIXTURES / "sglang_vit_gl102_int_none.txt", "sglang-0.5.23"),
+    (FIXTURES / "sglang_lora_gl201_cdiv_none.log", "sglang-0.5.23"),
+    (FIXTURES / "vllm_qwen2vl_gl101_bare_assert.txt", "vllm-0.33.0"),
+])
+def test_engine_fixtures_quote_the_pinned_releases(path, release):
+    from guardlint.lint.diagnose import parse
+
+    root = ENGINES_DIR / release
+    if not root.is_dir():
+        pytest.skip(f"{release} is not unpacked under .engines (make engines)")
+    package = release.split("-")[0]
+    checked = 0
+    for block in parse(path.read_text()).blocks:
+        for frame in block.frames:
+            parts = frame.file.split("/")
+            if package in parts:
+                rel = "/".join(parts[len(parts) - 1 - parts[::-1].index(package):])
+                if not (root / rel).is_file():  # a checkout's own scripts and tests are not in the release
+                    continue
+                line = (root / rel).read_text().splitlines()[frame.line - 1].strip()
+                assert line == frame.source, (rel, frame.line)
+                checked += 1
+    assert checked >= 2
