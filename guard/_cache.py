@@ -33,6 +33,9 @@ class DerivedCache:
         self._tensors: dict[int, _Slot] = {}
         self._host: dict[Hashable, Any] = {}
         self._last: Any = None  # the slot most recently moved to the end (a hot slot is not moved again)
+        # Derived object -> (weakref to its source tensor, version, data_ptr) at derivation: which tensor a
+        # plan was made from, outliving the LRU entry (it dies with the plan).
+        self._origins: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     # -- tensors ------------------------------------------------------------------------------------
     def get(self, tensor, tag: Hashable) -> Any:
@@ -59,10 +62,23 @@ class DerivedCache:
         elif tensor._version != slot.version or tensor.data_ptr() != slot.data_ptr:
             slot = _Slot(slot.ref, tensor)
         slot.values[tag] = value
+        try:
+            self._origins[value] = (slot.ref, slot.version, slot.data_ptr)
+        except TypeError:  # not weakly referenceable (tuples, ints): no origin kept
+            pass
         self._tensors[key] = slot
         self._last = slot
         while len(self._tensors) > self.capacity:
             self._tensors.pop(next(iter(self._tensors)), None)
+
+    def made_from(self, value: Any, tensor) -> bool:
+        """Was ``value`` derived from ``tensor`` as it is now (same object, version and data pointer)?"""
+        try:
+            origin = self._origins.get(value)
+        except TypeError:
+            return False
+        return (origin is not None and origin[0]() is tensor and tensor._version == origin[1]
+                and tensor.data_ptr() == origin[2])
 
     def _dropper(self, key: int):
         tensors = self._tensors
@@ -87,6 +103,7 @@ class DerivedCache:
     def clear(self) -> None:
         self._last = None
         self._tensors.clear()
+        self._origins.clear()
         self._host.clear()
 
     def __len__(self) -> int:
