@@ -119,11 +119,21 @@ SEG_LENS = Derivation(
 MAX_LEN = Derivation(
     target="max_len",
     sources=("seg_lens",),
-    name="max_of_live_diff",
+    name="max_of_seg_lens",
     template="int({seg_lens}.max())",
     host_read=True,
     note="One host read per batch (LoRABatchInfo is built once per batch, not per layer). Prefer a host "
     "value already at hand (the scheduler's lengths, e.g. max(extend_seq_lens_cpu)).",
+)
+# What the runtime guard runs (the linter writes MAX_LEN above): under CUDA graphs only the first
+# num_segments entries of seg_indptr are live, so the maximum is taken over those.
+MAX_LIVE_LEN = Derivation(
+    target="max_len",
+    sources=("seg_indptr", "num_segments"),
+    name="max_of_live_diff",
+    template="int(({seg_indptr}[1:num_segments + 1] - {seg_indptr}[:num_segments]).max())",
+    host_read=True,
+    note="Over the live num_segments only.",
 )
 
 _VISION_ENGINE_BAD = '''\
@@ -649,7 +659,7 @@ GL201 = Contract(
     targets=(Target(ENGINE_LORA_INFO, "class"), Target(OUR_LORA_INFO, "class")),
     params=LORA_FIELDS,
     require=(("max_len",), ("seg_lens",)),
-    derivations=(SEG_LENS, MAX_LEN),
+    derivations=(SEG_LENS, MAX_LEN, MAX_LIVE_LEN),
     fix_safety="unsafe",
     satisfied_by_later_assignment=True,
     fix_writes=("seg_lens", "max_len"),

@@ -25,7 +25,7 @@ from .derive import Context, DERIVERS
 from .errors import GuardError, describe
 from .metadata import (VarlenMetadata, bucket_batch_size, bucket_max_seqlen, check_index_tensor, is_compiling,
                        prepare, read_host)
-from .validate import check_lora, check_varlen, prefetch
+from .validate import check_lora, check_plan_source, check_varlen, prefetch
 
 GL101, GL102, GL201 = get_contract("GL101"), get_contract("GL102"), get_contract("GL201")
 # Derivation names for stats and events come from the catalog, not from here.
@@ -35,7 +35,7 @@ MAX_DERIVATION = GL102.derivation_for("max_seqlen").name
 # linter's fixes); the guard runs the one it implements.
 META_DERIVATION = next(d for d in GL101.derivations if d.target == "forward_metadata" and d.name in DERIVERS)
 SEG_LENS_DERIVATION = GL201.derivation_for("seg_lens")
-MAX_LEN_DERIVATION = GL201.derivation_for("max_len")
+MAX_LEN_DERIVATION = next(d for d in GL201.derivations if d.target == "max_len" and d.name in DERIVERS)
 
 
 def _decorator(build: Callable, fn: Optional[Callable], options: dict):
@@ -55,6 +55,12 @@ def guard_varlen(fn: Optional[Callable] = None, **rename: str):
     on q's device), and a tensor ``cu_seqlens``: taken from ``metadata`` when one was given (values the
     caller passed explicitly win), else derived from ``cu_seqlens`` with one host read per distinct
     tensor version (none for a host list). ``metadata`` itself is passed only when the caller gave one.
+
+    Metadata and cu_seqlens together: the metadata is used only when it was prepared from this very
+    cu_seqlens (its own ``cu_seqlens`` tensor, the tensor ``prepare_varlen_metadata`` was given and
+    unchanged since, or equal offsets when the caller's cu_seqlens is on the host); otherwise GL103 in
+    every mode but off, on every backend. No device read decides it. Duck-typed metadata without a
+    ``cu_seqlens`` field counts as explicit values.
     Strict mode validates values (GL103/GL107). ``rename`` maps these names to other parameter names.
     """
     return _decorator(_build_varlen, fn, rename)
@@ -68,6 +74,8 @@ def _build_varlen(fn: Callable, **rename: str) -> Callable:
     Tensor = torch.Tensor
 
     def hook(mode: int, q: Any, cu: Any, seq: Any, mx: Any, meta: Any) -> tuple:
+        if meta is not None and cu is not None and getattr(meta, "cu_seqlens", None) is not None:
+            check_plan_source(function, meta, cu, nC)
         if type(meta) is VarlenMetadata:
             plan = meta
         else:

@@ -26,10 +26,13 @@ def shrink_inputs(name="mixed", dtype=torch.float32, **kw):
 
 
 def test_lora_batch_info_fields_follow_the_catalog():
-    assert tuple(f.name for f in dataclasses.fields(LoRABatchInfo)) == LORA_FIELDS
+    # ours carries the engine's first ten fields, in the engine's order (the engine's six later ones
+    # serve its MoE and lm_head paths)
+    ours = tuple(f.name for f in dataclasses.fields(LoRABatchInfo))
+    assert ours == LORA_FIELDS[:10]
     info, _ = layout("mixed", 16)
     with pytest.raises(TypeError):
-        LoRABatchInfo(*[getattr(info, f) for f in LORA_FIELDS])
+        LoRABatchInfo(*[getattr(info, f) for f in ours])
 
 
 @pytest.mark.parametrize("name", ["mixed", "graph_padded_permuted"])
