@@ -89,6 +89,7 @@ PREPARE_CUDNN = Derivation(
     note="One host read when cu_seqlens is on the GPU, none when it is on the host; cached per tensor "
     "version, so 32 layers sharing one cu_seqlens cost one read. Better: call it once per forward.",
     for_targets=(OUR_CUDNN,),
+    cached=True,
 )
 SEQUENCE_LENGTHS = Derivation(
     target="sequence_lengths",

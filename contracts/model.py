@@ -42,6 +42,9 @@ class Derivation:
     # Qualified names of the targets this derivation is written for (empty: all of the contract's):
     # a call of an engine's class is fixed with the engine's own helper, ours with ours.
     for_targets: Tuple[str, ...] = ()
+    # The runtime caches the result per tensor version: layers sharing one input cost one host read, so
+    # the fix may go into a per-layer forward.
+    cached: bool = False
 
     def applies_to(self, qualname: Optional[str]) -> bool:
         return not self.for_targets or qualname is None or qualname in self.for_targets

@@ -16,17 +16,32 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import libcst as cst
-
 from guardlint.contracts import Contract, get as _builtin_contract
 
-from . import fixes, suppress
+from . import suppress
 from .findings import Edit, Finding, Fix
-from .names import Binding, ClassInfo, FuncInfo, Resolver, Scope, dotted, is_none
-from .host_sync import _layer_loop
 from .patterns import PATTERNS, PER_LAYER_CLASS_SUFFIXES
 from .rules import REPLACE_FUNCTIONS, RuleSet
-from .walk import Walker
+
+# libcst and the modules built on it are imported on first need (``_load_cst``): importing libcst
+# costs ~0.4 s, more than checking a file, and most files never get past the pre-filters.
+cst = fixes = Binding = ClassInfo = FuncInfo = Resolver = Scope = dotted = is_none = None
+Walker = _layer_loop = None
+
+
+def _load_cst() -> None:
+    global cst, fixes, Binding, ClassInfo, FuncInfo, Resolver, Scope, dotted, is_none, Walker, _layer_loop
+    if cst is not None:
+        return
+    import libcst
+
+    from . import fixes as _fixes, host_sync, names, walk
+
+    fixes, Walker, _layer_loop = _fixes, walk.Walker, host_sync._layer_loop
+    Binding, ClassInfo, FuncInfo, Resolver, Scope = (names.Binding, names.ClassInfo, names.FuncInfo,
+                                                     names.Resolver, names.Scope)
+    dotted, is_none = names.dotted, names.is_none
+    cst = libcst
 
 MAX_BYTES = 10 * 1024 * 1024
 _NEWLINE = re.compile(r"\r\n|\r|\n")
@@ -70,6 +85,7 @@ class Collector:
     call with the scope it is made in. ``seq`` orders bindings, calls and stores in source order."""
 
     def __init__(self, module_name: Optional[str] = None, is_package: bool = False):
+        _load_cst()
         self.module_name = module_name
         self.is_package = is_package
         self.module = Scope("module", None)
@@ -426,6 +442,7 @@ def _literal_equal(node: cst.BaseExpression, literal: str) -> bool:
 
 class Checker:
     def __init__(self, rules: RuleSet, collector: Collector, strict: bool = False):
+        _load_cst()
         self.rules = rules
         self.c = collector
         self.strict = strict
@@ -721,6 +738,7 @@ def syntax_check(data: bytes, path: str) -> FileResult:
     except SyntaxError as e:
         if _too_nested(e):
             return file_error(path, e.msg, e.lineno, e.offset)
+        _load_cst()
         try:  # syntax newer than this Python's (libcst knows it) is no error of the file
             cst.parse_module(data)
             return FileResult(path, [])
@@ -788,6 +806,7 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
 
         if not tree_filter(rules).may_report(tree, data):
             return FileResult(path, [])
+    _load_cst()
     try:
         module = cst.parse_module(data)
     except Exception as e:  # ParserSyntaxError, decoding errors, unknown encodings

@@ -306,7 +306,7 @@ def plan_call(contract: Contract, call: cst.Call, bound_values: dict, can_import
     if contract.fix_writes:
         return _write_all(contract, call, bound_values, missing_in, source_of, can_import, in_scope, per_layer)
     first = derivations[0]
-    if per_layer and first.host_read:
+    if per_layer and first.host_read and not first.cached:
         return NoFix(f"the call runs in {per_layer}: writing {first.target} here would add a host read per "
                      f"layer; build it once per model forward, before the block loop "
                      f"({first.template.split('(')[0]}(...)), and pass it down")

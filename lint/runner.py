@@ -33,7 +33,7 @@ SOURCE_SUFFIXES = (".py", ".pyi")
 MIN_PARALLEL = 24
 # Every file gets CPython's parse (GL000 everywhere); False: only the pre-filtered ones are parsed, as
 # before (kept so that the cost can be measured, bench/results/lint_real_tree.md).
-PARSE_EVERY_FILE = True
+PARSE_EVERY_FILE = False
 # Files past the textual pre-filter go to libcst only when their CPython tree holds something a rule
 # could report (prefilter.py); False: all of them do, as before (kept so that the gain can be measured).
 AST_PREFILTER = True

@@ -66,9 +66,10 @@ def test_text_output_lines_sorted_and_summary_on_stderr():
         parsed.append((path, int(lineno), int(col)))
     assert parsed == sorted(parsed)
     assert r.stderr == f"Found {len(lines)} findings.\n" \
-                       "No fixes available (12 hidden fixes can be enabled with the `--unsafe-fixes` option).\n"
+                       "No fixes available (10 hidden fixes can be enabled with the `--unsafe-fixes` option).\n"
     assert f"{VISION}:38:19: GL101 sequence_lengths should be prepared for vision flashinfer_cudnn attention " \
-           f"backend: VisionFlashInferAttention(...) passes neither forward_metadata nor sequence_lengths" in lines
+           f"backend: VisionFlashInferAttention(...) passes neither forward_metadata nor sequence_lengths; no safe " \
+           f"fix: the call runs in Qwen2VisionAttention.forward, which runs once per layer" in "\n".join(lines)
 
 
 def test_clean_run_exits_zero(clean_file):
