@@ -99,6 +99,49 @@ def _argmax(values: Sequence[int]) -> int:
 
 # -- varlen attention -------------------------------------------------------------------------------
 
+def plan_fits(plan: Any, cu_seqlens: Any) -> bool:
+    """Was ``plan`` (prepared metadata, or any object with ``cu_seqlens``) made from this very
+    ``cu_seqlens``: the plan's own tensor, the tensor it was prepared from and unchanged since (the guard
+    cache remembers which; no read), or, for offsets on the host, the same values? ``cu_seqlens=None``
+    fits any plan (the plan supplies it). Never reads a device tensor."""
+    if cu_seqlens is None:
+        return True
+    planned = getattr(plan, "cu_seqlens", None)
+    if cu_seqlens is planned:
+        return True
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cache.made_from(plan, cu_seqlens):
+            return True
+        if cu_seqlens.device.type != "cpu" or cu_seqlens.dim() != 1:
+            return False
+        host = tuple(cu_seqlens.tolist())  # a host tensor: no device read
+    else:
+        try:
+            host = tuple(int(x) for x in cu_seqlens)
+        except (TypeError, ValueError):
+            return False
+    offsets = getattr(plan, "host_cu_seqlens", None)
+    if offsets is None and isinstance(planned, torch.Tensor) and planned.device.type == "cpu":
+        offsets = tuple(planned.tolist())
+    return offsets is not None and tuple(offsets) == host
+
+
+def check_plan_source(function: Optional[str], plan: Any, cu_seqlens: Any, argument: str = "cu_seqlens") -> None:
+    """GL103 unless ``plan_fits(plan, cu_seqlens)``: metadata prepared from other offsets (or from this
+    tensor before an in-place write) must not silently replace the caller's cu_seqlens, nor be ignored.
+    Skipped while torch.compile traces (no identities then); strict mode still compares values."""
+    if plan_fits(plan, cu_seqlens) or is_compiling():
+        return
+    raise GuardError(
+        "GL103", argument=argument, function=function,
+        expected="the cu_seqlens the metadata was prepared from (the same tensor, unchanged, or equal host "
+                 "offsets)",
+        got=f"metadata {describe(plan)} prepared from other offsets than cu_seqlens={describe(cu_seqlens)} "
+            "(or from this tensor before an in-place write)",
+        fix="Prepare the metadata from this cu_seqlens once per batch (prepare_varlen_metadata(cu_seqlens, q)) "
+            "and pass both, or pass only one of them.")
+
+
 def check_varlen(function: Optional[str], *, q: Any, cu_seqlens: Any = None, sequence_lengths: Any = None,
                  max_seqlen: Any = None, metadata: Any = None, layout: str = "tokens") -> None:
     """Validate what a varlen attention call will use. ``metadata`` is a ``VarlenMetadata`` (prepared:

@@ -14,6 +14,7 @@ import torch
 
 from guardlint.contracts import get as get_contract
 from guardlint.guard import GuardError, describe, guard_cudnn_vision, guard_varlen, prepare_varlen_metadata
+from guardlint.guard.validate import plan_fits
 
 from . import _attention_dispatch as dispatch
 from . import _attention_flashinfer as fi
@@ -264,7 +265,9 @@ def _resolve(backend: str, q, k, cu_seqlens, max_seqlen: int, scale: float, caus
 
 def _host_offsets(q: torch.Tensor, cu_seqlens: torch.Tensor, metadata: Any) -> tuple:
     host = getattr(metadata, "host_cu_seqlens", None) if metadata is not None else None
-    if isinstance(host, (tuple, list)):
+    # The plan's offsets only where it was made from these offsets (the guard refuses others with GL103;
+    # with the guard off, cu_seqlens is the truth, as on every other backend).
+    if isinstance(host, (tuple, list)) and plan_fits(metadata, cu_seqlens):
         return tuple(host)
     if cu_seqlens.device.type == "cpu":
         return tuple(cu_seqlens.tolist())
@@ -392,10 +395,38 @@ _SCALE_TYPES = (type(None), float, int)
 dispatch.dependent_caches.append(_calls)
 
 
+# Backends whose output carries an autograd graph; the others (our kernels, FlashInfer) have no backward.
+AUTOGRAD = ("sdpa", "torch-varlen")
+
+
+def _needs_grad(q, k, v) -> Optional[str]:
+    """The first of q/k/v that requires grad while grad mode is on, or None."""
+    if not torch.is_grad_enabled():
+        return None
+    return next((n for n, t in (("q", q), ("k", k), ("v", v)) if getattr(t, "requires_grad", False)), None)
+
+
+def _for_grad(backend: str, grad: Optional[str], function: str) -> str:
+    """``backend``, or for inputs that need a graph: ``auto`` becomes ``sdpa`` and a backend without a
+    backward is refused (GL106), never run into an output that silently leaves the graph."""
+    if grad is None or backend in AUTOGRAD:
+        return backend
+    if backend == "auto":
+        return "sdpa"
+    return GuardError("GL106", argument=grad, function=function,
+                      expected=f"inputs that do not require grad on backend {backend!r} (it has no backward)",
+                      got=f"{grad}.requires_grad=True with grad mode enabled",
+                      fix="For training use backend=\"sdpa\" (or \"auto\", which picks it when grad is needed); "
+                          "for inference call under torch.no_grad() or pass detached tensors.")
+
+
 def _plan_call(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend,
-               eager: bool) -> tuple:
+               eager: bool, grad: Optional[str] = None) -> tuple:
     _check_inputs(function, q, k, v, cu_seqlens)
     _check_call(function, max_seqlen, softmax_scale, causal, backend)
+    backend = _for_grad(backend, grad, function)
+    if isinstance(backend, GuardError):
+        raise backend
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
     if max_seqlen == 0 and q.shape[0] > 0 and cu_seqlens.shape[0] > 1:
         # Offsets from 0 to total_tokens with no sequence longer than 0 cannot cover any token: a kernel
@@ -426,11 +457,15 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             sequences are allowed.
         sequence_lengths, max_seqlen, metadata: derived by the guard when missing; pass
             ``metadata=prepare_varlen_metadata(cu_seqlens, q)`` once per forward to skip all host work.
+            The metadata is used only with the cu_seqlens it was prepared from (the same tensor, unchanged,
+            or equal host offsets); metadata from other offsets is GL103 on every backend.
             Checks and the backend choice are made once per call signature (shapes, dtypes, devices,
             max_seqlen, scale, causal, backend) and remembered, so later layers go straight to the launch.
         softmax_scale: default ``head_dim ** -0.5``.
         causal: mask keys after the query within each sequence.
-        backend: ``"auto"`` (fastest measured), ``"triton"``, ``"gluon"`` (Hopper, D 64/128, non-causal,
+        backend: ``"auto"`` (fastest measured; ``"sdpa"`` when q, k or v requires grad and grad mode is on:
+            only ``"sdpa"`` and ``"torch-varlen"`` have a backward, the others refuse such inputs with
+            GL106 rather than return an output outside the graph), ``"triton"``, ``"gluon"`` (Hopper, D 64/128, non-causal,
             16-bit; other layouts of the same shapes run on Triton), ``"sdpa"``, ``"torch-varlen"``,
             ``"flashinfer"`` (best FlashInfer variant; head dims it cannot run go to ``triton``),
             ``"flashinfer-fa2"``, ``"flashinfer-fa3"``, ``"flashinfer-cudnn"``.
@@ -441,17 +476,19 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     function = "varlen_attention"
     Tensor = torch.Tensor
     signature = None
+    grad = _needs_grad(q, k, v)
     if (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and type(cu_seqlens) is Tensor
             and type(max_seqlen) is int and type(causal) is bool and type(backend) is str
             and type(softmax_scale) in _SCALE_TYPES and not torch.compiler.is_compiling()):
         signature = (backend, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, cu_seqlens.dtype, q.device,
-                     k.device, v.device, cu_seqlens.device, cu_seqlens.shape, max_seqlen, softmax_scale, causal)
+                     k.device, v.device, cu_seqlens.device, cu_seqlens.shape, max_seqlen, softmax_scale, causal,
+                     grad)
         planned = _calls.get(signature)
     else:
         planned = None
     if planned is None:
         planned = _plan_call(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend,
-                             signature is not None)
+                             signature is not None, grad)
         if signature is not None:
             if len(_calls) >= _MAX_CALLS:
                 _calls.clear()
@@ -597,6 +634,11 @@ def cudnn_vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
     if backend is not None and backend not in BACKENDS:
         raise _bad("backend", " / ".join(repr(b) for b in BACKENDS), describe(backend), function)
+    grad = _needs_grad(q, k, v)
+    if grad is not None:
+        backend = _for_grad(backend or "auto", grad, function)
+        if isinstance(backend, GuardError):
+            raise backend
     use_cudnn = (backend in (None, "flashinfer-cudnn") and k.shape[1] == q.shape[1]
                  and _runnable("flashinfer-cudnn", q, k, scale, False))
     if backend == "flashinfer-cudnn" and not use_cudnn:

@@ -199,11 +199,32 @@ def _mla_dims(function: str, name: str, lora_b: Tensor, heads: int, qk_nope_head
         raise _bad(function, name, f"(num_slots, H * (qk_nope_head_dim + v_head_dim) = {rows}, R)", lora_b)
 
 
-def _resolve_backend(function: str, backend: Optional[str], x: Tensor) -> str:
+def _needs_grad(tensors) -> Optional[str]:
+    """The first parameter name whose tensor requires grad while grad mode is on (None: no graph needed)."""
+    if not _grad_enabled():
+        return None
+    return next((name for name, t in tensors if isinstance(t, Tensor) and t.requires_grad), None)
+
+
+def _resolve_backend(function: str, backend: Optional[str], x: Tensor, *inputs: tuple) -> str:
+    """The backend that runs the call; ``inputs`` are (parameter name, value) pairs of the tensors it reads
+    and writes. The Triton kernels have no backward: when one of them requires grad
+    (grad mode on), ``None`` picks the torch reference (differentiable) and ``'triton'`` is refused
+    (GL205) instead of returning an output that silently drops out of the graph."""
+    if backend is not None and backend not in ("triton", "torch"):
+        raise _bad(function, "backend", "'triton', 'torch' or None", backend)
+    if backend != "torch":
+        grad = _needs_grad(inputs)
+        if grad is not None:
+            if backend is None:
+                return "torch"
+            raise GuardError("GL205", argument=grad, function=function,
+                             expected="inputs that do not require grad (the Triton LoRA kernels have no backward)",
+                             got=f"{grad}.requires_grad=True with grad mode enabled",
+                             fix="Use backend='torch' (or None) for training, or call under torch.no_grad() "
+                                 "(or pass detached tensors) for inference.")
     if backend is None:
         return "triton" if (x.is_cuda or _k.INTERPRET) else "torch"
-    if backend not in ("triton", "torch"):
-        raise _bad(function, "backend", "'triton', 'torch' or None", backend)
     if backend == "triton" and not (x.is_cuda or _k.INTERPRET):
         raise GuardError("GL301", argument="x", expected="a CUDA tensor (or TRITON_INTERPRET=1 set before "
                          "import)", got=describe(x), function=function)
@@ -523,7 +544,7 @@ def sgemm_lora_a(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, stack_nu
     """
     fn = "sgemm_lora_a"
     _check_data(fn, "x", x, 2)
-    backend = _resolve_backend(fn, backend, x)
+    backend = _resolve_backend(fn, backend, x, ("x", x), ("weights", weights), ("base_output", base_output))
     _check_weights(fn, "weights", weights, x)
     _check_int(fn, "stack_num", stack_num, 1)
     if weights.shape[2] != x.shape[1] or weights.shape[1] % stack_num:
@@ -562,7 +583,7 @@ def sgemm_lora_b(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, base_out
     """
     fn = "sgemm_lora_b"
     _check_data(fn, "x", x, 2)
-    backend = _resolve_backend(fn, backend, x)
+    backend = _resolve_backend(fn, backend, x, ("x", x), ("weights", weights), ("base_output", base_output))
     _check_weights(fn, "weights", weights, x)
     if weights.shape[2] != x.shape[1]:
         raise _bad(fn, "weights", f"(num_slots, N, R={x.shape[1]}) (R = x.shape[1])", weights)
@@ -631,7 +652,7 @@ def qkv_lora_b(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, output_off
     """
     fn = "qkv_lora_b"
     _check_data(fn, "x", x, 2)
-    backend = _resolve_backend(fn, backend, x)
+    backend = _resolve_backend(fn, backend, x, ("x", x), ("weights", weights), ("base_output", base_output))
     _check_weights(fn, "weights", weights, x)
     R = weights.shape[2]
     if x.shape[1] != 3 * R:
@@ -685,7 +706,7 @@ def step_a_q(q_nope: Tensor, lora_b: Tensor, batch_info: LoRABatchInfo, *, qk_no
     """
     fn = "step_a_q"
     _check_data(fn, "q_nope", q_nope, 3)
-    backend = _resolve_backend(fn, backend, q_nope)
+    backend = _resolve_backend(fn, backend, q_nope, ("q_nope", q_nope), ("lora_b", lora_b))
     _check_weights(fn, "lora_b", lora_b, q_nope)
     S, H, qk = q_nope.shape
     _mla_dims(fn, "lora_b", lora_b, H, qk_nope_head_dim, v_head_dim)
@@ -729,7 +750,7 @@ def step_b_q(lora_q: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, base_out
     """
     fn = "step_b_q"
     _check_data(fn, "lora_q", lora_q, 3)
-    backend = _resolve_backend(fn, backend, lora_q)
+    backend = _resolve_backend(fn, backend, lora_q, ("lora_q", lora_q), ("lora_a", lora_a), ("base_output", base_output))
     _check_weights(fn, "lora_a", lora_a, lora_q)
     S, H, R = lora_q.shape
     if lora_a.shape[1] != R:
@@ -773,7 +794,7 @@ def step_a_v(attn_latent: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, *,
     """
     fn = "step_a_v"
     _check_data(fn, "attn_latent", attn_latent, 3)
-    backend = _resolve_backend(fn, backend, attn_latent)
+    backend = _resolve_backend(fn, backend, attn_latent, ("attn_latent", attn_latent), ("lora_a", lora_a))
     _check_weights(fn, "lora_a", lora_a, attn_latent)
     if lora_a.shape[2] != attn_latent.shape[2]:
         raise _bad(fn, "lora_a", f"(num_slots, R, kv_lora_rank={attn_latent.shape[2]}) (attn_latent.shape[2])",
@@ -817,7 +838,7 @@ def step_b_v(lora_v: Tensor, lora_b: Tensor, batch_info: LoRABatchInfo, base_out
     """
     fn = "step_b_v"
     _check_data(fn, "lora_v", lora_v, 3)
-    backend = _resolve_backend(fn, backend, lora_v)
+    backend = _resolve_backend(fn, backend, lora_v, ("lora_v", lora_v), ("lora_b", lora_b), ("base_output", base_output))
     _check_weights(fn, "lora_b", lora_b, lora_v)
     S, H, R = lora_v.shape
     _mla_dims(fn, "lora_b", lora_b, H, qk_nope_head_dim, v_head_dim)

@@ -157,7 +157,8 @@ def test_varlen_attention_rejects_a_stale_plan():
     other = prepare_varlen_metadata(torch.tensor([0, 5], dtype=torch.int32), q[:5])
     with pytest.raises(GuardError) as err:
         varlen_attention(q, k, v, cu, metadata=other, max_seqlen=12, sequence_lengths=other.sequence_lengths)
-    assert err.value.code == "GL103" and err.value.argument == "metadata"
+    # Prepared from other offsets: the message names both the metadata and the caller's cu_seqlens.
+    assert err.value.code == "GL103" and err.value.argument == "cu_seqlens" and "metadata" in str(err.value)
 
 
 # -- validation: GL106 names the argument, and nothing launches ------------------------------------

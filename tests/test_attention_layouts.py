@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from guardlint.guard import mode
+from guardlint.guard import GuardError, mode, prepare_varlen_metadata
 from guardlint.kernels._attention_torch import reference_varlen_attention
 from guardlint.kernels.attention import cudnn_vision_attention, varlen_attention
 
@@ -99,3 +99,92 @@ def test_cudnn_vision_attention_triton_takes_strided_last_dims(kind):
     q4, k4, v4 = (_layout(t, kind)[None] for t in (q, k, v))
     got = cudnn_vision_attention(q4, k4, v4, cu, 1, T, backend="triton")
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+
+
+# -- metadata from other offsets: one rule on every backend --------------------------------------------
+
+def _batch(T=10):
+    torch.manual_seed(3)
+    return [torch.randn(T, HEADS, DIM) for _ in range(3)]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "triton", "auto"])
+@pytest.mark.parametrize("guard_mode", ["derive", "strict"])
+def test_varlen_attention_metadata_from_other_offsets_is_gl103(backend, guard_mode):
+    q, k, v = _batch()
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    other = prepare_varlen_metadata(torch.tensor([0, 5, 10], dtype=torch.int32), q)  # same token count
+    with mode(guard_mode), pytest.raises(GuardError) as err:
+        varlen_attention(q, k, v, cu, metadata=other, backend=backend)
+    assert err.value.code == "GL103" and "metadata" in str(err.value) and "cu_seqlens" in str(err.value)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_varlen_attention_metadata_from_this_cu_seqlens_is_used(backend):
+    q, k, v = _batch()
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    expected = varlen_attention(q, k, v, cu, backend="sdpa")
+    plan = prepare_varlen_metadata(cu, q)
+    torch.testing.assert_close(varlen_attention(q, k, v, cu, metadata=plan, backend=backend), expected)
+    # A host copy with equal offsets fits too (compared on the host), and so does the plan's own tensor.
+    torch.testing.assert_close(varlen_attention(q, k, v, cu.clone(), metadata=plan, backend=backend), expected)
+    torch.testing.assert_close(varlen_attention(q, k, v, plan.cu_seqlens, metadata=plan, backend=backend),
+                               expected)
+
+
+def test_varlen_attention_metadata_of_a_tensor_written_since_is_gl103():
+    q, k, v = _batch()
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    plan = prepare_varlen_metadata(cu, q)
+    cu[1] = 6  # in place, after planning
+    with pytest.raises(GuardError) as err:
+        varlen_attention(q, k, v, cu, metadata=plan, backend="sdpa")
+    # cu is on the host, so its values decide: they differ from the plan's.
+    assert err.value.code == "GL103"
+
+
+def test_varlen_attention_sdpa_with_the_guard_off_follows_cu_seqlens():
+    q, k, v = _batch()
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    other = prepare_varlen_metadata(torch.tensor([0, 5, 10], dtype=torch.int32), q)
+    with mode("off"):
+        got = varlen_attention(q, k, v, cu, metadata=other, max_seqlen=7, sequence_lengths=cu[1:] - cu[:-1],
+                               backend="sdpa")
+    torch.testing.assert_close(got, varlen_attention(q, k, v, cu, backend="sdpa"))
+
+
+# -- gradients: a graph or a coded error, never a silent detach -------------------------------------------
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("backend", ["triton", "gluon", "flashinfer", "flashinfer-fa2"])
+def test_varlen_attention_backend_without_backward_refuses_grad(which, backend):
+    q, k, v = _batch()
+    tensors = dict(q=q, k=k, v=v)
+    tensors[which] = tensors[which].requires_grad_()
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    with pytest.raises(GuardError) as err:
+        varlen_attention(tensors["q"], tensors["k"], tensors["v"], cu, backend=backend)
+    assert err.value.code == "GL106" and err.value.argument == which and "backward" in str(err.value)
+    with torch.no_grad():  # inference on the same inputs is fine
+        if backend == "triton":
+            assert not varlen_attention(tensors["q"], tensors["k"], tensors["v"], cu, backend=backend).requires_grad
+
+
+def test_varlen_attention_auto_picks_a_backend_with_autograd():
+    q, k, v = _batch()
+    q.requires_grad_()
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    out = varlen_attention(q, k, v, cu, backend="auto")
+    assert out.requires_grad
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_cudnn_vision_attention_refuses_grad_on_triton_and_trains_on_auto():
+    q, k, v = _batch()
+    q.requires_grad_()
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    with pytest.raises(GuardError) as err:
+        cudnn_vision_attention(q, k, v, cu, 1, 10, backend="triton")
+    assert err.value.code == "GL106" and err.value.argument == "q"
+    assert cudnn_vision_attention(q, k, v, cu, 1, 10).requires_grad
