@@ -1,0 +1,60 @@
+"""The catalog's picture of the engines against the pinned releases: a rename in the next release fails here.
+
+Signatures and field orders are read from the engines' sources (``source.py``), never imported.
+"""
+import os
+
+import pytest
+import source
+from fetch import release_dir
+
+from guardlint.contracts import catalog
+
+SGLANG = "sglang-0.5.23"
+OLD_SGLANG = "sglang-0.5.10.post1"
+VISION = catalog.VISION_MODULE
+VLLM_MM_MODULE = catalog.VLLM_MM.rsplit(".", 1)[0]
+
+
+def _own(params):
+    return [p for p in params if p != "self" and not p.startswith("*")]
+
+
+def test_lora_batch_info_fields_match_the_engine():
+    assert source.dataclass_fields(SGLANG, "sglang.srt.lora.utils", "LoRABatchInfo") == list(catalog.LORA_FIELDS)
+
+
+def test_lora_batch_info_older_release_is_a_prefix():
+    old = source.dataclass_fields(OLD_SGLANG, "sglang.srt.lora.utils", "LoRABatchInfo")
+    assert list(catalog.LORA_FIELDS[: len(old)]) == old
+
+
+def test_vision_flashinfer_forward_signature():
+    assert _own(source.parameters(SGLANG, VISION, "VisionFlashInferAttention.forward")) == list(catalog.VISION_PARAMS)
+    old = _own(source.parameters(OLD_SGLANG, VISION, "VisionFlashInferAttention.forward"))
+    assert list(catalog.VISION_PARAMS[: len(old)]) == old
+
+
+def test_vision_attention_forward_signature():
+    assert _own(source.parameters(SGLANG, VISION, "VisionAttention.forward")) == list(catalog.VISION_ATTENTION_PARAMS)
+
+
+def test_backend_table_and_metadata_builders_exist():
+    table = source.definition(SGLANG, VISION, "QKV_BACKEND_IMPL")
+    keys = {k.value: v.id for k, v in zip(table.value.keys, table.value.values)}
+    for key, qual in catalog.REGISTRIES[f"{VISION}.QKV_BACKEND_IMPL"].items():
+        assert keys[key] == qual.rsplit(".", 1)[-1]
+    fields = source.dataclass_fields(SGLANG, VISION, "VisionAttentionMetadata")
+    for builder, sets in catalog.METADATA_BUILDERS.items():
+        source.definition(SGLANG, VISION, builder.rsplit(".", 1)[-1])
+        assert set(sets) <= set(fields)
+    params = source.parameters(SGLANG, VISION, "prepare_flashinfer_cudnn_vision_attention_metadata")
+    assert params == ["cu_seqlens", "device", "elem_per_token"]
+
+
+def test_vllm_mm_encoder_attention_signature():
+    if not release_dir("vllm-0.33.0").is_dir() and not os.environ.get("GUARDLINT_ENGINE_VLLM"):
+        pytest.skip("vLLM 0.33.0 is not fetched (make engines-vllm; GUARDLINT_ENGINE_VLLM=1 makes this an error)")
+    for method in ("forward_native", "forward_cuda"):
+        assert _own(source.parameters("vllm-0.33.0", VLLM_MM_MODULE, f"MMEncoderAttention.{method}")) == \
+            list(catalog.VLLM_MM_PARAMS)
