@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the offline H200 machine: install guardlint, unpack the FlashInfer bundle (.gpu-deps, made by
 # ../shared/gpu/make_flashinfer_bundle.sh), then run the named steps and pack results + logs into $OUT.
-#   bash bench/gpu_run.sh tests lora-tests lora anatomy guard attention-quick attention
+#   bash bench/gpu_run.sh tests engines lora-tests lora anatomy guard attention-quick attention
+# The engines step needs einops in .gpu-deps/wheels and the engine sources it loads carried (.engines/...).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT" /tmp/logs
@@ -20,6 +21,7 @@ for s in "$@"; do
   case $s in
     tests) step tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_gpu.py tests/test_guard_vit.py ;;
     lora) step lora python3 bench/lora.py ;;
+    engines) step engines python3 -m pytest -q -m gpu -p no:cacheprovider tests/engines/test_engines_gpu.py ;;
     lora-tests) step lora-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_lora_gpu.py ;;
     sweep) step sweep python3 bench/lora_sweep.py ;;
     anatomy) step anatomy python3 bench/lora_anatomy.py ;;
