@@ -842,7 +842,8 @@ GL204 = Contract(
         when_it_happens="Reused CUDA-graph buffers with a stale num_segments, adapters unloaded while a "
         "batch still points at their slot, ranks larger than the memory pool's max rank.",
         solutions=(
-            "Rebuild the batch info from the scheduler's batch, or validate with GUARDLINT_MODE=strict.",
+            "Rebuild the batch info from the scheduler's batch.",
+            "Run with GUARDLINT_MODE=strict while debugging to validate every call (one host read per call).",
         ),
     ),
 )
@@ -881,6 +882,26 @@ GL001 = Contract(
     ),
 )
 
+GL002 = Contract(
+    code="GL002",
+    name="guard-misuse",
+    summary="A guard decorator applied to a function or with options it cannot work with",
+    kind="runtime",
+    diagnosis=Diagnosis(
+        message="the guard decorator cannot be applied like this",
+        what_it_means="@guard, @guard_varlen, @guard_cudnn_vision or @guard_lora was given something other "
+        "than a rule code or Contract, an unknown code or option, a rename to a parameter that does not "
+        "exist, or a function that has no parameter to receive the values it would derive. Raised once, "
+        "when the decorator is applied, never per call.",
+        when_it_happens="A typo in a rule code or a rename, a function without the metadata parameters, "
+        "or options such as rank_dim on a kernel without a weights parameter.",
+        solutions=(
+            "Decorate with a known code (@guard(\"GL101\")) and map names to the function's parameters "
+            "(@guard(\"GL101\", cu_seqlens=\"cu\")); give the function the parameters, or **kwargs.",
+        ),
+    ),
+)
+
 GL000 = Contract(
     code="GL000",
     name="parse-error",
@@ -916,7 +937,8 @@ GL301 = Contract(
 )
 
 BUILTIN: tuple[Contract, ...] = (
-    GL000, GL001, GL101, GL102, GL103, GL104, GL105, GL106, GL107, GL108, GL109, GL201, GL202, GL203, GL204, GL205, GL301,
+    GL000, GL001, GL002, GL101, GL102, GL103, GL104, GL105, GL106, GL107, GL108, GL109, GL201, GL202, GL203, GL204,
+    GL205, GL301,
 )
 
 
