@@ -58,7 +58,7 @@ def make_wrapper(fn: Callable, access: dict, names: Sequence[str], hook: Callabl
     sig = inspect.signature(fn)
     for p in sig.parameters.values():
         if p.name.startswith(PREFIX):
-            raise GuardError("GL001", argument=p.name, function=getattr(fn, "__qualname__", None),
+            raise GuardError("GL002", argument=p.name, function=getattr(fn, "__qualname__", None),
                              expected=f"parameter names that do not start with {PREFIX!r}",
                              got=f"a parameter named {p.name!r}", fix="rename the parameter")
     ns: dict = {f"{PREFIX}fn": fn, f"{PREFIX}state": _state, f"{PREFIX}hook": hook}

@@ -26,7 +26,8 @@ def _parse(value: object, source: str) -> int:
 
 
 # Read by every guarded call; 0 (off) is falsy so the pass-through test is a single `if not`.
-current: int = _parse(os.environ.get(ENV_VAR, "derive"), f"environment variable {ENV_VAR}")
+# Set but empty (``GUARDLINT_MODE=``) means the default, as unset does.
+current: int = _parse(os.environ.get(ENV_VAR, "").strip() or "derive", f"environment variable {ENV_VAR}")
 
 
 def set_mode(mode: str) -> str:

@@ -41,18 +41,18 @@ def bind(fn: Callable, names: Iterable[str], rename: dict, *, function: Optional
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError) as exc:
-        raise GuardError("GL001", argument="fn", function=function, expected="a function with a signature",
+        raise GuardError("GL002", argument="fn", function=function, expected="a function with a signature",
                          got=f"{type(fn).__name__} ({exc})") from None
     var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
     names = list(dict.fromkeys(names))
     for key, target in rename.items():
         if key not in names:
-            raise GuardError("GL001", argument=key, function=function,
+            raise GuardError("GL002", argument=key, function=function,
                              expected=f"one of the contract's arguments ({', '.join(names)})",
                              got=f"rename {key}={target!r}",
                              fix="rename maps the contract's argument names to the function's parameter names")
         if not isinstance(target, str) or (target not in sig.parameters and not var_kw):
-            raise GuardError("GL001", argument=key, function=function,
+            raise GuardError("GL002", argument=key, function=function,
                              expected=f"a parameter of {function}{sig}", got=f"rename {key}={target!r}",
                              fix="name an existing parameter, or give the function **kwargs")
     out = {}
@@ -65,7 +65,7 @@ def bind(fn: Callable, names: Iterable[str], rename: dict, *, function: Optional
             out[name] = Param(name, param, True)
     for name in must_accept:
         if not out[name].accepted:
-            raise GuardError("GL001", argument=name, function=function,
+            raise GuardError("GL002", argument=name, function=function,
                              expected=f"a parameter {rename.get(name, name)!r} (or **kwargs) to receive it",
                              got=f"signature {function}{sig}",
                              fix=f"add `{rename.get(name, name)}=None` to the signature, give it **kwargs, or "
@@ -74,9 +74,17 @@ def bind(fn: Callable, names: Iterable[str], rename: dict, *, function: Optional
 
 
 def _resolve(contract: Union[str, Contract, Sequence[Union[str, Contract]]]) -> tuple:
-    items = [contract] if isinstance(contract, (str, Contract)) else list(contract)
+    if isinstance(contract, (str, Contract)):
+        items = [contract]
+    else:
+        try:
+            items = list(contract)
+        except TypeError:
+            raise GuardError("GL002", argument="contract", expected="a rule code, a Contract or a list of them",
+                             got=describe(contract), fix='Decorate with @guard("GL101") or @guard(["GL101", '
+                             '"GL102"]), or with a Contract object.') from None
     if not items:
-        raise GuardError("GL001", argument="contract", expected="a rule code, a Contract or a list of them",
+        raise GuardError("GL002", argument="contract", expected="a rule code, a Contract or a list of them",
                          got="an empty list")
     out = []
     for item in items:
@@ -84,13 +92,13 @@ def _resolve(contract: Union[str, Contract, Sequence[Union[str, Contract]]]) -> 
             try:
                 item = get_contract(item)
             except KeyError as exc:
-                raise GuardError("GL001", argument="contract", expected="a known rule code",
+                raise GuardError("GL002", argument="contract", expected="a known rule code",
                                  got=repr(item), fix=str(exc.args[0])) from None
         if not isinstance(item, Contract):
-            raise GuardError("GL001", argument="contract", expected="a rule code or a Contract",
+            raise GuardError("GL002", argument="contract", expected="a rule code or a Contract",
                              got=describe(item))
         if not item.require:
-            raise GuardError("GL001", argument="contract", expected="a contract with required arguments "
+            raise GuardError("GL002", argument="contract", expected="a contract with required arguments "
                              "(kind 'call')", got=f"{item.code} ({item.kind})")
         out.append(item)
     return tuple(out)
@@ -148,7 +156,7 @@ class _Guard:
             usable = tuple(g for g in c.require if all(self.params[n].accepted for n in g))
             if not usable:
                 wanted = " or ".join("+".join(g) for g in c.require)
-                raise GuardError("GL001", argument=c.require[0][0], function=self.function,
+                raise GuardError("GL002", argument=c.require[0][0], function=self.function,
                                  expected=f"parameters (or **kwargs) for {wanted} ({c.code})",
                                  got=f"signature {self.function}{inspect.signature(fn)}",
                                  fix="add the parameters with default None, give the function **kwargs, "

@@ -47,6 +47,15 @@ def _decorator(build: Callable, fn: Optional[Callable], options: dict):
 
 # -- varlen attention -------------------------------------------------------------------------------
 
+def _no_values(argument: str, value: Any, function: str, code: str) -> GuardError:
+    """A metadata tensor on the meta device: shapes only, nothing to derive from or to run with."""
+    return GuardError(code, argument=argument, function=function,
+                      expected="a tensor with values on the data's device (not on the meta device)",
+                      got=describe(value),
+                      fix="Build the metadata on the device of the data; under a meta-device trace, pass "
+                          "prepared metadata (or sequence_lengths and max_seqlen) instead.")
+
+
 def guard_varlen(fn: Optional[Callable] = None, **rename: str):
     """Guard ``varlen_attention(q, k, v, cu_seqlens, *, sequence_lengths=None, max_seqlen=None,
     metadata=None, ...)``.
@@ -71,9 +80,17 @@ def _build_varlen(fn: Callable, **rename: str) -> Callable:
     names = ("q", "cu_seqlens", "sequence_lengths", "max_seqlen", "metadata")
     p = bind(fn, names, rename, function=function, must_accept=("q", "cu_seqlens", "sequence_lengths", "max_seqlen"))
     nC, nS, nX = p["cu_seqlens"].param, p["sequence_lengths"].param, p["max_seqlen"].param
+    nQ = p["q"].param
     Tensor = torch.Tensor
 
     def hook(mode: int, q: Any, cu: Any, seq: Any, mx: Any, meta: Any) -> tuple:
+        if isinstance(q, Tensor) and q.dim() != 3:
+            raise GuardError("GL106", argument=nQ, function=function,
+                             expected="a 3-D tensor (total_tokens, num_heads, head_dim)", got=describe(q),
+                             fix="Flatten (B, S, H, D) to (B*S, H, D) with q.reshape(-1, H, D) and pass cu_seqlens "
+                                 "for the packed sequences.")
+        if isinstance(cu, Tensor) and cu.device.type == "meta":
+            raise _no_values(nC, cu, function, "GL103")
         if meta is not None and cu is not None and getattr(meta, "cu_seqlens", None) is not None:
             check_plan_source(function, meta, cu, nC)
         if type(meta) is VarlenMetadata:
@@ -281,7 +298,8 @@ def _build_cudnn(fn: Callable, **rename: str) -> Callable:
 # -- segmented LoRA ---------------------------------------------------------------------------------
 
 def guard_lora(fn: Optional[Callable] = None, *, batch_info: str = "batch_info", x: Optional[str] = None,
-               weights: Optional[str] = "weights", rank_dim: Optional[int] = None, rank_stack: int = 1):
+               weights: Optional[str] = "weights", rank_dim: Optional[int] = None, rank_stack: int = 1,
+               reads: tuple = ("seg_lens", "max_len")):
     """Guard a segmented LoRA kernel ``kernel(x, weights, batch_info, ...)``.
 
     ``batch_info`` is duck-typed (fields ``use_cuda_graph, bs, num_segments, seg_indptr, weight_indices,
@@ -298,9 +316,17 @@ def guard_lora(fn: Optional[Callable] = None, *, batch_info: str = "batch_info",
     divided by ``rank_stack`` for stacked projections (3 for a fused qkv shrink): strict mode then checks
     ``lora_ranks`` of the used slots against it. Strict mode also checks seg_indptr, weight_indices (in
     ``[0, weights.shape[0])``), seg_lens and max_len over the live segments (GL204).
+
+    ``reads`` names the fields the kernel reads of ``seg_lens`` and ``max_len``: only those are derived.
+    A kernel that sizes its grid from the token count (the bundled ones: ``reads=("seg_lens",)``) gets
+    ``seg_lens`` (a device op, no read) and no ``max_len``, so the guard adds no host read and works
+    under CUDA graph capture.
     """
+    if not isinstance(reads, (tuple, list)) or not set(reads) <= {"seg_lens", "max_len"}:
+        raise GuardError("GL002", argument="reads", function=None, expected='a tuple of "seg_lens" and/or "max_len"',
+                         got=repr(reads))
     return _decorator(_build_lora, fn, dict(batch_info=batch_info, x=x, weights=weights, rank_dim=rank_dim,
-                                            rank_stack=rank_stack))
+                                            rank_stack=rank_stack, reads=tuple(reads)))
 
 
 def _info_copy(info: Any, **changes: Any) -> Any:
@@ -374,12 +400,12 @@ copies = _Copies()
 
 
 def _build_lora(fn: Callable, *, batch_info: str, x: Optional[str], weights: Optional[str],
-                rank_dim: Optional[int], rank_stack: int) -> Callable:
+                rank_dim: Optional[int], rank_stack: int, reads: tuple = ("seg_lens", "max_len")) -> Callable:
     function = qualified_name(fn)
     first = next(iter(inspect.signature(fn).parameters), None)
     x = x or first
     if x is None:
-        raise GuardError("GL001", argument="x", function=function, expected="a kernel taking x first",
+        raise GuardError("GL002", argument="x", function=function, expected="a kernel taking x first",
                          got="a function without parameters")
     rename = {"batch_info": batch_info, "x": x}
     if weights is not None:
@@ -389,10 +415,10 @@ def _build_lora(fn: Callable, *, batch_info: str, x: Optional[str], weights: Opt
     has_weights = weights is not None and p["weights"].accepted and (
         p["weights"].param in inspect.signature(fn).parameters)
     if rank_dim is not None and (type(rank_dim) is not int or not has_weights):
-        raise GuardError("GL001", argument="rank_dim", function=function,
+        raise GuardError("GL002", argument="rank_dim", function=function,
                          expected="an int dimension of the kernel's weights parameter", got=repr(rank_dim))
     if type(rank_stack) is not int or rank_stack < 1:
-        raise GuardError("GL001", argument="rank_stack", function=function, expected="an int >= 1",
+        raise GuardError("GL002", argument="rank_stack", function=function, expected="an int >= 1",
                          got=repr(rank_stack))
     nB = p["batch_info"].param
     context = Context(function, GL201.code, prefix=nB + ".")
@@ -408,6 +434,8 @@ def _build_lora(fn: Callable, *, batch_info: str, x: Optional[str], weights: Opt
             tokens_exist = getattr(x_value, "shape", (0,))[0] > 0
             if tokens_exist and isinstance(seg_indptr, torch.Tensor):
                 check_index_tensor(seg_indptr, nB + ".seg_indptr", function, code="GL204")
+                if seg_indptr.device.type == "meta":
+                    raise _no_values(nB + ".seg_indptr", seg_indptr, function, "GL204")
                 host = read_host(seg_indptr, nB + ".seg_indptr", function)
                 live = num_segments if type(num_segments) is int and 0 <= num_segments < len(host) else -1
                 tokens_exist = host[live] > 0
@@ -426,9 +454,11 @@ def _build_lora(fn: Callable, *, batch_info: str, x: Optional[str], weights: Opt
                 raise GuardError("GL204", argument=nB + ".seg_indptr", function=function,
                                  expected="an integer tensor of segment offsets", got=describe(seg_indptr))
             check_index_tensor(seg_indptr, nB + ".seg_indptr", function, code="GL204")
+            if seg_indptr.device.type == "meta":
+                raise _no_values(nB + ".seg_indptr", seg_indptr, function, "GL204")
             values = {"seg_indptr": seg_indptr, "num_segments": num_segments}
-            steps = [(MAX_LEN_DERIVATION, derive_max_len)]
-            if sl is None:
+            steps = [(MAX_LEN_DERIVATION, derive_max_len)] if "max_len" in reads else []
+            if sl is None and ("seg_lens" in reads or not steps):
                 steps.insert(0, (SEG_LENS_DERIVATION, derive_seg_lens))
             for d, impl in steps:
                 before = _state.counters.host_reads
@@ -443,20 +473,30 @@ def _build_lora(fn: Callable, *, batch_info: str, x: Optional[str], weights: Opt
 
     def check(info: Any, x_value: Any, w_value: Any) -> None:
         tokens = getattr(x_value, "shape", None)
+        if tokens is not None and len(tokens) < 2:
+            tokens = None  # not (S, K): the kernel's own check names x (GL205); no token count to compare with
         max_rank = None
         if rank_dim is not None and w_value is not None:
             max_rank = int(w_value.shape[rank_dim]) // rank_stack
         check_lora(function, seg_indptr=info.seg_indptr, num_segments=info.num_segments,
                    weight_indices=info.weight_indices, lora_ranks=getattr(info, "lora_ranks", None),
                    seg_lens=info.seg_lens, max_len=info.max_len,
-                   tokens=int(tokens[0]) if tokens is not None and len(tokens) else None,
-                   num_slots=int(w_value.shape[0]) if getattr(w_value, "shape", None) is not None else None,
-                   max_rank=max_rank, prefix=nB + ".")
+                   tokens=int(tokens[0]) if tokens is not None else None,
+                   num_slots=int(w_value.shape[0]) if getattr(w_value, "shape", None) is not None and len(
+                       w_value.shape) else None,
+                   max_rank=max_rank, permutation=getattr(info, "permutation", None), prefix=nB + ".")
 
     def hook(mode: int, x_value: Any, w_value: Any, info: Any) -> tuple:
         if info is None:
             raise GuardError(GL201.code, argument=nB, function=function, expected="a LoRA batch info object",
                              got="None")
+        missing = [f for f in ("num_segments", "seg_indptr", "max_len", "seg_lens") if not hasattr(info, f)]
+        if missing:
+            raise GuardError("GL204", argument=nB, function=function,
+                             expected="a LoRA batch info object (fields num_segments, seg_indptr, weight_indices, "
+                                      "lora_ranks, scalings, max_len, seg_lens, permutation)",
+                             got=f"{describe(info)} without {', '.join(missing)}",
+                             fix="Build a LoRABatchInfo (keywords only) instead of a dict or another object.")
         ml = info.max_len
         if ml is not None and (type(ml) is not int or ml > 0):
             new = info  # max_len given: nothing to derive
@@ -471,7 +511,8 @@ def _build_lora(fn: Callable, *, batch_info: str, x: Optional[str], weights: Opt
                     _state.note_cached(MAX_LEN_DERIVATION.name)
             else:
                 if mode == _state.STRICT:
-                    prefetch(info.seg_indptr, info.weight_indices, getattr(info, "lora_ranks", None), info.seg_lens)
+                    prefetch(info.seg_indptr, info.weight_indices, getattr(info, "lora_ranks", None), info.seg_lens,
+                             getattr(info, "permutation", None))
                 snapshot = _snapshot(info) if memo else None
                 new = complete(info, x_value, mode)
                 if new is not info and memo:
@@ -480,8 +521,8 @@ def _build_lora(fn: Callable, *, batch_info: str, x: Optional[str], weights: Opt
             check(new, x_value, w_value if has_weights else None)
         return x_value, w_value, new
 
-    fast = "{batch_info} is not None and ((_guardlint_ml := {batch_info}.max_len).__class__ is int and " \
-           "_guardlint_ml > 0)"
+    fast = "{batch_info} is not None and ((_guardlint_ml := getattr({batch_info}, 'max_len', None)).__class__ " \
+           "is int and _guardlint_ml > 0)"
     wrapper = make_wrapper(fn, accesses(fn, p), ("x", "weights", "batch_info"), hook, fast=fast)
     wrapper.__guardlint__ = ("lora", p)
     return wrapper

@@ -17,9 +17,11 @@ from . import metadata as _metadata
 from .metadata import VarlenMetadata, check_index_tensor, host_sequence, is_compiling, token_offsets
 
 
-def read_together(tensors: Sequence[torch.Tensor]) -> Optional[list]:
+def read_together(tensors: Sequence[torch.Tensor], names: Sequence[str] = (),
+                  lora: bool = False) -> Optional[list]:
     """Host tuples of ``tensors`` (all on one device) with one read for the uncached ones; None when a
-    read is not allowed now (CUDA graph capture, compile tracing): the value checks are then skipped."""
+    read is not allowed now (CUDA graph capture, compile tracing): the value checks are then skipped.
+    ``names`` name them in errors (a tensor on the meta device: GL103, or GL204 with ``lora``)."""
     if is_compiling():
         return None
     out: list = [MISS] * len(tensors)
@@ -31,6 +33,11 @@ def read_together(tensors: Sequence[torch.Tensor]) -> Optional[list]:
     if not todo:
         return out
     first = tensors[todo[0]]
+    for i in todo:
+        if tensors[i].device.type == "meta":
+            # No values to check (and reading would be NotImplementedError): a kernel would get none either.
+            raise GuardError("GL204" if lora else "GL103", argument=names[i] if names else "metadata",
+                             expected="a tensor with values (not on the meta device)", got=describe(tensors[i]))
     if _metadata.capturing(first.device):
         return None
     flat = torch.cat([tensors[i].reshape(-1).to(torch.int64) for i in todo]) if len(todo) > 1 \
@@ -50,7 +57,7 @@ def read_together(tensors: Sequence[torch.Tensor]) -> Optional[list]:
 def prefetch(*values: Any) -> None:
     """Strict mode, before deriving: read all of a call's integer metadata tensors in one go, so that
     the derivation and the checks after it find their host copies cached (one read per call)."""
-    tensors = [v for v in values if isinstance(v, torch.Tensor) and not (
+    tensors = [v for v in values if isinstance(v, torch.Tensor) and v.device.type != "meta" and not (
         v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool)]
     if len(tensors) > 1:
         device = tensors[0].device
@@ -201,7 +208,7 @@ def check_varlen(function: Optional[str], *, q: Any, cu_seqlens: Any = None, seq
         host_cu = host_sequence(cu_seqlens, "cu_seqlens", function)
     else:
         host_cu = None
-    hosts = read_together(pending) if pending else []
+    hosts = read_together(pending, names) if pending else []
     if hosts is None:
         _skipped()
         return
@@ -255,19 +262,37 @@ def check_varlen(function: Optional[str], *, q: Any, cu_seqlens: Any = None, seq
                              got=f"a different length at index {bad}")
     if max_seqlen is not None and lengths and max_seqlen < max(lengths):
         raise GuardError("GL103", argument="max_seqlen", function=function,
-                         expected="at least the longest sequence", got=f"max_seqlen={max_seqlen}, shorter "
-                         f"than sequence {_argmax(lengths)}",
-                         detail="A short max_seqlen makes the kernel skip the tail of longer sequences.")
+                         expected="at least the longest sequence of cu_seqlens",
+                         got=f"max_seqlen={max_seqlen}, shorter than sequence {_argmax(lengths)} of cu_seqlens",
+                         detail="A short max_seqlen makes the kernel skip the tail of longer sequences.",
+                         fix="Pass the true longest length (int((cu_seqlens[1:] - cu_seqlens[:-1]).max()), once "
+                             "per batch), or omit max_seqlen and let the guard derive it.")
 
 
 # -- segmented LoRA ---------------------------------------------------------------------------------
 
+def permutation_error(values: Sequence[int]) -> Optional[str]:
+    """What is wrong with host ``values`` as a permutation of ``range(len(values))`` (positions, never
+    values), or None."""
+    n = len(values)
+    seen = bytearray(n)
+    for i, p in enumerate(values):
+        if not 0 <= p < n:
+            return f"an out-of-range entry at position {i}"
+        if seen[p]:
+            return f"a repeated entry at position {i} (so another token is never written)"
+        seen[p] = 1
+    return None
+
+
 def check_lora(function: Optional[str], *, seg_indptr: Any, num_segments: Any = None, weight_indices: Any = None,
                lora_ranks: Any = None, seg_lens: Any = None, max_len: Any = None, tokens: Optional[int] = None,
-               num_slots: Optional[int] = None, max_rank: Optional[int] = None,
+               num_slots: Optional[int] = None, max_rank: Optional[int] = None, permutation: Any = None,
                prefix: str = "batch_info.") -> None:
     """Validate LoRA batch info over its live segments (entries past ``num_segments`` are CUDA-graph
-    padding and ignored). Raises GuardError GL204 (inconsistent) or GL203 (max_len == 0 with tokens)."""
+    padding and ignored): prefix sums, slots, ranks (0 <= rank <= ``max_rank``), seg_lens, max_len and
+    ``permutation`` (a permutation of ``range(tokens)``), all in one host read. Raises GuardError GL204
+    (inconsistent) or GL203 (max_len == 0 with tokens)."""
     _state.counters.checks += 1
     if seg_indptr is None:
         return
@@ -294,11 +319,19 @@ def check_lora(function: Optional[str], *, seg_indptr: Any, num_segments: Any = 
                              got=describe(value))
         pending.append(value)
         names.append(name)
-    if lora_ranks is not None and max_rank is not None and weight_indices is not None:
+    if lora_ranks is not None and weight_indices is not None:
         _int_tensor(lora_ranks, prefix + "lora_ranks", function, "GL204", device)
         pending.append(lora_ranks)
         names.append("lora_ranks")
-    hosts = read_together(pending)
+    if permutation is not None:
+        _int_tensor(permutation, prefix + "permutation", function, "GL204", device)
+        if permutation.dim() != 1 or (tokens is not None and permutation.numel() != tokens):
+            raise GuardError("GL204", argument=prefix + "permutation", function=function,
+                             expected=f"a 1-D tensor of {tokens} entries (one per token of x)",
+                             got=describe(permutation))
+        pending.append(permutation)
+        names.append("permutation")
+    hosts = read_together(pending, [prefix + n for n in names], lora=True)
     if hosts is None:
         _skipped()
         return
@@ -333,10 +366,18 @@ def check_lora(function: Optional[str], *, seg_indptr: Any, num_segments: Any = 
                     raise GuardError("GL204", argument=prefix + "weight_indices", function=function,
                                      expected=f"slots in [0, {len(ranks)}) (lora_ranks.shape[0])",
                                      got=f"an out-of-range slot at segment {i}")
-                if ranks[w] > max_rank:
+                if ranks[w] < 0 or (max_rank is not None and ranks[w] > max_rank):
+                    bound = f"in [0, {max_rank}] (the stored rank)" if max_rank is not None else ">= 0"
                     raise GuardError("GL204", argument=prefix + "lora_ranks", function=function,
-                                     expected=f"ranks <= the stored rank {max_rank}",
-                                     got=f"a larger rank for the adapter of segment {i}")
+                                     expected=f"ranks {bound}",
+                                     got=f"a {'negative' if ranks[w] < 0 else 'larger'} rank for the adapter of "
+                                         f"segment {i}")
+    if "permutation" in got:
+        bad = permutation_error(got["permutation"])
+        if bad is not None:
+            raise GuardError("GL204", argument=prefix + "permutation", function=function,
+                             expected=f"a permutation of range({len(got['permutation'])}) (each token once)",
+                             got=bad)
     if "seg_lens" in got:
         bad = _first_difference(got["seg_lens"][:num_segments], lengths)
         if bad is not None:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from guardlint.guard import GuardError, describe, guard_lora
+from guardlint.guard.validate import permutation_error
 
 from . import _lora_kernels as _k
 
@@ -174,7 +175,20 @@ def _check_batch_fields(function: str, x: Tensor, batch_info, num_slots: int) ->
         if permutation.shape[0] != x.shape[0]:
             raise _bad(function, "batch_info.permutation", f"{x.shape[0]} entries (one per token of x)",
                        permutation)
+        if permutation.device.type == "cpu":
+            # Host values cost no device read: checked in every mode. On a GPU only strict mode reads them
+            # (the kernels skip out-of-range entries, never reading or writing through them).
+            _check_permutation_values(function, permutation.tolist())
     return _Batch(seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len)
+
+
+def _check_permutation_values(function: str, values: Sequence[int]) -> None:
+    bad = permutation_error(values)
+    if bad is not None:
+        raise GuardError("GL204", argument="batch_info.permutation", function=function,
+                         expected=f"a permutation of range({len(values)}) (each token of x once)", got=bad,
+                         fix="Build permutation as the argsort of the tokens' segment order (torch.argsort of "
+                             "the per-token adapter index, stable), one entry per token of x.")
 
 
 def _check_weights(function: str, name: str, w, x: Tensor) -> None:
@@ -245,14 +259,28 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _live_segments(batch_info, num_slots: int, max_rank: int):
-    """(rows, slot, rank, scaling) per non-empty live segment; slot None for an out-of-range slot/rank."""
+def _live_segments(batch_info, num_slots: int, max_rank: int, tokens: Optional[int] = None,
+                   function: str = "lora reference"):
+    """(rows, slot, rank, scaling) per non-empty live segment; slot None for an out-of-range slot/rank.
+
+    With ``tokens`` (x's row count) given, offsets past it and a ``permutation`` that is not one of
+    ``range(tokens)`` are GL204 (they would index rows out of bounds, or leave rows unwritten)."""
     n = batch_info.num_segments
     indptr = batch_info.seg_indptr[: n + 1].tolist()
     slots = batch_info.weight_indices[:n].tolist()
     ranks = batch_info.lora_ranks.tolist()
     scalings = batch_info.scalings.tolist()
     permutation = getattr(batch_info, "permutation", None)
+    if tokens is not None:
+        bad = next((i for i, v in enumerate(indptr) if not 0 <= v <= tokens), None)
+        if bad is not None:
+            raise GuardError("GL204", argument="batch_info.seg_indptr", function=function,
+                             expected=f"offsets in [0, {tokens}] (x's token count) over the live segments",
+                             got=f"an out-of-range offset at index {bad}",
+                             fix="Rebuild seg_indptr for this batch (prefix sums of the segment lengths, ending at "
+                                 "x.shape[0]), or keep num_segments to the live segments.")
+        if permutation is not None:
+            _check_permutation_values(function, permutation.tolist())
     for g in range(n):
         start, stop = indptr[g], indptr[g + 1]
         if stop <= start:
@@ -275,7 +303,7 @@ def sgemm_lora_a_reference(x: Tensor, weights: Tensor, batch_info, stack_num: in
     R = weights.shape[1] // stack_num
     out = torch.zeros((S, stack_num * R), dtype=x.dtype, device=x.device)
     ct = _compute_dtype(x.dtype)
-    for rows, slot, r, _ in _live_segments(batch_info, weights.shape[0], R):
+    for rows, slot, r, _ in _live_segments(batch_info, weights.shape[0], R, x.shape[0], "sgemm_lora_a"):
         if slot is None:
             out[rows] = math.nan
             continue
@@ -296,7 +324,8 @@ def sgemm_lora_b_reference(x: Tensor, weights: Tensor, batch_info, base_output: 
     once); returns out."""
     out = base_output if base_output is not None else x.new_zeros((x.shape[0], weights.shape[1]))
     ct = _compute_dtype(x.dtype)
-    for rows, slot, r, scaling in _live_segments(batch_info, weights.shape[0], weights.shape[2]):
+    for rows, slot, r, scaling in _live_segments(batch_info, weights.shape[0], weights.shape[2], x.shape[0],
+                                                 "sgemm_lora_b"):
         if slot is None:
             out[rows] = math.nan
         elif r > 0:
@@ -312,7 +341,7 @@ def qkv_lora_b_reference(x: Tensor, weights: Tensor, batch_info, output_offset,
     R = weights.shape[2]
     out = base_output if base_output is not None else x.new_zeros((x.shape[0], weights.shape[1]))
     ct = _compute_dtype(x.dtype)
-    for rows, slot, r, scaling in _live_segments(batch_info, weights.shape[0], R):
+    for rows, slot, r, scaling in _live_segments(batch_info, weights.shape[0], R, x.shape[0], "qkv_lora_b"):
         if slot is None:
             out[rows] = math.nan
             continue
@@ -336,7 +365,7 @@ def step_a_q_reference(q_nope: Tensor, lora_b: Tensor, batch_info, *, qk_nope_he
     R = lora_b.shape[2]
     out = q_nope.new_zeros((S, H, R))
     ct = _compute_dtype(q_nope.dtype)
-    for rows, slot, r, _ in _live_segments(batch_info, lora_b.shape[0], R):
+    for rows, slot, r, _ in _live_segments(batch_info, lora_b.shape[0], R, q_nope.shape[0], "step_a_q"):
         if slot is None:
             out[rows] = math.nan
             continue
@@ -350,7 +379,7 @@ def step_b_q_reference(lora_q: Tensor, lora_a: Tensor, batch_info, base_output: 
     S, H, R = lora_q.shape
     out = base_output if base_output is not None else lora_q.new_zeros((S, H, lora_a.shape[2]))
     ct = _compute_dtype(lora_q.dtype)
-    for rows, slot, r, scaling in _live_segments(batch_info, lora_a.shape[0], R):
+    for rows, slot, r, scaling in _live_segments(batch_info, lora_a.shape[0], R, lora_q.shape[0], "step_b_q"):
         if slot is None:
             out[rows] = math.nan
         elif r > 0:
@@ -366,7 +395,7 @@ def step_a_v_reference(attn_latent: Tensor, lora_a: Tensor, batch_info) -> Tenso
     R = lora_a.shape[1]
     out = attn_latent.new_zeros((S, H, R))
     ct = _compute_dtype(attn_latent.dtype)
-    for rows, slot, r, _ in _live_segments(batch_info, lora_a.shape[0], R):
+    for rows, slot, r, _ in _live_segments(batch_info, lora_a.shape[0], R, attn_latent.shape[0], "step_a_v"):
         if slot is None:
             out[rows] = math.nan
             continue
@@ -382,7 +411,7 @@ def step_b_v_reference(lora_v: Tensor, lora_b: Tensor, batch_info, base_output: 
     S, H, R = lora_v.shape
     out = base_output if base_output is not None else lora_v.new_zeros((S, H, v_head_dim))
     ct = _compute_dtype(lora_v.dtype)
-    for rows, slot, r, scaling in _live_segments(batch_info, lora_b.shape[0], R):
+    for rows, slot, r, scaling in _live_segments(batch_info, lora_b.shape[0], R, lora_v.shape[0], "step_b_v"):
         if slot is None:
             out[rows] = math.nan
         elif r > 0:
@@ -514,7 +543,7 @@ def _check_int(function: str, name: str, value, lo: int, hi: Optional[int] = Non
 # Public functions.
 
 
-@guard_lora(rank_dim=1)
+@guard_lora(reads=("seg_lens",), rank_dim=1)
 def sgemm_lora_a(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, stack_num: int = 1, *,
                  backend: Optional[str] = None) -> Tensor:
     """``sgemm_lora_a(x, weights, batch_info, stack_num=1, *, backend=None) -> (S, stack_num * R)``
@@ -544,7 +573,7 @@ def sgemm_lora_a(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, stack_nu
     """
     fn = "sgemm_lora_a"
     _check_data(fn, "x", x, 2)
-    backend = _resolve_backend(fn, backend, x, ("x", x), ("weights", weights), ("base_output", base_output))
+    backend = _resolve_backend(fn, backend, x, ("x", x), ("weights", weights))
     _check_weights(fn, "weights", weights, x)
     _check_int(fn, "stack_num", stack_num, 1)
     if weights.shape[2] != x.shape[1] or weights.shape[1] % stack_num:
@@ -556,7 +585,7 @@ def sgemm_lora_a(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, stack_nu
     return _launch(_sgemm_lora_a_op, _sgemm_lora_a_launch, None, x, weights, *_op_batch(batch), stack_num)
 
 
-@guard_lora(rank_dim=2)
+@guard_lora(reads=("seg_lens",), rank_dim=2)
 def sgemm_lora_b(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, base_output: Optional[Tensor] = None, *,
                  backend: Optional[str] = None) -> Tensor:
     """``sgemm_lora_b(x, weights, batch_info, base_output=None, *, backend=None) -> (S, N)``
@@ -583,7 +612,7 @@ def sgemm_lora_b(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, base_out
     """
     fn = "sgemm_lora_b"
     _check_data(fn, "x", x, 2)
-    backend = _resolve_backend(fn, backend, x, ("x", x), ("weights", weights), ("base_output", base_output))
+    backend = _resolve_backend(fn, backend, x, ("x", x), ("weights", weights))
     _check_weights(fn, "weights", weights, x)
     if weights.shape[2] != x.shape[1]:
         raise _bad(fn, "weights", f"(num_slots, N, R={x.shape[1]}) (R = x.shape[1])", weights)
@@ -621,7 +650,7 @@ def _slice_starts(fn: str, output_offset, n_total: int, x: Tensor):
     return starts, None
 
 
-@guard_lora(rank_dim=2)
+@guard_lora(reads=("seg_lens",), rank_dim=2)
 def qkv_lora_b(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, output_offset: Union[Sequence[int], Tensor],
                base_output: Optional[Tensor] = None, *, backend: Optional[str] = None) -> Tensor:
     """``qkv_lora_b(x, weights, batch_info, output_offset, base_output=None, *, backend=None) -> (S, N_q + 2 N_kv)``
@@ -677,7 +706,7 @@ def qkv_lora_b(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, output_off
     return out
 
 
-@guard_lora(weights="lora_b", rank_dim=2)
+@guard_lora(reads=("seg_lens",), weights="lora_b", rank_dim=2)
 def step_a_q(q_nope: Tensor, lora_b: Tensor, batch_info: LoRABatchInfo, *, qk_nope_head_dim: int, v_head_dim: int,
              backend: Optional[str] = None) -> Tensor:
     """``step_a_q(q_nope, lora_b, batch_info, *, qk_nope_head_dim, v_head_dim, backend=None) -> (S, H, R)``
@@ -723,7 +752,7 @@ def step_a_q(q_nope: Tensor, lora_b: Tensor, batch_info: LoRABatchInfo, *, qk_no
     return _launch(_step_a_op, _step_a_launch, None, q_nope, lora_b, w_strides, R, *_op_batch(batch))
 
 
-@guard_lora(weights="lora_a", rank_dim=1)
+@guard_lora(reads=("seg_lens",), weights="lora_a", rank_dim=1)
 def step_b_q(lora_q: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, base_output: Optional[Tensor] = None, *,
              backend: Optional[str] = None) -> Tensor:
     """``step_b_q(lora_q, lora_a, batch_info, base_output=None, *, backend=None) -> (S, H, kv_lora_rank)``
@@ -750,7 +779,8 @@ def step_b_q(lora_q: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, base_out
     """
     fn = "step_b_q"
     _check_data(fn, "lora_q", lora_q, 3)
-    backend = _resolve_backend(fn, backend, lora_q, ("lora_q", lora_q), ("lora_a", lora_a), ("base_output", base_output))
+    backend = _resolve_backend(fn, backend, lora_q, ("lora_q", lora_q), ("lora_a", lora_a),
+                               ("base_output", base_output))
     _check_weights(fn, "lora_a", lora_a, lora_q)
     S, H, R = lora_q.shape
     if lora_a.shape[1] != R:
@@ -770,7 +800,7 @@ def step_b_q(lora_q: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, base_out
     return out
 
 
-@guard_lora(weights="lora_a", rank_dim=1)
+@guard_lora(reads=("seg_lens",), weights="lora_a", rank_dim=1)
 def step_a_v(attn_latent: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, *,
              backend: Optional[str] = None) -> Tensor:
     """``step_a_v(attn_latent, lora_a, batch_info, *, backend=None) -> (S, H, R)``
@@ -808,7 +838,7 @@ def step_a_v(attn_latent: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, *,
     return _launch(_step_a_op, _step_a_launch, None, attn_latent, lora_a, [a0, 0, a1, a2], R, *_op_batch(batch))
 
 
-@guard_lora(weights="lora_b", rank_dim=2)
+@guard_lora(reads=("seg_lens",), weights="lora_b", rank_dim=2)
 def step_b_v(lora_v: Tensor, lora_b: Tensor, batch_info: LoRABatchInfo, base_output: Optional[Tensor] = None, *,
              qk_nope_head_dim: int, v_head_dim: int, backend: Optional[str] = None) -> Tensor:
     """``step_b_v(lora_v, lora_b, batch_info, base_output=None, *, qk_nope_head_dim, v_head_dim, backend=None)
@@ -838,7 +868,8 @@ def step_b_v(lora_v: Tensor, lora_b: Tensor, batch_info: LoRABatchInfo, base_out
     """
     fn = "step_b_v"
     _check_data(fn, "lora_v", lora_v, 3)
-    backend = _resolve_backend(fn, backend, lora_v, ("lora_v", lora_v), ("lora_b", lora_b), ("base_output", base_output))
+    backend = _resolve_backend(fn, backend, lora_v, ("lora_v", lora_v), ("lora_b", lora_b),
+                               ("base_output", base_output))
     _check_weights(fn, "lora_b", lora_b, lora_v)
     S, H, R = lora_v.shape
     _mla_dims(fn, "lora_b", lora_b, H, qk_nope_head_dim, v_head_dim)

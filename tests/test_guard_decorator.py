@@ -199,10 +199,10 @@ def test_guard_user_contract_with_template_derivation():
     lambda: guard([])(vision_attention),
     lambda: guard([object()])(vision_attention),
 ])
-def test_guard_decoration_errors_are_gl001(build):
+def test_guard_decoration_errors_are_gl002(build):
     with pytest.raises(GuardError) as info:
         build()
-    assert info.value.code == "GL001"
+    assert info.value.code == "GL002"
 
 
 def test_on_derive_reports_fresh_derivations_only():

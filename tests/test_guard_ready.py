@@ -375,7 +375,7 @@ def test_guard_lora_strict_rejects(changes, lengths, argument):
 def test_guard_lora_options_are_checked_at_decoration():
     with pytest.raises(GuardError) as info:
         guard_lora(lambda x, batch_info: None, rank_dim=1)
-    assert info.value.code == "GL001"
+    assert info.value.code == "GL002"
     with pytest.raises(GuardError):
         guard_lora(lambda x, w: None)  # no batch_info parameter
     with pytest.raises(GuardError):
