@@ -465,8 +465,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         causal: mask keys after the query within each sequence.
         backend: ``"auto"`` (fastest measured; ``"sdpa"`` when q, k or v requires grad and grad mode is on:
             only ``"sdpa"`` and ``"torch-varlen"`` have a backward, the others refuse such inputs with
-            GL106 rather than return an output outside the graph), ``"triton"``, ``"gluon"`` (Hopper, D 64/128, non-causal,
-            16-bit; other layouts of the same shapes run on Triton), ``"sdpa"``, ``"torch-varlen"``,
+            GL106 rather than return an output outside the graph), ``"triton"``, ``"gluon"`` (Hopper,
+            D 64/128, non-causal, 16-bit; other layouts of the same shapes run on Triton), ``"sdpa"``,
+            ``"torch-varlen"``,
             ``"flashinfer"`` (best FlashInfer variant; head dims it cannot run go to ``triton``),
             ``"flashinfer-fa2"``, ``"flashinfer-fa3"``, ``"flashinfer-cudnn"``.
 
