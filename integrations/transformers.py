@@ -33,8 +33,8 @@ def register(name: str = DEFAULT_NAME, *, backend: str = "auto") -> str:
     Then ``from_pretrained(..., attn_implementation=name)`` or ``model.set_attn_implementation(name)``
     runs every attention layer of the model through this module. ``name`` must contain "flash" (that is how
     transformers' vision towers decide to pass packed ``cu_seq_lens`` instead of looping over images).
-    ``backend`` is handed to ``varlen_attention`` for inference; calls that need gradients take ``"sdpa"``
-    when it is ``"auto"`` (every op in it has a backward).
+    ``backend`` is handed to ``varlen_attention``: ``"auto"`` also serves training (inputs that need gradients
+    get a backend with a backward); an explicit backend without one raises a coded ``GuardError``.
     """
     if not isinstance(name, str) or "flash" not in name or "/" in name or ":" in name:
         raise GuardError("GL106", argument="name", function="register", got=describe(name),
@@ -151,9 +151,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise _refuse("sliding_window", f"None or >= the {k_len} keys (the mask carries windows)",
                       repr(sliding_window), "No sliding-window mask reached the attention.")
     backend = _registered.get(module.config._attn_implementation if hasattr(module, "config") else None, "auto")
-    if backend == "auto" and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
-                                                            or value.requires_grad):
-        backend = "sdpa"
 
     cu_q = kwargs.get("cu_seq_lens_q")
     if mask is None and cu_q is not None:
