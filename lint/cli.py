@@ -86,8 +86,11 @@ def main() -> None:
 @click.option("--unsafe-fixes", is_flag=True, help="Also apply (and mark with [*]) the unsafe fixes.")
 @click.option("--respect-gitignore/--no-respect-gitignore", default=None,
               help="Skip files git ignores when walking folders (default: on; named files are always checked).")
+@click.option("-j", "--jobs", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+              help="Check files in N processes; 0: one per CPU when there is enough work to pay for them. "
+                   "The output is the same whatever N is.")
 def check(paths, select, ignore, fmt, statistics, exit_zero, strict, config, exclude, stdin_filename,
-          fix, diff, unsafe_fixes, respect_gitignore) -> None:
+          fix, diff, unsafe_fixes, respect_gitignore, jobs) -> None:
     """Check PATHS (files, folders, or - for stdin); the default command."""
     from .commands import run_check
 
@@ -95,10 +98,53 @@ def check(paths, select, ignore, fmt, statistics, exit_zero, strict, config, exc
     if "-" in paths:
         with click.open_file("-", "rb") as f:
             stdin = f.read()
-    _emit(run_check(paths, select=select, ignore=ignore, exclude=exclude, fmt=fmt, statistics=statistics,
-                    exit_zero=exit_zero, strict=strict, config=config, stdin=stdin,
-                    stdin_filename=stdin_filename, fix=fix, diff=diff, unsafe_fixes=unsafe_fixes,
-                    respect_gitignore=respect_gitignore))
+    progress = Progress() if _is_terminal(click.get_text_stream("stderr")) else None
+    try:
+        outcome = run_check(paths, select=select, ignore=ignore, exclude=exclude, fmt=fmt,
+                            statistics=statistics, exit_zero=exit_zero, strict=strict, config=config,
+                            stdin=stdin, stdin_filename=stdin_filename, fix=fix, diff=diff,
+                            unsafe_fixes=unsafe_fixes, respect_gitignore=respect_gitignore,
+                            jobs=jobs or None, progress=progress)
+    finally:
+        if progress is not None:
+            progress.clear()
+    _emit(outcome)
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+class Progress:
+    """``checked 120/1216 files`` on one rewritten stderr line, for runs that last: nothing during the
+    first half second, then at most ten updates a second; cleared before the results are printed."""
+
+    DELAY_S = 0.5
+    INTERVAL_S = 0.1
+
+    def __init__(self):
+        import time
+
+        self._clock = time.monotonic
+        self._start = self._clock()
+        self._last = 0.0
+        self._shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self._clock()
+        if now - self._start < self.DELAY_S or (now - self._last < self.INTERVAL_S and done < total):
+            return
+        self._last = now
+        self._shown = True
+        click.echo(f"\rguardlint: checked {done}/{total} files", nl=False, err=True)
+
+    def clear(self) -> None:
+        if self._shown:
+            click.echo("\r\033[K", nl=False, err=True)
+            self._shown = False
 
 
 @main.command()

@@ -8,13 +8,13 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 from guardlint.contracts import ConfigError, all_contracts
 
 from . import explain as _explain, output
 from .config import Settings, UsageError, load_settings
-from .fixer import encoding_of, unified_diff
+from .fixer import unified_diff
 from .runner import lint_paths, rules_for, with_options
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
@@ -23,7 +23,7 @@ EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 @dataclass(frozen=True)
 class Outcome:
     exit_code: int
-    stdout: str = ""
+    stdout: Union[str, bytes] = ""  # bytes: written as they are (``--fix -`` keeps the input's encoding)
     stderr: str = ""
 
 
@@ -37,9 +37,13 @@ def run_check(paths: Sequence[str], *, select: Sequence[str] = (), ignore: Seque
               exit_zero: bool = False, strict: bool = False, config: Optional[str] = None,
               stdin: Optional[bytes] = None, stdin_filename: Optional[str] = None,
               cwd: Optional[Path] = None, jobs: Optional[int] = None, fix: bool = False, diff: bool = False,
-              unsafe_fixes: bool = False, respect_gitignore: Optional[bool] = None) -> Outcome:
+              unsafe_fixes: bool = False, respect_gitignore: Optional[bool] = None,
+              progress: Optional[Callable[[int, int], None]] = None) -> Outcome:
     """``guardlint check``. With ``fix`` the fixes are written and what remains is reported; with
-    ``diff`` they are printed as a unified diff and nothing is written."""
+    ``diff`` they are printed as a unified diff and nothing is written.
+
+    A named path that does not exist is reported (exit 2 at the end) and every other one is still
+    linted; a named path that is not checked (excluded, not Python) is reported as skipped."""
     if fix and diff:
         return Outcome(EXIT_USAGE, stderr="guardlint: error: --fix and --diff cannot be used together "
                                           "(--diff shows the fixes without writing them; --fix writes them)\n")
@@ -51,17 +55,19 @@ def run_check(paths: Sequence[str], *, select: Sequence[str] = (), ignore: Seque
             settings = dataclasses.replace(settings, respect_gitignore=respect_gitignore)
         report = lint_paths(paths, settings, strict=strict, stdin=stdin, stdin_filename=stdin_filename,
                             jobs=jobs, fix="apply" if fix else "diff" if diff else None,
-                            unsafe_fixes=unsafe_fixes)
+                            unsafe_fixes=unsafe_fixes, progress=progress)
     except (ConfigError, UsageError) as e:
         return Outcome(EXIT_USAGE, stderr=f"guardlint: error: {e}\n")
-    if report.files == 0:  # e.g. every file named was excluded: nothing to say
-        return Outcome(EXIT_CLEAN)
+    notes = "".join(f"guardlint: skipped {path}: {why}\n" for path, why in report.skipped)
+    notes += "".join(f"guardlint: error: {path}: no such file or directory\n" for path in report.missing)
     findings = report.findings
     failed = bool(findings) or (diff and report.fixed > 0)
     code = EXIT_FINDINGS if failed and not exit_zero else EXIT_CLEAN
+    if report.missing:
+        code = EXIT_USAGE
     if diff:
         out = "".join(unified_diff(c.path, c.before, c.after) for c in report.changes if c.changed)
-        return Outcome(code, out, _diff_summary(report.fixed, findings, unsafe_fixes) + "\n")
+        return Outcome(code, out, notes + _diff_summary(report.fixed, findings, unsafe_fixes) + "\n")
     if fmt == "json":
         out = (json.dumps(output.statistics(findings, unsafe_fixes), indent=2) + "\n") if statistics \
             else output.as_json(findings)
@@ -73,12 +79,17 @@ def run_check(paths: Sequence[str], *, select: Sequence[str] = (), ignore: Seque
         out = output.statistics_text(findings, unsafe_fixes)
     else:
         out = output.text(findings, unsafe_fixes)
-    err = output.summary(findings, unsafe_fixes, report.fixed) + "\n" if fmt == "text" else ""
+    if fmt != "text" or report.files == 0:  # nothing checked: "All checks passed" would be a lie
+        err = ""
+    else:
+        err = output.summary(findings, unsafe_fixes, report.fixed) + "\n"
+    err = notes + err
     fixed_stdin = [c for c in report.changes if c.stdin] if fix else []
     if fix and "-" in paths:
-        # As ruff does: the fixed source goes to stdout, the findings to stderr.
+        # As ruff does: the fixed source goes to stdout, the findings to stderr. The bytes as they
+        # are: a latin-1 file stays latin-1 and a BOM stays, whatever stdout's encoding is.
         source = next((c.after for c in fixed_stdin), stdin or b"")
-        return Outcome(code, source.decode(encoding_of(source), "surrogateescape"), out + err)
+        return Outcome(code, source, out + err)
     return Outcome(code, out, err)
 
 

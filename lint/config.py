@@ -102,15 +102,20 @@ class PathMatcher:
     def matches(self, rel: str, is_dir: bool = False) -> bool:
         """True when ``rel`` or one of its parent directories matches (a .gitignore'd directory hides
         everything below it)."""
+        return self.first_match(rel, is_dir) is not None
+
+    def first_match(self, rel: str, is_dir: bool = False) -> Optional[str]:
+        """The first pattern that matches ``rel`` or one of its parent directories, as written."""
         if not self.globs:
-            return False
+            return None
         parts = rel.split("/")
         for i in range(1, len(parts) + 1):
             sub = "/".join(parts[:i])
             d = is_dir or i < len(parts)
-            if any(g.matches(sub, d) for g in self.globs):
-                return True
-        return False
+            for g in self.globs:
+                if g.matches(sub, d):
+                    return g.pattern
+        return None
 
 
 def relative_to_root(path: Path, root: Path) -> str:

@@ -111,9 +111,11 @@ def test_no_python_files_means_no_run(repo, tmp_path):
 
 
 def test_an_empty_file_list_exits_zero_quietly(tmp_path):
+    # A file named but excluded is said to be skipped (never "All checks passed"), and exits 0.
     (tmp_path / "gen_pb2.py").write_text(BAD)
     out = run_check([str(tmp_path / "gen_pb2.py")], exclude=["*_pb2.py"])
-    assert (out.exit_code, out.stdout, out.stderr) == (0, "", "")
+    assert (out.exit_code, out.stdout) == (0, "")
+    assert out.stderr == f"guardlint: skipped {tmp_path / 'gen_pb2.py'}: excluded by the pattern '*_pb2.py'\n"
     empty = tmp_path / "empty"
     empty.mkdir()
     out = run_check([str(empty)])
