@@ -98,7 +98,9 @@ def check(paths, select, ignore, fmt, statistics, exit_zero, strict, config, exc
     if "-" in paths:
         with click.open_file("-", "rb") as f:
             stdin = f.read()
-    progress = Progress() if _is_terminal(click.get_text_stream("stderr")) else None
+    import sys
+
+    progress = Progress() if _is_terminal(sys.stderr) else None
     try:
         outcome = run_check(paths, select=select, ignore=ignore, exclude=exclude, fmt=fmt,
                             statistics=statistics, exit_zero=exit_zero, strict=strict, config=config,

@@ -151,9 +151,16 @@ def fix_source(data: bytes, findings: list[Finding], recheck: Callable[[bytes], 
 def write_atomic(path: str, data: bytes) -> None:
     """Replace the file at ``path`` (through a symlink: its target) by ``data`` in one step: a
     temporary file in the same folder, the original's mode bits (and owner, where allowed), then
-    ``os.replace``, so a reader sees the old file or the new one, never half of it."""
+    ``os.replace``, so a reader sees the old file or the new one, never half of it.
+
+    A file with other hard links keeps its inode, so that every name sees the fix: the full new
+    content is written and synced to the temporary file first, then copied over the original in
+    place (``_write_in_place``)."""
     target = os.path.realpath(path)
     st = os.stat(target)
+    if st.st_nlink > 1:
+        _write_in_place(target, data)
+        return
     folder = os.path.dirname(target) or "."
     fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(target) + ".", suffix=".tmp")
     try:
@@ -174,6 +181,48 @@ def write_atomic(path: str, data: bytes) -> None:
         except OSError:
             pass
         raise
+
+
+def _write_in_place(target: str, data: bytes) -> None:
+    """Overwrite ``target`` through its own inode. The new content is first written whole to a
+    temporary file beside it (a full disk fails there, before the original is touched); the
+    original is then truncated and rewritten from memory. Should that rewrite fail, the old
+    content is put back, and the temporary copy of the new one is kept and named in the error."""
+    with open(target, "rb") as f:
+        before = f.read()
+    folder = os.path.dirname(target) or "."
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(target) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        _unlink(tmp)
+        raise
+    try:
+        with open(target, "r+b") as f:
+            try:
+                f.write(data)
+                f.truncate()
+                f.flush()
+                os.fsync(f.fileno())
+            except BaseException:
+                f.seek(0)
+                f.write(before)
+                f.truncate()
+                f.flush()
+                raise
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror or e}; the fixed text is kept in {tmp}") from None
+    _unlink(tmp)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def unified_diff(path: str, before: bytes, after: bytes) -> str:

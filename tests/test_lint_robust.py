@@ -4,6 +4,7 @@ mistakes, bad globs, large files, --jobs and progress."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,64 @@ def test_invalid_exclude_pattern_on_the_command_line(tmp_path):
     (tmp_path / "m.py").write_text(BAD_LORA)
     r = invoke(str(tmp_path / "m.py"), "--exclude", "gen\\")
     assert r.exit_code == 2 and "--exclude" in r.stderr and "'gen\\\\'" in r.stderr
+
+
+# -- hard links survive a fix -----------------------------------------------------------------------
+def test_fix_writes_through_every_hard_link(tmp_path):
+    src = tmp_path / "model.py"
+    src.write_text(BAD_LORA)
+    other = tmp_path / "alias.py"
+    os.link(src, other)
+    inode = src.stat().st_ino
+    r = invoke("--fix", "--unsafe-fixes", "--select", "GL201", str(src))
+    assert r.exit_code == 0, r.output
+    assert "seg_lens=p[1:] - p[:-1]" in src.read_text()
+    assert other.read_text() == src.read_text() and src.stat().st_ino == inode
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["alias.py", "model.py"]  # no temporary left
+
+
+def test_fix_of_a_single_link_file_is_still_atomic(tmp_path):
+    src = tmp_path / "model.py"
+    src.write_text(BAD_LORA)
+    inode = src.stat().st_ino
+    assert invoke("--fix", "--unsafe-fixes", "--select", "GL201", str(src)).exit_code == 0
+    # os.replace of a temporary file: a new inode, so a reader never saw half a file.
+    assert src.stat().st_ino != inode and "seg_lens=" in src.read_text()
+
+
+def test_in_place_write_that_fails_keeps_the_old_content(tmp_path, monkeypatch):
+    from guardlint.lint import fixer
+
+    src = tmp_path / "model.py"
+    src.write_text(BAD_LORA)
+    os.link(src, tmp_path / "alias.py")
+    real_open = open
+
+    class Failing:
+        def __init__(self, f):
+            self.f, self.writes = f, 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return self.f.__exit__(*a)
+
+        def write(self, b):
+            self.writes += 1
+            if self.writes == 1:
+                self.f.write(b[: len(b) // 2])
+                raise OSError(28, "No space left on device")
+            return self.f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def fake_open(path, mode="r", *a, **k):
+        f = real_open(path, mode, *a, **k)
+        return Failing(f) if mode == "r+b" else f
+
+    monkeypatch.setattr(fixer, "open", fake_open, raising=False)
+    with pytest.raises(OSError, match="the fixed text is kept in"):
+        fixer.write_atomic(str(src), b"x = 1\n")
+    assert src.read_text() == BAD_LORA == (tmp_path / "alias.py").read_text()
