@@ -27,6 +27,12 @@ def _str_list(value: Any, key: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _builtin_codes() -> frozenset:
+    from .catalog import BUILTIN
+
+    return frozenset(c.code for c in BUILTIN)
+
+
 def contract_from_config(raw: Mapping[str, Any], index: int = 0) -> Contract:
     where = f"tool.guardlint.contracts[{index}]"
     if not isinstance(raw, Mapping):
@@ -53,9 +59,18 @@ def contract_from_config(raw: Mapping[str, Any], index: int = 0) -> Contract:
         if isinstance(g, str):
             g = [g]
         groups.append(_str_list(g, f"{where}.require[{i}]"))
+    if params:
+        for i, g in enumerate(groups):
+            for name in g:
+                if name.split(".", 1)[0] not in params:
+                    raise ConfigError(f"{where}.require[{i}]: {name!r} is not one of params "
+                                      f"{list(params)} of contract {call!r}; add it to params or fix the name")
     code = raw.get("code", "GL001")
     if not isinstance(code, str) or not _CODE.match(code):
         raise ConfigError(f"{where}.code: expected a code like 'GL001', got {code!r}")
+    if code != "GL001" and code in _builtin_codes():
+        raise ConfigError(f"{where}.code: {code!r} is a built-in rule code (contract {call!r}); expected "
+                          f"GL001 or a code no built-in rule uses, like 'GL900'")
     kind = raw.get("kind", "function")
     if kind not in ("function", "class", "instance"):
         raise ConfigError(f"{where}.kind: expected 'function', 'class' or 'instance', got {kind!r}")

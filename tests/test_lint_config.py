@@ -140,3 +140,39 @@ def test_per_file_ignores_take_codes_and_prefixes(tmp_path):
 def test_settings_selection_prefixes():
     s = Settings(root=Path("."), select=("GL1", "GL201"), ignore=("GL10",))
     assert s.selected("GL201") and s.selected("GL110") and not s.selected("GL101") and not s.selected("GL202")
+
+
+# -- user contracts: require must name params; built-in codes are taken ----------------------------------
+def test_user_contract_require_outside_params_is_a_config_error(tmp_path):
+    _project(tmp_path, "[[tool.guardlint.contracts]]\ncall = 'mylib.ops.fwd'\nparams = ['x', 'max_len']\n"
+                       "require = [['max_seqlen']]\n")
+    (tmp_path / "use.py").write_text("from mylib.ops import fwd\nfwd(1)\n")
+    r = CliRunner().invoke(main, [str(tmp_path / "use.py")])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    for words in ("contracts[0].require[0]", "'max_seqlen'", "['x', 'max_len']", "'mylib.ops.fwd'"):
+        assert words in r.stderr
+
+
+def test_user_contract_require_may_name_a_field_of_a_param(tmp_path):
+    _project(tmp_path, "[[tool.guardlint.contracts]]\ncall = 'mylib.ops.fwd'\nparams = ['x', 'meta']\n"
+                       "require = [['meta.max_len']]\n")
+    (tmp_path / "use.py").write_text("x = 1\n")
+    assert CliRunner().invoke(main, [str(tmp_path / "use.py")]).exit_code == 0
+
+
+@pytest.mark.parametrize("code", ["GL000", "GL101", "GL201", "GL104"])
+def test_user_contract_cannot_take_a_built_in_code(tmp_path, code):
+    _project(tmp_path, f"[[tool.guardlint.contracts]]\ncall = 'mylib.ops.fwd'\nparams = ['x', 'max_len']\n"
+                       f"require = [['max_len']]\ncode = '{code}'\n")
+    (tmp_path / "use.py").write_text("from mylib.ops import fwd\nfwd(1)\n")
+    r = CliRunner().invoke(main, [str(tmp_path / "use.py")])
+    assert r.exit_code == 2 and "contracts[0].code" in r.stderr and repr(code) in r.stderr
+    assert "built-in" in r.stderr
+
+
+def test_user_contract_with_its_own_code(tmp_path):
+    _project(tmp_path, "[[tool.guardlint.contracts]]\ncall = 'mylib.ops.fwd'\nparams = ['x', 'max_len']\n"
+                       "require = [['max_len']]\ncode = 'GL901'\n")
+    (tmp_path / "use.py").write_text("from mylib.ops import fwd\nfwd(1)\n")
+    r = CliRunner().invoke(main, [str(tmp_path / "use.py")])
+    assert r.exit_code == 1 and "GL901" in r.stdout
