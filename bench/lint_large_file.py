@@ -1,0 +1,96 @@
+"""Linter cost on one large file: time and peak memory of ``guardlint check`` against the call count.
+
+Generates a module of N small functions, each calling ``cudnn_vision_attention`` without the metadata
+it needs (two findings a call), and runs the CLI on it in a fresh process per size. The cost must
+grow linearly with N. Prints a table; ``--write`` also writes bench/results/lint_large_file.json.
+Usage: .venv/bin/python bench/lint_large_file.py [--calls 1000,2000,4000,28000] [--write]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+HEADER = '''"""A generated module with many varlen attention calls."""
+from guardlint.kernels import cudnn_vision_attention
+
+
+'''
+
+FUNCTION = '''def layer_{i}(q, k, v, cu_seqlens, bsz, seq_len):  # layer {i} of the vision tower
+    out = cudnn_vision_attention(q, k, v, cu_seqlens, bsz, seq_len)
+    return out * scale_{m}
+
+
+'''
+
+
+def large_source(calls: int) -> str:
+    """A module with ``calls`` target calls (about 180 bytes a call: 28k calls are ~5 MB)."""
+    return HEADER + "".join(FUNCTION.format(i=i, m=i % 7) for i in range(calls))
+
+
+def run_check(path: Path, extra: tuple[str, ...] = ()) -> dict:
+    """``guardlint check path`` in a fresh process: wall time, exit code, findings, the child's peak RSS."""
+    code = ("import resource, sys, time\n"
+            "from guardlint.lint.cli import main\n"
+            "t = time.perf_counter()\n"
+            "try:\n"
+            "    main(sys.argv[1:], standalone_mode=False)\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "sys.stderr.write('\\nBENCH %.3f %d\\n' % (time.perf_counter() - t,"
+            " resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))\n")
+    cmd = [sys.executable, "-c", code, "check", "--format", "json", "--jobs", "1", *extra, str(path)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=path.parent)
+    wall = time.perf_counter() - t0
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("BENCH ")]
+    if not line:
+        raise SystemExit(f"the check failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    _, seconds, rss_kb = line[-1].split()
+    findings = json.loads(proc.stdout) if proc.stdout.strip() else []
+    return {"wall_s": round(wall, 3), "check_s": float(seconds), "peak_rss_mb": round(int(rss_kb) / 1024, 1),
+            "findings": len(findings)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", default="1000,2000,4000,28000", help="comma list of call counts")
+    ap.add_argument("--write", action="store_true", help="write bench/results/lint_large_file.json")
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.calls.split(",") if s.strip()]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in sizes:
+            path = Path(tmp) / f"large_{n}.py"
+            path.write_text(large_source(n))
+            r = run_check(path)
+            r.update(calls=n, mb=round(path.stat().st_size / 1e6, 2))
+            rows.append(r)
+            print(f"  {n} calls done: {r['check_s']:.2f} s", file=sys.stderr)
+    print(f"{'calls':>7} {'MB':>6} {'check s':>8} {'us/call':>8} {'peak RSS MB':>12} {'findings':>9}")
+    for r in rows:
+        print(f"{r['calls']:>7} {r['mb']:>6} {r['check_s']:>8.2f} {1e6 * r['check_s'] / r['calls']:>8.0f} "
+              f"{r['peak_rss_mb']:>12} {r['findings']:>9}")
+    if args.write:
+        out = HERE / "results" / "lint_large_file.json"
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(json.dumps({"python": platform.python_version(), "cpus": os.cpu_count(),
+                                   "rows": rows}, indent=2) + "\n")
+        print(f"wrote {out.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
