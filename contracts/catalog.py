@@ -657,7 +657,7 @@ GL201 = Contract(
     name="missing-max-len-and-seg-lens",
     summary="LoRABatchInfo built with neither max_len nor seg_lens",
     kind="call",
-    targets=(Target(ENGINE_LORA_INFO, "class"), Target(OUR_LORA_INFO, "class")),
+    targets=(Target(ENGINE_LORA_INFO, "class"), Target(OUR_LORA_INFO, "class", params=LORA_FIELDS[:10])),
     params=LORA_FIELDS,
     require=(("max_len",), ("seg_lens",)),
     derivations=(SEG_LENS, MAX_LEN, MAX_LIVE_LEN),

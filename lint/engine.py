@@ -496,11 +496,12 @@ class Checker:
                 continue
             guarded = ref.guarded or self.resolver.inside_guarded(func)
             first = len(out)
+            qual = self.rules.canonical.get(ref.qual, ref.qual)  # per-target data is keyed by the target's name
             for contract in contracts:
-                self._check(contract, node, scope, seq, label, guarded, out, ref.qual)
+                self._check(contract, node, scope, seq, label, guarded, out, qual)
             for r in out[first:]:
                 r.indent = indent
-                r.qual = ref.qual
+                r.qual = qual
                 r.per_layer = self.c.per_layer.get(id(node), "")
         return out
 
@@ -911,7 +912,7 @@ class _Fixer:
         elif r.how == "replace":
             plan = fixes.plan_replace(r.contract, r.node, can_import)
         else:
-            plan = fixes.plan_positional(r.contract, r.node, r.label)
+            plan = fixes.plan_positional(r.contract, r.node, r.label, r.qual)
         if plan is None:
             return None, ""
         if isinstance(plan, fixes.NoFix):

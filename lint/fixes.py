@@ -400,11 +400,12 @@ def plan_replace(contract: Contract, call: cst.Call, can_import: ImportCheck) ->
     return _derive_into(contract, call, keywords, missing_in, source_of, can_import)
 
 
-def plan_positional(contract: Contract, call: cst.Call, label: str) -> Outcome:
-    """Fix for a ``positional`` contract: name every positional argument by ``params``."""
-    if contract.fix_safety == "none" or not contract.params:
+def plan_positional(contract: Contract, call: cst.Call, label: str, qual: str = "") -> Outcome:
+    """Fix for a ``positional`` contract: name every positional argument by the parameters of the
+    resolved target ``qual`` (targets may differ: ours has fewer fields than the engine's)."""
+    params: Sequence[str] = contract.params_for(qual) if qual else contract.params
+    if contract.fix_safety == "none" or not params:
         return None
-    params: Sequence[str] = contract.params
     if any(a.star for a in call.args):
         return NoFix("it passes *args or **kwargs, so the positions are unknown")
     positional = [a for a in call.args if a.keyword is None]

@@ -36,6 +36,9 @@ class RuleSet:
     # or what one of the pattern rules needs.
     needles: tuple[bytes, ...] = ()
     pattern_specs: tuple[PatternSpec, ...] = ()
+    # Other names of a target (``guardlint.kernels.X`` for ``guardlint.kernels.<submodule>.X``) -> the
+    # target's own qualname, which per-target data (derivations, params) is keyed by.
+    canonical: dict[str, str] = field(default_factory=dict)
 
     @property
     def codes(self) -> tuple[str, ...]:
@@ -106,6 +109,7 @@ def build_rules(extra: Iterable[Contract] = (), *, builtin: Optional[Iterable[Co
     replace: list[Contract] = []
     patterns: list[Contract] = []
     specs = []
+    canonical: dict[str, str] = {}
     for c in contracts:
         if c.kind in CALL_KINDS:
             for t in c.targets:
@@ -113,6 +117,8 @@ def build_rules(extra: Iterable[Contract] = (), *, builtin: Optional[Iterable[Co
                 for name in (t.qualname, *aliases(t.qualname)):
                     if c not in index.setdefault(name, []):
                         index[name].append(c)
+                    if name != t.qualname:
+                        canonical.setdefault(name, t.qualname)
                 needles[t.short_name.encode()] = None
             if c.satisfied_by_later_assignment and c.kind == "call":
                 replace.append(c)
@@ -134,4 +140,5 @@ def build_rules(extra: Iterable[Contract] = (), *, builtin: Optional[Iterable[Co
         patterns=tuple(patterns),
         needles=tuple(needles),
         pattern_specs=tuple(specs),
+        canonical=canonical,
     )

@@ -130,6 +130,18 @@ def test_gl101_fix_adds_or_replaces_forward_metadata(args, expected):
     assert not [f for f in findings(out) if f.code in ("GL101", "GL102")]
 
 
+@pytest.mark.parametrize("imports", [
+    "from guardlint.kernels.attention import cudnn_vision_attention\n",
+    "import guardlint.kernels.attention as ka\n",
+])
+def test_gl101_fix_when_the_kernel_is_imported_from_its_submodule(imports):
+    """The fix is chosen by the target, whichever of its names the call uses."""
+    callee = "ka.cudnn_vision_attention" if " as ka" in imports else "cudnn_vision_attention"
+    out = fix(f"{imports}out = {callee}(q, k, v, cu, 1, 8)\n")
+    assert out == f"{imports}{IMPORT}out = {callee}(q, k, v, cu, 1, 8, {PREPARED})\n"
+    assert not [f for f in findings(out) if f.code in ("GL101", "GL102")]
+
+
 @pytest.mark.parametrize("args, why", [
     ("q, k, v, make_cu(), 1, 8", "cu_seqlens is `make_cu()`, a call: evaluating it twice may differ"),
     ("q, k, v, cu[i.item()], 1, 8", "cu_seqlens is `cu[i.item()]`, a subscript with a computed index"),
@@ -179,14 +191,35 @@ def test_gl202_names_positional_arguments_in_field_order():
     assert out.splitlines()[-1] == "LoRABatchInfo(use_cuda_graph=False, bs=2, num_segments=2, seg_lens=lens)"
 
 
-@pytest.mark.parametrize("args, why", [
-    ("False, 1, 1, p, w, r, s, None, lens, None, extra", "11 positional arguments, but LoRABatchInfo(...) takes 10"),
-    ("False, 1, bs=1, seg_lens=lens", "bs is passed both by position and by keyword"),
-    ("False, *rest, seg_lens=lens", "it passes *args or **kwargs"),
+OUR_LORA = "from guardlint.kernels import LoRABatchInfo\n"
+
+
+@pytest.mark.parametrize("imports, args, why", [
+    (LORA, "False, 1, 1, p, w, r, s, None, lens, None, a, b, c, d, e, f, extra",
+     "17 positional arguments, but LoRABatchInfo(...) takes 16"),
+    # Ours keeps the engine's first ten fields: an eleventh positional has no field to be named after.
+    (OUR_LORA, "False, 1, 1, p, w, r, s, None, lens, None, extra",
+     "11 positional arguments, but LoRABatchInfo(...) takes 10"),
+    (LORA, "False, 1, bs=1, seg_lens=lens", "bs is passed both by position and by keyword"),
+    (LORA, "False, *rest, seg_lens=lens", "it passes *args or **kwargs"),
 ])
-def test_gl202_without_a_fix_says_why(args, why):
-    (f,) = [f for f in findings(LORA + f"LoRABatchInfo({args})\n") if f.code == "GL202"]
+def test_gl202_without_a_fix_says_why(imports, args, why):
+    src = imports + f"LoRABatchInfo({args})\n"
+    (f,) = [f for f in findings(src) if f.code == "GL202"]
     assert f.fix is None and why in f.message
+    assert fix(src) == src
+
+
+def test_gl202_names_fields_by_the_resolved_class():
+    """The engine's LoRABatchInfo (0.5.23) has 16 fields, ours the first ten, also when ours is imported
+    through its submodule."""
+    args = "False, 1, 1, p, w, r, s, None, lens, None, extra"
+    assert fix(LORA + f"LoRABatchInfo({args})\n").splitlines()[-1] == (
+        "LoRABatchInfo(use_cuda_graph=False, bs=1, num_segments=1, seg_indptr=p, weight_indices=w, lora_ranks=r, "
+        "scalings=s, max_len=None, seg_lens=lens, permutation=None, expected_tokens=extra)")
+    sub = "from guardlint.kernels.lora import LoRABatchInfo\n"
+    (f,) = [f for f in findings(sub + f"LoRABatchInfo({args})\n") if f.code == "GL202"]
+    assert f.fix is None and "11 positional arguments, but LoRABatchInfo(...) takes 10" in f.message
 
 
 def test_overlapping_fixes_settle_in_a_second_round():

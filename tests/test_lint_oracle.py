@@ -83,7 +83,8 @@ def _sites():
     def build(draw):
         target = draw(st.sampled_from(sorted(TARGETS)))
         lora = target in ("lora", "lora_alias", "lora_module", "ours_lora")
-        params = LORA_FIELDS if lora else VISION_PARAMS
+        # guardlint's own LoRABatchInfo keeps the engine's first ten fields.
+        params = LORA_FIELDS[:10] if target == "ours_lora" else LORA_FIELDS if lora else VISION_PARAMS
         extras = () if lora else ("sequence_lengths", "max_seqlen")
         n_pos = draw(st.integers(0, len(params)))
         positional = tuple((p, draw(st.sampled_from(["name", "none", "call", "attr", "zero"]) if p == "max_len"
