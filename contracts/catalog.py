@@ -137,18 +137,35 @@ MAX_LIVE_LEN = Derivation(
     note="Over the live num_segments only.",
 )
 
+# A model-level forward (runs once per forward): the fix writes the engine's own helper there. In a
+# block's forward (once per layer) the finding says why there is no fix instead.
 _VISION_ENGINE_BAD = '''\
 import torch.nn as nn
 from sglang.srt.layers.attention.vision import VisionFlashInferAttention
 
 
-class VisionBlock(nn.Module):
+class VisionTower(nn.Module):
     def __init__(self):
         super().__init__()
         self.attn = VisionFlashInferAttention()
 
     def forward(self, q, k, v, cu_seqlens, bsz, seq_len):
         return self.attn(q, k, v, cu_seqlens, bsz, seq_len)  # expect: GL101, GL102
+'''
+
+_VISION_ENGINE_FIXED = '''\
+import torch.nn as nn
+from sglang.srt.layers.attention.vision import VisionFlashInferAttention
+from sglang.srt.layers.attention.vision import prepare_flashinfer_cudnn_vision_attention_metadata
+
+
+class VisionTower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = VisionFlashInferAttention()
+
+    def forward(self, q, k, v, cu_seqlens, bsz, seq_len):
+        return self.attn(q, k, v, cu_seqlens, bsz, seq_len, forward_metadata=prepare_flashinfer_cudnn_vision_attention_metadata(cu_seqlens, q.device, elem_per_token=q.shape[-2] * q.shape[-1]))
 '''
 
 _VISION_OURS_BAD = '''\
@@ -244,10 +261,13 @@ _VISION_DIAG_COMMON = dict(
         VLLM_CUDNN_FIX,
     ),
     fix_safety=(
-        "Unsafe: the fix adds forward_metadata=prepare_varlen_metadata(cu_seqlens, q, layout=\"cudnn\") "
-        "and its import. It is correct for token offsets and for packed element indptrs alike, but it "
-        "adds a runtime dependency on guardlint and one host read per distinct cu_seqlens; hoist it out "
-        "of the layer loop afterwards. Applied with --unsafe-fixes."
+        "Unsafe: for guardlint's cudnn_vision_attention the fix adds forward_metadata=prepare_varlen_metadata("
+        "cu_seqlens, q, layout=\"cudnn\") and its import (correct for token offsets and for packed element "
+        "indptrs alike; one host read per distinct cu_seqlens, cached per tensor version). For the engine's "
+        "VisionFlashInferAttention it adds forward_metadata=prepare_flashinfer_cudnn_vision_attention_metadata("
+        "cu_seqlens, q.device, elem_per_token=H*D), the engine's own helper, and no guardlint import; that "
+        "helper is not cached, so no fix is written into code that runs once per layer (a block's forward): "
+        "the finding says so, and the metadata belongs before the block loop. Applied with --unsafe-fixes."
     ),
 )
 
@@ -285,6 +305,7 @@ GL101 = Contract(
         Example("bad", _VISION_OURS_BAD, runnable=True),
         Example("fixed", _VISION_OURS_FIXED, runnable=True),
         Example("bad", _VISION_ENGINE_BAD),
+        Example("fixed", _VISION_ENGINE_FIXED),
         Example("good", _VISION_GOOD_KWARGS, runnable=True),
         Example("good", _VISION_GOOD_PREPARED),
         Example("good", _VISION_GOOD_LOCAL),

@@ -92,7 +92,9 @@ def test_diagnose_engine_traceback_gets_the_engine_example():
     out = json.loads(invoke(str(SAMPLE), "--format", "json").stdout)
     assert "sglang.srt.layers.attention.vision" in out["example"]["bad"]
     assert "# expect" not in out["example"]["bad"]
-    assert "prepare_varlen_metadata" in out["example"]["fixed"]
+    # ... and its fix is the engine's own helper, with no guardlint import in the engine's file.
+    fixed = out["example"]["fixed"]
+    assert "forward_metadata=prepare_flashinfer_cudnn_vision_attention_metadata(" in fixed and "guardlint" not in fixed
     guard = json.loads(invoke(str(FIXTURES / "guard_gl103_strict.txt"), "--format", "json").stdout)
     assert guard["example"] is None  # GL103 has no code example; none is made up
 

@@ -142,6 +142,37 @@ def test_gl101_fix_when_the_kernel_is_imported_from_its_submodule(imports):
     assert not [f for f in findings(out) if f.code in ("GL101", "GL102")]
 
 
+ENGINE_VISION = "from sglang.srt.layers.attention.vision import VisionFlashInferAttention\n"
+ENGINE_PREPARED = ("forward_metadata=prepare_flashinfer_cudnn_vision_attention_metadata(cu_seqlens, q.device, "
+                   "elem_per_token=q.shape[-2] * q.shape[-1])")
+
+
+@pytest.mark.parametrize("owner, per_layer", [("VisionTower", False), ("VisionBlock", True),
+                                              ("Qwen2VisionAttention", True), ("ViTLayer", True)])
+def test_engine_call_fixed_with_the_engine_helper_once_per_forward_never_per_layer(owner, per_layer):
+    """The engine's helper is not cached: in a forward that runs once per layer it would be a host read in
+    every layer, so there the finding says why there is no fix and what to do instead."""
+    src = (f"{ENGINE_VISION}\n\nclass {owner}:\n    def __init__(self):\n"
+           "        self.attn = VisionFlashInferAttention()\n\n"
+           "    def forward(self, q, k, v, cu_seqlens, bsz, seq_len):\n"
+           "        return self.attn(q, k, v, cu_seqlens, bsz, seq_len)\n")
+    got = [f for f in findings(src) if f.code in ("GL101", "GL102")]
+    assert [f.code for f in got] == ["GL101", "GL102"]
+    if per_layer:
+        assert fix(src) == src
+        for f in got:
+            assert f.fix is None
+            assert f"; no safe fix: the call runs in {owner}.forward, which runs once per layer" in f.message
+            assert "build it once per model forward, before the block loop " \
+                   "(prepare_flashinfer_cudnn_vision_attention_metadata(...))" in f.message
+    else:
+        out = fix(src)
+        assert out == src.replace(ENGINE_VISION, ENGINE_VISION + "from sglang.srt.layers.attention.vision import "
+                                  "prepare_flashinfer_cudnn_vision_attention_metadata\n").replace(
+            "bsz, seq_len)\n", f"bsz, seq_len, {ENGINE_PREPARED})\n")
+        assert "guardlint" not in out and not [f for f in findings(out) if f.code in ("GL101", "GL102")]
+
+
 @pytest.mark.parametrize("args, why", [
     ("q, k, v, make_cu(), 1, 8", "cu_seqlens is `make_cu()`, a call: evaluating it twice may differ"),
     ("q, k, v, cu[i.item()], 1, 8", "cu_seqlens is `cu[i.item()]`, a subscript with a computed index"),
@@ -163,15 +194,29 @@ def test_no_safe_fix_says_why(args, why):
 def test_gl201_fix_from_keyword_and_positional_seg_indptr():
     out = fix(LORA + "a = LoRABatchInfo(bs=1, num_segments=1, seg_indptr=self.indptr)\n"
                      "b = LoRABatchInfo(False, 1, 1, indptr, w, r, s)\n")
-    assert "seg_indptr=self.indptr, seg_lens=self.indptr[1:] - self.indptr[:-1])" in out
+    # seg_lens alone is not enough for the engine's Triton kernels (grid: triton.cdiv(max_len, BLOCK_S)).
+    assert "seg_indptr=self.indptr, seg_lens=self.indptr[1:] - self.indptr[:-1], " \
+           "max_len=int((self.indptr[1:] - self.indptr[:-1]).max()))" in out
     assert "LoRABatchInfo(use_cuda_graph=False, bs=1, num_segments=1, seg_indptr=indptr, weight_indices=w, " \
-           "lora_ranks=r, scalings=s, seg_lens=indptr[1:] - indptr[:-1])" in out
+           "lora_ranks=r, scalings=s, seg_lens=indptr[1:] - indptr[:-1], " \
+           "max_len=int((indptr[1:] - indptr[:-1]).max()))" in out
+
+
+@pytest.mark.parametrize("params, expected", [
+    ("p, seg_lens", "seg_lens=seg_lens, max_len=int(seg_lens.max())"),
+    ("p, max_len", "seg_lens=p[1:] - p[:-1], max_len=max_len"),
+    ("p, seg_lens, max_len", "seg_lens=seg_lens, max_len=max_len"),
+])
+def test_gl201_fix_uses_values_already_in_scope(params, expected):
+    out = fix(LORA + f"def build({params}):\n    return LoRABatchInfo(bs=1, seg_indptr=p)\n")
+    assert out.splitlines()[-1] == f"    return LoRABatchInfo(bs=1, seg_indptr=p, {expected})"
 
 
 def test_gl201_replaces_an_explicit_none_in_place():
     src = LORA + "info = LoRABatchInfo(bs=1, seg_indptr=p, max_len=None, seg_lens=None, permutation=None)\n"
     assert fix(src).splitlines()[-1] == \
-        "info = LoRABatchInfo(bs=1, seg_indptr=p, max_len=None, seg_lens=p[1:] - p[:-1], permutation=None)"
+        "info = LoRABatchInfo(bs=1, seg_indptr=p, max_len=int((p[1:] - p[:-1]).max()), seg_lens=p[1:] - p[:-1], " \
+        "permutation=None)"
 
 
 def test_gl201_dataclasses_replace():
@@ -228,7 +273,7 @@ def test_overlapping_fixes_settle_in_a_second_round():
     assert sorted(f.code for f in findings(src)) == ["GL201", "GL202"]
     assert fix(src).splitlines()[-1] == (
         "info = LoRABatchInfo(use_cuda_graph=False, bs=1, num_segments=1, seg_indptr=p, weight_indices=w, "
-        "lora_ranks=r, scalings=s, max_len=None, seg_lens=p[1:] - p[:-1], permutation=None)")
+        "lora_ranks=r, scalings=s, max_len=int((p[1:] - p[:-1]).max()), seg_lens=p[1:] - p[:-1], permutation=None)")
 
 
 # -- user contracts (GL001) --------------------------------------------------------------------------------
@@ -259,15 +304,18 @@ def test_user_project_fix_through_the_cli(tmp_path):
 
 # -- layout ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("call, expected", [
-    ("LoRABatchInfo(\n    bs=1,\n    seg_indptr=p,\n)\n", "LoRABatchInfo(\n    bs=1,\n    seg_indptr=p,\n    seg_lens=p[1:] - p[:-1],\n)\n"),
-    ("LoRABatchInfo(\n    bs=1,\n    seg_indptr=p\n)\n", "LoRABatchInfo(\n    bs=1,\n    seg_indptr=p,\n    seg_lens=p[1:] - p[:-1]\n)\n"),
+    ("LoRABatchInfo(\n    bs=1,\n    seg_indptr=p,\n)\n",
+     "LoRABatchInfo(\n    bs=1,\n    seg_indptr=p,\n    seg_lens=p[1:] - p[:-1],\n    max_len=int((p[1:] - p[:-1]).max()),\n)\n"),
+    ("LoRABatchInfo(\n    bs=1,\n    seg_indptr=p\n)\n",
+     "LoRABatchInfo(\n    bs=1,\n    seg_indptr=p,\n    seg_lens=p[1:] - p[:-1],\n    max_len=int((p[1:] - p[:-1]).max())\n)\n"),
     ("LoRABatchInfo(  # batch\n    seg_indptr=p,  # prefix sums\n)\n",
-     "LoRABatchInfo(  # batch\n    seg_indptr=p,  # prefix sums\n    seg_lens=p[1:] - p[:-1],\n)\n"),
+     "LoRABatchInfo(  # batch\n    seg_indptr=p,  # prefix sums\n    seg_lens=p[1:] - p[:-1],\n    max_len=int((p[1:] - p[:-1]).max()),\n)\n"),
     ("LoRABatchInfo(bs=1,\n              seg_indptr=p)\n",
-     "LoRABatchInfo(bs=1,\n              seg_indptr=p,\n              seg_lens=p[1:] - p[:-1])\n"),
-    ("LoRABatchInfo(bs=1, seg_indptr=p,)\n", "LoRABatchInfo(bs=1, seg_indptr=p, seg_lens=p[1:] - p[:-1],)\n"),
-    ("(LoRABatchInfo)(seg_indptr=p)\n", "(LoRABatchInfo)(seg_indptr=p, seg_lens=p[1:] - p[:-1])\n"),
-    ("x = (LoRABatchInfo(seg_indptr=p))\n", "x = (LoRABatchInfo(seg_indptr=p, seg_lens=p[1:] - p[:-1]))\n"),
+     "LoRABatchInfo(bs=1,\n              seg_indptr=p,\n              seg_lens=p[1:] - p[:-1],\n"
+     "              max_len=int((p[1:] - p[:-1]).max()))\n"),
+    ("LoRABatchInfo(bs=1, seg_indptr=p,)\n", "LoRABatchInfo(bs=1, seg_indptr=p, seg_lens=p[1:] - p[:-1], max_len=int((p[1:] - p[:-1]).max()),)\n"),
+    ("(LoRABatchInfo)(seg_indptr=p)\n", "(LoRABatchInfo)(seg_indptr=p, seg_lens=p[1:] - p[:-1], max_len=int((p[1:] - p[:-1]).max()))\n"),
+    ("x = (LoRABatchInfo(seg_indptr=p))\n", "x = (LoRABatchInfo(seg_indptr=p, seg_lens=p[1:] - p[:-1], max_len=int((p[1:] - p[:-1]).max())))\n"),
 ])
 def test_fix_keeps_the_layout_of_the_call(call, expected):
     assert fix(LORA + call) == LORA + expected
@@ -275,7 +323,8 @@ def test_fix_keeps_the_layout_of_the_call(call, expected):
 
 def test_fix_inside_indented_blocks_and_tabs():
     src = LORA + "class A:\n\tdef f(self, p):\n\t\treturn LoRABatchInfo(\n\t\t\tbs=1,\n\t\t\tseg_indptr=p,\n\t\t)\n"
-    assert fix(src) == src.replace("seg_indptr=p,\n", "seg_indptr=p,\n\t\t\tseg_lens=p[1:] - p[:-1],\n")
+    assert fix(src) == src.replace("seg_indptr=p,\n", "seg_indptr=p,\n\t\t\tseg_lens=p[1:] - p[:-1],\n"
+                                                    "\t\t\tmax_len=int((p[1:] - p[:-1]).max()),\n")
 
 
 @pytest.mark.parametrize("path", sorted(FIXTURES.glob("*.py.fixed")), ids=lambda p: p.name)
@@ -382,14 +431,16 @@ def test_diff_prints_and_writes_nothing(project):
     before = {p.name: p.read_bytes() for p in project.iterdir()}
     r = invoke("--diff", "--unsafe-fixes", str(project))
     assert r.exit_code == 1 and r.stdout.startswith(f"--- {project / 'lora_backend.py'}\n+++ ")
-    assert "+            seg_lens=seg_indptr[1:] - seg_indptr[:-1],\n" in r.stdout
-    assert "-            seg_lens=None,\n" in r.stdout
+    # The seg_lens already in scope is passed, and max_len derived from it.
+    assert "+            max_len=int(seg_lens.max()),\n+            seg_lens=seg_lens,\n" in r.stdout
+    assert "-            max_len=None,\n-            seg_lens=None,\n" in r.stdout
     assert {p.name: p.read_bytes() for p in project.iterdir()} == before
-    assert r.stderr.startswith("Would fix 12 findings (3 would remain).")
+    # The per-layer attention call (GL101, GL102) gets no fix.
+    assert r.stderr.startswith("Would fix 10 findings (5 would remain).")
     # Without --unsafe-fixes every fix here is hidden.
     r = invoke("--diff", str(project))
     assert r.stdout == "" and r.stderr == ("No fixes would be applied (15 would remain).\n"
-                                           "No fixes available (12 hidden fixes can be enabled with the "
+                                           "No fixes available (10 hidden fixes can be enabled with the "
                                            "`--unsafe-fixes` option).\n")
 
 
@@ -411,11 +462,15 @@ def test_diff_applies_with_patch(project, tmp_path):
 def test_fix_reports_what_remains_and_exits_by_it(project):
     r = invoke("--fix", "--unsafe-fixes", str(project))
     assert r.exit_code == 1
-    assert r.stderr == "Found 15 findings (12 fixed, 3 remaining).\n"
-    assert sorted({line.split()[1] for line in r.stdout.splitlines()}) == ["GL104", "GL203"]
+    assert r.stderr == "Found 15 findings (10 fixed, 5 remaining).\n"
+    assert sorted({line.split()[1] for line in r.stdout.splitlines()}) == ["GL101", "GL102", "GL104", "GL203"]
+    # The attention call left is the one in a per-layer forward, and it says so.
+    attention = [line for line in r.stdout.splitlines() if " GL101 " in line or " GL102 " in line]
+    assert len(attention) == 2 and all("no safe fix: the call runs in Qwen2VisionAttention.forward, which runs "
+                                       "once per layer" in line for line in attention)
     # A second run has nothing to fix and reports the same.
     again = invoke("--fix", "--unsafe-fixes", str(project))
-    assert again.stdout == r.stdout and again.stderr == "Found 3 findings.\n"
+    assert again.stdout == r.stdout and again.stderr == "Found 5 findings.\n"
     clean = invoke("--fix", "--unsafe-fixes", "--select", "GL201", str(project))
     assert (clean.exit_code, clean.stderr) == (0, "All checks passed.\n")
 
@@ -424,7 +479,7 @@ def test_fix_without_unsafe_fixes_applies_nothing_and_says_so(project):
     before = (project / "lora_backend.py").read_bytes()
     r = invoke("--fix", str(project))
     assert (project / "lora_backend.py").read_bytes() == before
-    assert r.stderr.endswith("No fixes available (12 hidden fixes can be enabled with the `--unsafe-fixes` option).\n")
+    assert r.stderr.endswith("No fixes available (10 hidden fixes can be enabled with the `--unsafe-fixes` option).\n")
 
 
 def test_fixable_marker_and_json_fix_object(project):
@@ -438,9 +493,10 @@ def test_fixable_marker_and_json_fix_object(project):
     for d in data:
         by_code.setdefault(d["code"], d)
     fix_object = by_code["GL201"]["fix"]
-    assert fix_object["applicability"] == "unsafe" and fix_object["message"].startswith("Set seg_lens=")
-    assert fix_object["edits"] == [{"line": 41, "column": 22, "end_line": 41, "end_column": 26,
-                                    "content": "seg_indptr[1:] - seg_indptr[:-1]"}]
+    assert fix_object["applicability"] == "unsafe"
+    assert fix_object["message"] == "Set seg_lens=seg_lens; Set max_len=int(seg_lens.max()) (a host read, once per batch)"
+    assert fix_object["edits"] == [{"line": 40, "column": 21, "end_line": 41, "end_column": 26,
+                                    "content": "int(seg_lens.max()),\n            seg_lens=seg_lens"}]
     assert by_code["GL203"]["fix"] is None
 
 
@@ -457,6 +513,7 @@ def test_statistics_fixable_column(project):
 def test_fix_from_stdin_prints_the_fixed_source():
     src = LORA + "info = LoRABatchInfo(seg_indptr=p)\n"
     r = invoke("--fix", "--unsafe-fixes", "-", input=src)
-    assert r.exit_code == 0 and r.stdout == LORA + "info = LoRABatchInfo(seg_indptr=p, seg_lens=p[1:] - p[:-1])\n"
+    assert r.exit_code == 0 and r.stdout == LORA + "info = LoRABatchInfo(seg_indptr=p, seg_lens=p[1:] - p[:-1], " \
+                                                   "max_len=int((p[1:] - p[:-1]).max()))\n"
     r = invoke("--fix", "-", "--stdin-filename", "m.py", input=src)
     assert r.stdout == src and "m.py:2:8: GL201" in r.stderr
