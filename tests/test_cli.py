@@ -275,7 +275,10 @@ def test_rules_text_and_json():
     r = invoke("rules")
     lines = r.stdout.splitlines()
     assert r.exit_code == 0 and len(lines) == len(all_contracts())
-    assert lines[2].split()[:3] == ["GL101", "missing-sequence-lengths", "call"]
+    # In catalog order, one line per rule: code, name, kind.
+    assert [line.split()[0] for line in lines] == [c.code for c in all_contracts()]
+    assert lines[2].split()[:3] == ["GL002", "guard-misuse", "runtime"]
+    assert lines[3].split()[:3] == ["GL101", "missing-sequence-lengths", "call"]
     data = json.loads(invoke("rules", "--format", "json").stdout)
     assert [d["code"] for d in data] == [c.code for c in all_contracts()]
     assert all({"code", "name", "summary", "kind"} <= set(d) for d in data)

@@ -59,17 +59,40 @@ def test_valid_python_that_libcst_cannot_read_says_so():
     assert f.code == "GL000" and "valid Python that the checker's parser cannot read" in f.message
 
 
-@pytest.mark.parametrize("data, words", [
+BROKEN = [
     (b"def f(:\n", "invalid syntax"),
     (b"x = '\xff\xfe'\n", "can't decode"),
     (b"x = 1\x00\n", "null bytes"),
     (b"# -*- coding: bogus -*-\nx = 1\n", "bogus"),
     (b"x = (" * 300 + b"\n", "too many nested parentheses"),
-])
-def test_syntax_errors_are_reported_in_files_no_rule_could_match(tmp_path, data, words):
-    (tmp_path / "broken.py").write_bytes(data)
-    (f,) = lint_paths([str(tmp_path)], Settings(root=tmp_path)).findings
+]
+
+
+def _with_candidate(data: bytes) -> bytes:
+    """``data`` with a rule's candidate text added (after an encoding cookie, which must stay first)."""
+    if data.startswith(b"# -*- coding"):
+        cookie, rest = data.split(b"\n", 1)
+        return cookie + b"\n" + TARGET + rest
+    return TARGET + data
+
+
+@pytest.mark.parametrize("select", [("GL",), ("GL104",), ("GL2",)])
+@pytest.mark.parametrize("data, words", BROKEN)
+def test_syntax_errors_are_reported_in_files_with_candidate_text_whatever_select_says(tmp_path, data, words, select):
+    (tmp_path / "broken.py").write_bytes(_with_candidate(data))
+    (f,) = lint_paths([str(tmp_path)], Settings(root=tmp_path, select=select)).findings
     assert f.code == "GL000" and words in f.message.lower()
+
+
+@pytest.mark.parametrize("data, words", BROKEN)
+def test_files_without_candidate_text_are_not_parsed_so_skipped_without_error(tmp_path, data, words):
+    """By design (``runner.PARSE_EVERY_FILE = False``, for speed on whole trees): a file in which no rule
+    could match is not parsed at all, so its syntax error is not reported and the run is clean."""
+    (tmp_path / "broken.py").write_bytes(data)
+    (tmp_path / "ok.py").write_bytes(PLAIN)
+    assert lint_paths([str(tmp_path)], Settings(root=tmp_path)).findings == []
+    r = CliRunner().invoke(main, [str(tmp_path)])
+    assert r.exit_code == 0 and r.stdout == "", r.output
 
 
 def test_newer_syntax_that_libcst_knows_is_no_error(tmp_path):

@@ -19,7 +19,8 @@ GUARDLINT = Path(sys.executable).parent / "guardlint"
 PRE_COMMIT = Path(sys.executable).parent / "pre-commit"
 BAD = ("from sglang.srt.lora.utils import LoRABatchInfo\n\n\n"
        "def build(seg_indptr):\n    return LoRABatchInfo(bs=1, seg_indptr=seg_indptr)\n")
-FIXED = BAD.replace("seg_indptr=seg_indptr)", "seg_indptr=seg_indptr, seg_lens=seg_indptr[1:] - seg_indptr[:-1])")
+FIXED = BAD.replace("seg_indptr=seg_indptr)", "seg_indptr=seg_indptr, seg_lens=seg_indptr[1:] - seg_indptr[:-1], "
+                                              "max_len=int((seg_indptr[1:] - seg_indptr[:-1]).max()))")
 
 
 def _hooks() -> dict:
