@@ -8,6 +8,7 @@ per-image reference.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 from typing import Optional
@@ -61,7 +62,7 @@ def check(out, q, k, v, cu):
 @pytest.mark.skipif(not (release_dir("sglang-0.5.23") / "sglang").is_dir(), reason="sglang 0.5.23 not carried")
 @pytest.mark.parametrize("how", ["plan", "bucketed plan", "guard, cu_seqlens only", "guard, engine metadata"])
 def test_sglang_cudnn_backend_with_the_real_kernel(how):
-    ns = {"torch": torch, "nn": nn, "math": math, "Optional": Optional, "_is_cuda": True,
+    ns = {"torch": torch, "nn": nn, "math": math, "dataclasses": dataclasses, "Optional": Optional, "_is_cuda": True,
           "cudnn_batch_prefill_with_kv_cache": _flashinfer()}
     from einops import rearrange
     ns["rearrange"] = rearrange
