@@ -61,6 +61,15 @@ def _gluon():
     return gluon_modules.load("_attention_gluon")
 
 
+@torch.compiler.assume_constant_result
+def _gluon_runnable(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+    """Whether the Gluon kernel takes these shapes, dtypes and device. v and the base addresses are checked
+    per call, on real tensors (the runner falls back to Triton for a layout TMA cannot read). Under
+    torch.compile this runs once at trace time, as a constant: Dynamo cannot trace the lazy import."""
+    gluon_path = _gluon()
+    return gluon_path is not None and gluon_path.supports(q, k, k, causal, pointers=False)
+
+
 @torch.library.custom_op("guardlint::varlen_attention_gluon", mutates_args=())
 def varlen_attention_gluon_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                               max_seqlen: int, softmax_scale: float) -> torch.Tensor:
@@ -195,10 +204,7 @@ def _runnable(name: str, q: torch.Tensor, k: torch.Tensor, scale: float, causal:
     if name == "torch-varlen":
         return torch_paths.torch_varlen_supports(q, k, scale, causal)
     if name == "gluon":
-        # v and the base addresses are checked per call, on real tensors (the runner falls back to Triton
-        # for a layout TMA cannot read); torch.compile resolves the backend on fakes, which have no address.
-        gluon_path = _gluon()
-        return gluon_path is not None and gluon_path.supports(q, k, k, causal, pointers=False)
+        return _gluon_runnable(q, k, causal)
     if name.startswith("flashinfer-"):
         return fi.supports(name[len("flashinfer-"):], q.shape[2], q.dtype, q.device)
     return False

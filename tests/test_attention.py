@@ -678,3 +678,17 @@ def test_flashinfer_cudnn_call_matches_its_signature(monkeypatch):
     assert out.shape == q.shape
     assert seen == dict(max_token_per_sequence=5, lengths=(2, 1, 1, 1), q_off=[0, 3 * 512, 8 * 512],
                         k_off=[0, 3 * 256, 8 * 256], causal=False)
+
+
+def test_gluon_backend_resolution_traces_under_torch_compile():
+    """Resolving the Gluon backend imports its module lazily; under torch.compile(fullgraph=True) that
+    runs once at trace time instead of being traced (Dynamo cannot trace an import)."""
+    from guardlint.kernels import attention as attention_module
+
+    q = torch.randn(10, 2, 128)
+    expected = attention_module._runnable("gluon", q, q, 1.0, False)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q: q + attention_module._runnable("gluon", q, q, 1.0, False), fullgraph=True,
+                      backend="eager")
+    torch.testing.assert_close(f(q), q + expected)
+    torch._dynamo.reset()
