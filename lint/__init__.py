@@ -5,6 +5,7 @@ Importing this package is cheap (no libcst, no torch): the engine loads when som
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "Finding": "findings",
@@ -24,7 +25,17 @@ _EXPORTS = {
     "check_source": "engine",
 }
 
-__all__ = sorted(_EXPORTS)
+if TYPE_CHECKING:  # what pyright, mypy and IDEs see; at runtime __getattr__ imports on first use
+    from .config import Settings, UsageError, load_settings
+    from .engine import FileResult, check_source
+    from .findings import Edit, Finding, Fix
+    from .rules import RuleSet, build_rules
+    from .runner import Report, fixed_source, lint_paths, lint_source, rules_for
+
+__all__ = [
+    "Edit", "FileResult", "Finding", "Fix", "Report", "RuleSet", "Settings", "UsageError", "build_rules",
+    "check_source", "fixed_source", "lint_paths", "lint_source", "load_settings", "rules_for",
+]
 
 
 def __getattr__(name: str):
