@@ -12,7 +12,7 @@ Shrink (``out[t, h, c] = sum_k x[t, h, k] * W[slot, h, c, k]`` for ``c % R < r``
 With more than one K slice (``SPLIT_K``, batches of up to 1024 tokens), each program of a tile leaves a
 float32 partial and counts itself in on a per-launch zeroed counter; the last to arrive sums the partials in
 slice order (a fixed order: the result does not depend on which program finishes first) and writes the tile.
-Prefill shrinks (more than 1024 tokens) on Hopper go to the Gluon kernel of ``_lora_gluon`` where it applies
+Prefill shrinks (more than 1024 tokens) on Hopper go to the Gluon kernel of ``_lora_gluon`` under CUDA-graph capture, where it applies
 (one head, no permutation, 16-bit, aligned rows): it starts loading x before the segment lookup.
 
 Expand (``out[t, h, n] = (out[t, h, n] if accumulate else 0) + scaling[slot] * sum_{k<r} x[t, h, k]
@@ -77,9 +77,13 @@ from . import _gluon
 
 # Triton decides at decoration time whether a kernel is interpreted; read the switch the same way.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-# Prefill shrinks on Hopper take the Gluon kernel (``_lora_gluon``) where it applies; GUARDLINT_LORA_GLUON=0
-# keeps every call on the Triton kernel.
-USE_GLUON = os.environ.get("GUARDLINT_LORA_GLUON", "1") != "0"
+# Prefill shrinks on Hopper take the Gluon kernel (``_lora_gluon``) where it applies, while a CUDA graph is
+# being captured: it saves ~1 us of device time but builds TMA descriptors per launch (~20 us of host time),
+# which a graph replay never pays and an eager call always does. GUARDLINT_LORA_GLUON=0 keeps every call on
+# the Triton kernel; =1 takes the Gluon kernel for eager calls too.
+_GLUON_SETTING = os.environ.get("GUARDLINT_LORA_GLUON", "graph")
+USE_GLUON = _GLUON_SETTING != "0"
+GLUON_EAGER = _GLUON_SETTING == "1"
 
 # Segments scanned per step of _find_tile: one vector load covers a whole decode batch of 256.
 BLOCK_SEG = 256
@@ -697,6 +701,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    """Is a CUDA graph being captured on x's current stream (where a launch's host time is never paid again)?"""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _pow2_clamp(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, 1 << (max(n, 1) - 1).bit_length()))
 
@@ -709,7 +718,8 @@ def launch_shrink(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
     if num_tokens == 0 or N == 0:
         return
     size_class = _size_class(num_tokens, num_segments)
-    gluon_shrink = _gluon.load("_lora_gluon") if USE_GLUON and size_class == 2 else None
+    gluon_shrink = _gluon.load("_lora_gluon") if (
+        USE_GLUON and size_class == 2 and (GLUON_EAGER or _capturing(x))) else None
     if gluon_shrink is not None and gluon_shrink.supports(x, x_strides, w, w_strides, out_strides, permutation,
                                                           heads, N):
         _gluon_shrink_run(x, x_strides, w, w_strides, out, out_strides, seg_indptr, weight_indices, lora_ranks,

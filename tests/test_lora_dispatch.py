@@ -386,10 +386,13 @@ def test_gluon_shrink_takes_only_calls_it_fits():
 
 
 def test_prefill_shrinks_route_to_gluon_where_it_fits(monkeypatch):
-    """Size class 2 (more than 1024 tokens, more than 8 a segment) and ``supports``: the Gluon launch; a
+    """Size class 2 (more than 1024 tokens, more than 8 a segment) and ``supports`` while a CUDA graph is
+    captured: the Gluon launch; an eager call (its TMA descriptors cost ~20 us of host time per call), a
     smaller batch, or GUARDLINT_LORA_GLUON=0 (USE_GLUON), the Triton kernel."""
     K_ = _lora_kernels
     gluon, triton_calls = [], []
+    capturing = [True]
+    monkeypatch.setattr(K_, "_capturing", lambda x: capturing[0])
     monkeypatch.setattr(K_._gluon, "load", lambda name: type("Fits", (), {"supports": staticmethod(lambda *a: True)}))
     monkeypatch.setattr(K_, "_gluon_shrink_run", lambda *a, **kw: gluon.append(a[9:]))
     monkeypatch.setattr(K_._shrink, "first_launch", lambda *a, **kw: triton_calls.append(1))
@@ -405,6 +408,15 @@ def test_prefill_shrinks_route_to_gluon_where_it_fits(monkeypatch):
     assert gluon == [(2, 2048, 64, 16, 16)] and not triton_calls
     launch(1024)
     assert len(gluon) == 1 and triton_calls == [1]
-    monkeypatch.setattr(K_, "USE_GLUON", False)
+    capturing[0] = False  # eager: the Triton kernel, unless GUARDLINT_LORA_GLUON=1 (GLUON_EAGER)
+    monkeypatch.setattr(K_._shrink, "chosen", {})
     launch(2048)
     assert len(gluon) == 1 and triton_calls == [1, 1]
+    monkeypatch.setattr(K_, "GLUON_EAGER", True)
+    launch(2048)
+    assert len(gluon) == 2 and triton_calls == [1, 1]
+    capturing[0] = True
+    monkeypatch.setattr(K_, "USE_GLUON", False)
+    monkeypatch.setattr(K_._shrink, "chosen", {})
+    launch(2048)
+    assert len(gluon) == 2 and triton_calls == [1, 1, 1]

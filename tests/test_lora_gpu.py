@@ -51,6 +51,7 @@ def gluon_calls(monkeypatch):
     if _gluon.load("_lora_gluon") is None or not _gluon.is_hopper(torch.device("cuda")):
         pytest.skip("the Gluon shrink needs Triton's Gluon and a Hopper GPU")
     calls = []
+    monkeypatch.setattr(_lora_kernels, "GLUON_EAGER", True)  # eager calls here, to check the kernel itself
     run = _lora_kernels._gluon_shrink_run
     monkeypatch.setattr(_lora_kernels, "_gluon_shrink_run", lambda *a, **kw: calls.append(1) or run(*a, **kw))
     return calls
