@@ -6,6 +6,11 @@ guarded. Submodules load on first use, so ``import guardlint.kernels`` stays che
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+from guardlint._requires import require as _require
+
+_require("guardlint.kernels", "torch", "triton")  # looks them up only: the submodules still load on first use
 
 _EXPORTS = {
     "varlen_attention": "attention",
@@ -20,7 +25,14 @@ _EXPORTS = {
     "step_b_v": "lora",
 }
 
-__all__ = sorted(_EXPORTS)
+if TYPE_CHECKING:  # what pyright, mypy and IDEs see; at runtime __getattr__ imports on first use
+    from .attention import cudnn_vision_attention, varlen_attention
+    from .lora import LoRABatchInfo, qkv_lora_b, sgemm_lora_a, sgemm_lora_b, step_a_q, step_a_v, step_b_q, step_b_v
+
+__all__ = [
+    "LoRABatchInfo", "cudnn_vision_attention", "qkv_lora_b", "sgemm_lora_a", "sgemm_lora_b", "step_a_q",
+    "step_a_v", "step_b_q", "step_b_v", "varlen_attention",
+]
 
 
 def __getattr__(name: str):
