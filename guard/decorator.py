@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, ParamSpec, Sequence, TypeVar, Union
 
 from guardlint.contracts import Contract, get as get_contract
 
@@ -17,6 +17,10 @@ from ._codegen import accesses, make_wrapper
 from .derive import Context, deriver
 from .errors import GuardError, describe
 from .validate import check_lora, check_varlen, prefetch
+
+# For type checkers: a guarded function keeps its signature.
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 class Param:
     """Where one contract argument goes in the guarded function's signature."""
@@ -267,7 +271,8 @@ class _Guard:
                           detail=c.diagnosis.message)
 
 
-def guard(contract: Union[str, Contract, Sequence[Union[str, Contract]]], **rename: str):
+def guard(contract: Union[str, Contract, Sequence[Union[str, Contract]]],
+          **rename: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
     """Decorate a function, method or ``nn.Module.forward`` with one or more contracts.
 
     ``contract`` is a rule code (``"GL101"``), a ``Contract`` or a list (``guard(["GL101", "GL102"])``);

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, ParamSpec, TypeVar, overload
 
 import torch
 
@@ -85,6 +85,15 @@ class _Shape:
         self.device = device
 
 
+# For type checkers: a guarded function keeps its signature.
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+@overload
+def guard_mm_encoder(fn: Callable[_P, _R]) -> Callable[_P, _R]: ...
+@overload
+def guard_mm_encoder(fn: None = None) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]: ...
 def guard_mm_encoder(fn: Optional[Callable] = None):
     """Guard vLLM's ``MMEncoderAttention._forward_flashinfer(self, query, key, value, cu_seqlens=None,
     max_seqlen=None, sequence_lengths=None)`` (or any function with those parameter names).

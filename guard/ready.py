@@ -11,7 +11,7 @@ import inspect
 import math
 import operator
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, ParamSpec, TypeVar, overload
 
 import torch
 
@@ -38,6 +38,11 @@ SEG_LENS_DERIVATION = GL201.derivation_for("seg_lens")
 MAX_LEN_DERIVATION = next(d for d in GL201.derivations if d.target == "max_len" and d.name in DERIVERS)
 
 
+# For type checkers: a guarded function keeps its signature, with or without decorator options.
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
 def _decorator(build: Callable, fn: Optional[Callable], options: dict):
     """Allow both ``@guard_x`` and ``@guard_x(option=...)``."""
     if fn is not None:
@@ -56,6 +61,10 @@ def _no_values(argument: str, value: Any, function: str, code: str) -> GuardErro
                           "prepared metadata (or sequence_lengths and max_seqlen) instead.")
 
 
+@overload
+def guard_varlen(fn: Callable[_P, _R], **rename: str) -> Callable[_P, _R]: ...
+@overload
+def guard_varlen(fn: None = None, **rename: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]: ...
 def guard_varlen(fn: Optional[Callable] = None, **rename: str):
     """Guard ``varlen_attention(q, k, v, cu_seqlens, *, sequence_lengths=None, max_seqlen=None,
     metadata=None, ...)``.
@@ -154,6 +163,10 @@ def _build_varlen(fn: Callable, **rename: str) -> Callable:
 
 # -- cuDNN vision attention -------------------------------------------------------------------------
 
+@overload
+def guard_cudnn_vision(fn: Callable[_P, _R], **rename: str) -> Callable[_P, _R]: ...
+@overload
+def guard_cudnn_vision(fn: None = None, **rename: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]: ...
 def guard_cudnn_vision(fn: Optional[Callable] = None, **rename: str):
     """Guard ``cudnn_vision_attention(q, k, v, cu_seqlens, bsz, seq_len, softmax_scale=None,
     forward_metadata=None, **kwargs)`` (contracts GL101 + GL102), or the engine's own
@@ -297,6 +310,13 @@ def _build_cudnn(fn: Callable, **rename: str) -> Callable:
 
 # -- segmented LoRA ---------------------------------------------------------------------------------
 
+@overload
+def guard_lora(fn: Callable[_P, _R], *, batch_info: str = ..., x: Optional[str] = ..., weights: Optional[str] = ...,
+               rank_dim: Optional[int] = ..., rank_stack: int = ..., reads: tuple = ...) -> Callable[_P, _R]: ...
+@overload
+def guard_lora(fn: None = None, *, batch_info: str = ..., x: Optional[str] = ..., weights: Optional[str] = ...,
+               rank_dim: Optional[int] = ..., rank_stack: int = ...,
+               reads: tuple = ...) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]: ...
 def guard_lora(fn: Optional[Callable] = None, *, batch_info: str = "batch_info", x: Optional[str] = None,
                weights: Optional[str] = "weights", rank_dim: Optional[int] = None, rank_stack: int = 1,
                reads: tuple = ("seg_lens", "max_len")):
