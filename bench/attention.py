@@ -438,7 +438,7 @@ def main() -> int:
     extra += ["", "## Anchors measured on an H200 (DESIGN.md), us",
               *[f"- {case}: " + ", ".join(f"{b} {lo}-{hi}" if lo != hi else f"{b} {lo}" for b, (lo, hi) in a.items())
                 for case, a in ANCHORS.items()]]
-    extra += ["", f"Dispatch rule (`backend=\"auto\"`):", "", "```", dispatch.RULE.rstrip(), "```"]
+    extra += ["", "Dispatch rule (`backend=\"auto\"`):", "", "```", dispatch.RULE.rstrip(), "```"]
     if errors:
         extra += ["", "## Subprocess errors", *[f"- {e['error']}" for e in errors]]
     with md.open("a") as fh:

@@ -51,7 +51,8 @@ def _header(rng, varlen: bool) -> str:
 def _config(rng) -> str:
     name = _camel(rng, "Config")
     fields = "\n".join(f"    {_ident(rng)}_{i}: {rng.choice(['int', 'float', 'bool', 'str'])} = "
-                       f"{rng.choice(['0', '1.0', 'False', repr('gelu'), '1024', '16'])}" for i in range(rng.randint(4, 12)))
+                       f"{rng.choice(['0', '1.0', 'False', repr('gelu'), '1024', '16'])}"
+                       for i in range(rng.randint(4, 12)))
     return f'''@dataclass
 class {name}:
     """Configuration of the {_ident(rng)} module."""

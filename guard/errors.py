@@ -49,7 +49,8 @@ class GuardError(ValueError, RuntimeError):
             fix = contract.diagnosis.solutions[0]
         self.fix = fix
         where = f"{function}(): " if function else ""
-        text = f"[{code}{' ' + self.name if self.name else ''}] {where}argument {argument!r}: expected {expected}, got {got}."
+        text = (f"[{code}{' ' + self.name if self.name else ''}] {where}argument {argument!r}: "
+                f"expected {expected}, got {got}.")
         if detail:
             text += f" {detail}"
         if fix:

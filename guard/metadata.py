@@ -305,7 +305,8 @@ def _build(offsets: tuple, *, layout: str, bucket: bool, device: torch.device,
         values += lengths + [0] * (Bp - B)
         extra = {"padded_batch_size": Bp, "elements_per_token": HD,
                  "flashinfer_max_seqlen": bucket_max_seqlen(
-                     max_seqlen, SEQLEN_BUCKETS if layout == "cudnn" else VLLM_SEQLEN_BUCKETS) if bucket else max_seqlen}
+                     max_seqlen, SEQLEN_BUCKETS if layout == "cudnn" else VLLM_SEQLEN_BUCKETS)
+                 if bucket else max_seqlen}
     if capturing(device):
         # A copy captured into the graph would replay from a staging buffer that is reused later.
         raise _capture_error(argument, offsets, function)

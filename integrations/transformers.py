@@ -130,7 +130,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     (decode) -> SDPA with bottom-right causal and padding masks. Refused (GL106): dropout, softcap,
     attention sinks, paged caches, a sliding window without a mask, different q and k offsets.
     """
-    function = FUNCTION
     if dropout:
         raise _refuse("dropout", "0.0 (the kernels have no attention dropout)", repr(dropout))
     if softcap is not None:

@@ -624,7 +624,8 @@ class FakeRaggedWrapper:
              prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len=0, max_item_len_ptr=None,
              fixed_split_size=None, disable_split_kv=False):
         assert qo_indptr.device.type == "cpu" and qo_indptr.dtype == torch.int32
-        self.indptr, self.heads, self.causal, self.scale = qo_indptr.tolist(), (num_qo_heads, num_kv_heads), causal, sm_scale
+        self.indptr, self.heads = qo_indptr.tolist(), (num_qo_heads, num_kv_heads)
+        self.causal, self.scale = causal, sm_scale
         FakeRaggedWrapper.plans.append((self.backend, tuple(self.indptr), num_qo_heads, num_kv_heads, head_dim_qk,
                                         q_data_type, kv_data_type))
 

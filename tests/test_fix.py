@@ -114,13 +114,13 @@ def test_no_fix_when_the_helper_name_means_something_else():
 
 
 @pytest.mark.parametrize("args, expected", [
-    ("q, k, v, cu, 1, 8, None, None", f'q, k, v, cu, 1, 8, None, prepare_varlen_metadata(cu, q, layout="cudnn")'),
+    ("q, k, v, cu, 1, 8, None, None", 'q, k, v, cu, 1, 8, None, prepare_varlen_metadata(cu, q, layout="cudnn")'),
     ("q, k, v, cu, 1, 8, forward_metadata=None", f"q, k, v, cu, 1, 8, {PREPARED}"),
     ("q, k, v, cu, 1, 8, sequence_lengths=None, max_seqlen=None",
      f"q, k, v, cu, 1, 8, sequence_lengths=None, max_seqlen=None, {PREPARED}"),
     ("q, k, v, cu, 1, 8, sequence_lengths=lens", f"q, k, v, cu, 1, 8, sequence_lengths=lens, {PREPARED}"),
     ("q=q, k=k, v=v, cu_seqlens=cu, bsz=1, seq_len=8",
-     f'q=q, k=k, v=v, cu_seqlens=cu, bsz=1, seq_len=8, forward_metadata=prepare_varlen_metadata(cu, q, layout="cudnn")'),
+     'q=q, k=k, v=v, cu_seqlens=cu, bsz=1, seq_len=8, forward_metadata=prepare_varlen_metadata(cu, q, layout="cudnn")'),
     ("self.q, k, v, batch.cu_seqlens[0], 1, 8",
      'self.q, k, v, batch.cu_seqlens[0], 1, 8, forward_metadata=prepare_varlen_metadata(batch.cu_seqlens[0], self.q, layout="cudnn")'),
 ])

@@ -1,4 +1,5 @@
 """prepare_varlen_metadata: the plan's values, bucketing, token vs element offsets, caching and reads."""
+import dataclasses
 import gc
 
 import numpy as np
@@ -134,7 +135,7 @@ def test_prepare_cache_is_bounded():
 def test_metadata_is_frozen_and_repr_has_no_contents():
     q = torch.empty(200000, 1, 1)
     meta = prepare_varlen_metadata(torch.tensor([0, 98765, 200000]), q)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         meta.max_seqlen = 3
     text = repr(meta)
     assert "VarlenMetadata(" in text and "shape=(3,)" in text

@@ -83,7 +83,8 @@ def test_user_contract_from_pyproject(tmp_path):
     (tmp_path / "use.py").write_text("from mylib.ops import fwd\nfwd(1)\nfwd(1, 2)\n")
     result = CliRunner().invoke(main, [str(tmp_path / "use.py")])
     assert result.exit_code == 1
-    assert result.stdout.splitlines() == [f"{tmp_path / 'use.py'}:2:1: GL001 fwd needs max_len: fwd(...) does not pass max_len"]
+    assert result.stdout.splitlines() == [
+        f"{tmp_path / 'use.py'}:2:1: GL001 fwd needs max_len: fwd(...) does not pass max_len"]
 
 
 @pytest.mark.parametrize("pattern, path, is_dir, expected", [

@@ -134,7 +134,8 @@ def test_version_does_not_load_the_engine():
         "from guardlint.lint.cli import main\n"
         "sys.argv = ['guardlint', '--version']\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
-        "print(sorted(m for m in ('libcst', 'torch', 'guardlint.contracts', 'guardlint.lint.engine') if m in sys.modules))\n"
+        "mods = ('libcst', 'torch', 'guardlint.contracts', 'guardlint.lint.engine')\n"
+        "print(sorted(m for m in mods if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.splitlines() == [f"guardlint {__import__('guardlint').__version__}", "[]"]

@@ -51,7 +51,10 @@ def _unpack(archive: Path, package: str, dest: Path) -> None:
                 if len(parts) > 2 and parts[1] == package and member.isfile() and member.name.endswith(".py"):
                     prefix = parts[0]
                     member.name = "/".join(parts[1:])
-                    tf.extract(member, tmp, filter="data") if hasattr(tarfile, "data_filter") else tf.extract(member, tmp)
+                    if hasattr(tarfile, "data_filter"):
+                        tf.extract(member, tmp, filter="data")
+                    else:
+                        tf.extract(member, tmp)
             if prefix is None:
                 raise SystemExit(f"{archive.name}: no {package}/ sources inside")
     shutil.rmtree(dest, ignore_errors=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import sys
 from typing import Optional
 
 import pytest

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import enum
-import math
 import os
 import sys
 import types
