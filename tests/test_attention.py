@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from guardlint.guard import GuardError, prepare_varlen_metadata
+from guardlint.guard import GuardError, clear_cache, prepare_varlen_metadata, reset_stats, stats
 from guardlint.kernels import _attention_dispatch as dispatch
 from guardlint.kernels import _attention_flashinfer as fi
 from guardlint.kernels import _attention_triton as triton_path
@@ -145,11 +145,22 @@ def test_varlen_attention_auto_on_cpu_picks_sdpa():
 
 def test_varlen_attention_derives_metadata_once_and_accepts_a_prepared_plan():
     q, k, v, cu, offsets = make_batch([12, 0, 7, 30], head_dim=64)
+    clear_cache()
+    reset_stats()
     plan = prepare_varlen_metadata(cu, q)
     assert plan.max_seqlen == 30 and plan.host_cu_seqlens == tuple(offsets)
+    assert stats()["host_reads"] == 1
     with_plan = varlen_attention(q, k, v, cu, metadata=plan, backend="sdpa")
-    derived = varlen_attention(q, k, v, cu, backend="sdpa")
-    assert torch.equal(with_plan, derived)
+    assert stats()["host_reads"] == 1 and stats()["derivations"] == {}   # the plan is taken as it is
+    clear_cache()
+    reset_stats()
+    # Four layers of one forward, each without metadata: derived from cu_seqlens once, then from the cache.
+    layers = [varlen_attention(q, k, v, cu, backend="sdpa") for _ in range(4)]
+    s = stats()
+    assert s["host_reads"] == 1 and s["cache_misses"] == 1, s
+    assert s["derivations"] == {"diff": 4, "max_of_diff": 4} and len(s["events"]) == 2, s
+    for derived in layers:
+        assert torch.equal(with_plan, derived)
 
 
 def test_varlen_attention_rejects_a_stale_plan():

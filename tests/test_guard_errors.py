@@ -1,5 +1,6 @@
 """GuardError as users meet it: pickles, reprs, and never prints tensor contents."""
 import pickle
+import re
 
 import pytest
 import torch
@@ -85,20 +86,34 @@ def marked_failures():
     return cases, strict
 
 
+# MARK or any value derived from it (a sum, a difference, a multiple): seven digits or more
+LEAK = re.compile(r"\d{7,}")
+
+
+def assert_no_values(err: GuardError):
+    for text in (str(err), repr(err), str(err.got), str(err.expected), str(err.fix)):
+        assert not LEAK.search(text), text
+    assert err.argument and err.argument in str(err), str(err)   # the message names what was wrong
+
+
+def test_the_leak_check_sees_printed_and_derived_values():
+    """The check below can fail: a tensor's text and values derived from MARK are caught."""
+    t = torch.tensor([0, 5, MARK])
+    for leaked in (str(t), repr(t * 3), f"got {t[1:] - t[:-1]}", str(int(t.max()))):
+        assert LEAK.search(leaked), leaked
+    err = GuardError("GL103", argument="cu_seqlens", expected="a prefix sum", got=str(t))
+    with pytest.raises(AssertionError):
+        assert_no_values(err)
+
+
 def test_messages_never_print_tensor_values():
     clear_cache()
     cases, strict = marked_failures()
-    seen = 0
     for case in cases:
-        err = raised(case)
-        assert str(MARK) not in str(err) and str(MARK) not in repr(err), str(err)
-        seen += 1
+        assert_no_values(raised(case))
     with mode("strict"):
         for case in strict:
-            err = raised(case)
-            assert str(MARK) not in str(err), str(err)
-            seen += 1
-    assert seen == len(cases) + len(strict)
+            assert_no_values(raised(case))
 
 
 def test_messages_give_shapes_dtypes_and_devices():

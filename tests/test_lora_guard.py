@@ -95,7 +95,9 @@ def test_off_mode_without_max_len_is_gl201_not_a_crash():
 
 
 @pytest.mark.parametrize("max_len", [0, 1])
-def test_a_short_max_len_sizes_the_grid_but_never_drops_tokens(max_len):
+def test_the_grid_does_not_depend_on_max_len_so_a_short_one_drops_no_tokens(max_len):
+    """The grid is sized by the token count, not by max_len (as in the engine, where seg_lens alone is
+    enough): with the check off, a max_len of 0 or 1 against a longest segment of 17 still covers every row."""
     x, w, info = shrink_inputs("permuted")
     with mode("off"):
         out = sgemm_lora_a(x, w, dataclasses.replace(info, max_len=max_len))
