@@ -161,13 +161,8 @@ def write_atomic(path: str, data: bytes) -> None:
     if st.st_nlink > 1:
         _write_in_place(target, data)
         return
-    folder = os.path.dirname(target) or "."
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(target) + ".", suffix=".tmp")
+    tmp = _write_temp(target, data)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
         os.chmod(tmp, stat.S_IMODE(st.st_mode))
         if hasattr(os, "chown"):
             try:
@@ -176,10 +171,7 @@ def write_atomic(path: str, data: bytes) -> None:
                 pass
         os.replace(tmp, target)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _unlink(tmp)
         raise
 
 
@@ -190,16 +182,7 @@ def _write_in_place(target: str, data: bytes) -> None:
     content is put back, and the temporary copy of the new one is kept and named in the error."""
     with open(target, "rb") as f:
         before = f.read()
-    folder = os.path.dirname(target) or "."
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(target) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        _unlink(tmp)
-        raise
+    tmp = _write_temp(target, data)
     try:
         with open(target, "r+b") as f:
             try:
@@ -216,6 +199,21 @@ def _write_in_place(target: str, data: bytes) -> None:
     except OSError as e:
         raise OSError(e.errno, f"{e.strerror or e}; the fixed text is kept in {tmp}") from None
     _unlink(tmp)
+
+
+def _write_temp(target: str, data: bytes) -> str:
+    """``data`` written whole and synced to a new temporary file beside ``target``; returns its path."""
+    folder = os.path.dirname(target) or "."
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(target) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        _unlink(tmp)
+        raise
+    return tmp
 
 
 def _unlink(path: str) -> None:
