@@ -14,7 +14,7 @@ import pytest
 import torch
 import triton
 
-from guardlint.guard import clear_cache, guard_lora
+from guardlint.guard import clear_cache, guard_lora, stats
 from source import Recorder, dataclass_fields, load
 
 NEW = "sglang-0.5.23"
@@ -129,6 +129,11 @@ def test_guard_lora_completes_the_engines_batch_info(given):
     assert kw["_grid"] == (triton.cdiv(max(LENGTHS), 16) * triton.cdiv(R, 16), len(LENGTHS))
     assert args[13][:len(LENGTHS)].tolist() == list(LENGTHS)  # seg_lens reached the kernel
     assert info.max_len is None  # the caller's object is never mutated
+    # Every LoRA layer of the forward gets the same batch info: derived once, not per layer.
+    before = stats()["host_reads"]
+    for _ in range(4):
+        guarded(x, w, info)
+    assert stats()["host_reads"] == before
 
 
 def test_the_absorbed_mla_path_raises_the_seed_error_and_the_guard_prevents_it():
