@@ -5,6 +5,10 @@ for sm_90a (Hopper). Needs no GPU: Triton compiles to PTX and its bundled ptxas 
 """
 from __future__ import annotations
 
+from _util import require
+
+require("torch", "triton", "guardlint")  # a clear message outside the venv
+
 import os
 import sys
 from pathlib import Path

@@ -1,18 +1,48 @@
 """Shared benchmark plumbing: CUDA-event timing (median after warm-up) and result files.
 
-Every benchmark prints a table last and writes ``bench/results/<name>.json`` + ``.md`` (+ ``.png``).
+Every benchmark prints a table last. The committed results, ``bench/results/<name>.json`` + ``.md``
+(+ ``.png``), are written only with ``--write`` (or into a folder the script is told to use), so a trial run
+never overwrites them.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# Every script that writes bench/results/ takes --write (read here, so it holds wherever _util is imported).
+WRITE = "--write" in sys.argv[1:]
+WRITE_HELP = "write the results into bench/results/ (the committed ones); without it they are printed only"
+
+
+def require(*modules: str) -> None:
+    """Exit with a clear message when a module this benchmark imports is missing (run outside the venv)."""
+    missing = []
+    for name in modules:
+        try:
+            if importlib.util.find_spec(name) is None:
+                missing.append(name)
+        except (ImportError, ValueError):
+            missing.append(name)
+    if missing:
+        script = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "this benchmark"
+        sys.exit(f"{script} needs {', '.join(missing)}, which {sys.executable} cannot import. Run it with the "
+                 f"project's venv (make install; .venv/bin/python bench/{script} ...), or run "
+                 f"pip install -e '.[torch,test]' with this Python.")
+
+
+def results_dir(out_dir: Optional[os.PathLike] = None) -> Optional[Path]:
+    """Where result files go: ``out_dir`` when given, bench/results/ with --write, else None (print only)."""
+    if out_dir:
+        return Path(out_dir)
+    return RESULTS if WRITE else None
 
 
 def env_meta() -> dict:
@@ -130,8 +160,12 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
 
 def write_results(name: str, rows: Sequence[dict], columns: Sequence[str], *, meta: Optional[dict] = None,
                   title: str = "", out_dir: Optional[os.PathLike] = None) -> str:
-    """Write ``<name>.json`` and ``<name>.md``; return the Markdown table (callers print it last)."""
-    out = Path(out_dir) if out_dir else RESULTS
+    """Write ``<name>.json`` and ``<name>.md`` (see :func:`results_dir`); return the Markdown table (callers
+    print it last)."""
+    out = results_dir(out_dir)
+    if out is None:
+        print(f"{name}: results not written (pass --write to update bench/results/)", file=sys.stderr)
+        return markdown_table(rows, columns)
     out.mkdir(parents=True, exist_ok=True)
     meta = meta if meta is not None else env_meta()
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": list(rows)}, indent=2) + "\n")

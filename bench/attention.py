@@ -14,6 +14,10 @@
 # --write-dispatch, kernels/attention_dispatch.json, the table ``backend="auto"`` reads. Prints a table last.
 from __future__ import annotations
 
+from _util import require
+
+require("torch", "triton", "guardlint")  # a clear message outside the venv
+
 import argparse
 import json
 import os
@@ -337,11 +341,13 @@ def plot(cases, rows, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return f"plot: {path.relative_to(ROOT)}"
+    return f"plot: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true",
+                        help="update the committed files in bench/results/ (default: print only)")
     parser.add_argument("--cases", help="comma-separated case-name prefixes (6img, 64x256, sweep, 6img-d80, ...)")
     parser.add_argument("--no-flashinfer", action="store_true", help="skip the FlashInfer subprocesses")
     parser.add_argument("--quick", action="store_true", help="fewer iterations and sweep points")
@@ -365,7 +371,7 @@ def main() -> int:
     import torch
 
     from _attention_cases import ANCHORS, all_cases, select
-    from _util import env_meta, write_results
+    from _util import env_meta, results_dir, write_results
 
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     if not cuda and not args.cpu_smoke:
@@ -431,9 +437,13 @@ def main() -> int:
     order = {b: i for i, b in enumerate(("triton", "gluon", "auto", "sdpa", "torch-varlen", *FLASHINFER, "fa3-pad128"))}
     case_order = {c.name: i for i, c in enumerate(cases)}
     rows.sort(key=lambda r: (case_order.get(r.get("case"), 99), order.get(r.get("backend"), 99)))
-    table_md = write_results(name, rows, columns, meta=meta,
+    # bench/results/ with --write; otherwise a temporary folder (printed), so a trial run keeps the committed files
+    res = results_dir() or Path(tempfile.mkdtemp(prefix="attention_results_"))
+    table_md = write_results(name, rows, columns, meta=meta, out_dir=res,
                              title=f"Varlen attention, bf16, {meta['heads']} heads (time in us, median per call)")
-    md = HERE / "results" / f"{name}.md"
+    if res != HERE / "results":
+        log(f"results in {res} (pass --write to update bench/results/)")
+    md = res / f"{name}.md"
     extra = ["", "## Goals", *[f"- {'PASS' if ok else 'FAIL'}: {text}" for ok, text in outcome]]
     extra += ["", "## Anchors measured on an H200 (DESIGN.md), us",
               *[f"- {case}: " + ", ".join(f"{b} {lo}-{hi}" if lo != hi else f"{b} {lo}" for b, (lo, hi) in a.items())
@@ -443,12 +453,12 @@ def main() -> int:
         extra += ["", "## Subprocess errors", *[f"- {e['error']}" for e in errors]]
     with md.open("a") as fh:
         fh.write("\n".join(extra) + "\n")
-    log(plot(cases, rows, HERE / "results" / f"{name}.png"))
+    log(plot(cases, rows, res / f"{name}.png"))
     if args.out:
         import shutil
 
         args.out.mkdir(parents=True, exist_ok=True)
-        copies = [HERE / "results" / f"{name}.{ext}" for ext in ("json", "md", "png")]
+        copies = [res / f"{name}.{ext}" for ext in ("json", "md", "png")]
         if args.write_dispatch:
             copies.append(DISPATCH_OUT if cuda else HERE / "results" / "attention_smoke_dispatch.json")
         for path in copies:

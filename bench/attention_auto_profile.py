@@ -4,6 +4,9 @@ from timer noise.
 
     python bench/attention_auto_profile.py
 """
+from _util import require
+
+require("torch", "triton", "guardlint")  # a clear message outside the venv
 import os
 import statistics
 import sys

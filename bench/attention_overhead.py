@@ -7,6 +7,10 @@ kernel's ``run`` (Triton's own launch: binder, cache lookup, driver call) is a n
 """
 from __future__ import annotations
 
+from _util import require
+
+require("torch", "triton", "guardlint")  # a clear message outside the venv
+
 import argparse
 import cProfile
 import io
@@ -191,6 +195,8 @@ def profile(fn, calls: int, top: int = 18) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true",
+                        help="update the committed files in bench/results/ (default: print only)")
     parser.add_argument("--calls", type=int, default=200, help="calls per timed batch")
     parser.add_argument("--repeats", type=int, default=60, help="timed batches per row (median)")
     parser.add_argument("--profile", metavar="BACKEND", help="also print a cProfile of BACKEND on the first case")

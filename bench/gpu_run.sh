@@ -20,15 +20,15 @@ step() { name=$1; shift; echo "=== $name: $*"; start=$(date +%s); timeout "${STE
 for s in "$@"; do
   case $s in
     tests) step tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_gpu.py tests/test_guard_vit.py ;;
-    lora) step lora python3 bench/lora.py ;;
+    lora) step lora python3 bench/lora.py --write ;;
     engines) step engines python3 -m pytest -q -m gpu -p no:cacheprovider tests/engines/test_engines_gpu.py ;;
     lora-tests) step lora-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_lora_gpu.py ;;
-    sweep) step sweep python3 bench/lora_sweep.py ;;
-    anatomy) step anatomy python3 bench/lora_anatomy.py ;;
+    sweep) step sweep python3 bench/lora_sweep.py --write ;;
+    anatomy) step anatomy python3 bench/lora_anatomy.py --write ;;
     tests-rev) step tests-rev python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/test_guard_vit.py tests/test_attention_gpu.py ;;
-    guard) step guard python3 bench/guard_sync.py ;;
-    attention-quick) step attention-quick python3 bench/attention.py --quick --no-flashinfer --budget 200 ;;
-    attention) STEP_TIMEOUT=$(( ${ATTN_BUDGET:-420} + 40 )) step attention python3 bench/attention.py --write-dispatch --budget "${ATTN_BUDGET:-420}" ;;
+    guard) step guard python3 bench/guard_sync.py --write ;;
+    attention-quick) step attention-quick python3 bench/attention.py --quick --no-flashinfer --budget 200 --write ;;
+    attention) STEP_TIMEOUT=$(( ${ATTN_BUDGET:-420} + 40 )) step attention python3 bench/attention.py --write-dispatch --write --budget "${ATTN_BUDGET:-420}" ;;
     *) echo "unknown step $s"; rc=1 ;;
   esac
 done

@@ -7,6 +7,10 @@ Run: ``.venv/bin/python bench/guard_overhead.py [--batches 400 --calls 1000]``.
 """
 from __future__ import annotations
 
+from _util import require
+
+require("torch", "guardlint")  # a clear message outside the venv
+
 import argparse
 import dataclasses
 import os
@@ -135,6 +139,8 @@ def cases():
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true",
+                    help="update the committed files in bench/results/ (default: print only)")
     ap.add_argument("--batches", type=int, default=400)
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--out-dir", default=None, help="where to write guard_overhead.json/.md")

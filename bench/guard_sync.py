@@ -7,6 +7,10 @@ Run on a GPU: ``python bench/guard_sync.py``; anywhere: ``python bench/guard_syn
 """
 from __future__ import annotations
 
+from _util import require
+
+require("torch", "guardlint")  # a clear message outside the venv
+
 import argparse
 import statistics
 import sys
@@ -21,7 +25,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from _util import cuda_time_us, env_meta, write_results  # noqa: E402
+from _util import cuda_time_us, env_meta, results_dir, write_results  # noqa: E402
 from guardlint.guard import (GuardError, clear_cache, guard_varlen, prepare_varlen_metadata,  # noqa: E402
                              reset_stats, stats)
 
@@ -204,6 +208,8 @@ def check_capture(device, dtype, heads, head_dim, lengths) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true",
+                    help="update the committed files in bench/results/ (default: print only)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny CPU run of every variant, no CUDA parts")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--heads", type=int, default=16)
@@ -311,7 +317,8 @@ def main(argv=None) -> int:
     columns = ["variant", "sync_calls", "guard_device_reads", "reads_total", "forward_us_events", "forward_us_wall"]
     table = write_results(name, rows, columns, meta=meta, out_dir=out_dir,
                           title=f"Syncs and time per {args.layers}-layer ViT forward")
-    _plot(rows, out_dir or Path(__file__).resolve().parent / "results", name)
+    if results_dir(out_dir) is not None:
+        _plot(rows, results_dir(out_dir), name)
     if cuda:
         print(f"capture without prepared metadata: {meta['uncached_capture']}; with prepared metadata: replay "
               f"{'matches' if meta['prepared_capture_replay_ok'] else 'DIFFERS'} "

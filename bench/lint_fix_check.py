@@ -6,6 +6,10 @@
 """
 from __future__ import annotations
 
+from _util import require
+
+require("guardlint", "libcst")  # a clear message outside the venv
+
 import argparse
 import ast
 import hashlib
@@ -35,6 +39,8 @@ def _lint(root: Path, *extra: str) -> tuple[list, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true",
+                    help="update the committed files in bench/results/ (default: print only)")
     ap.add_argument("--tree", help="a source tree to copy and fix (default: the generated tree)")
     args = ap.parse_args()
     from _util import env_meta, write_results

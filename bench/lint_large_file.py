@@ -8,6 +8,7 @@ Usage: .venv/bin/python bench/lint_large_file.py [--calls 1000,2000,4000,28000] 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -68,6 +69,9 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", default="1000,2000,4000,28000", help="comma list of call counts")
     ap.add_argument("--write", action="store_true", help="write bench/results/lint_large_file.json")
     args = ap.parse_args(argv)
+    if importlib.util.find_spec("guardlint") is None or importlib.util.find_spec("libcst") is None:
+        sys.exit(f"lint_large_file.py needs guardlint and libcst, which {sys.executable} cannot import: run it with "
+                 "the project's venv (make install; .venv/bin/python bench/lint_large_file.py)")
     sizes = [int(s) for s in args.calls.split(",") if s.strip()]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -8,6 +8,10 @@ Usage: .venv/bin/python bench/lint_speed.py [PATH] [--files N] [--repeat R] [--t
 """
 from __future__ import annotations
 
+from _util import require
+
+require("guardlint", "libcst")  # a clear message outside the venv
+
 import argparse
 import ast
 import os
@@ -445,6 +449,8 @@ def time_version(n: int = 11) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true",
+                    help="update the committed files in bench/results/ (default: print only)")
     ap.add_argument("path", nargs="?", help="tree to lint (default: a generated one)")
     ap.add_argument("--files", type=int, default=1200, help="files in the generated tree")
     ap.add_argument("--repeat", type=int, default=3, help="runs per measurement (the best is kept)")

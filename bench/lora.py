@@ -13,6 +13,10 @@ Writes bench/results/lora.{json,md,png} (lora_smoke.* for --cpu-smoke). Exits 1 
 """
 from __future__ import annotations
 
+from _util import require
+
+require("torch", "triton", "guardlint")  # a clear message outside the venv
+
 import argparse
 import os
 import statistics
@@ -226,6 +230,8 @@ def errors(out, ref):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true",
+                        help="update the committed files in bench/results/ (default: print only)")
     parser.add_argument("--cases", help="comma-separated subset of prefill-r16,prefill-r64,small-r16,decode-r16")
     parser.add_argument("--quick", action="store_true", help="fewer timing iterations")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, Triton interpreter, host clock")
@@ -428,7 +434,11 @@ def plot(rows, cases, name) -> None:
     except Exception as exc:
         log(f"no plot: matplotlib does not import ({type(exc).__name__})")
         return
-    from _util import RESULTS
+    from _util import results_dir
+
+    folder = results_dir()
+    if folder is None:
+        return
 
     fig, axes = plt.subplots(1, len(cases), figsize=(6 * len(cases), 4.5), squeeze=False)
     for ax, case in zip(axes[0], cases):
@@ -448,7 +458,7 @@ def plot(rows, cases, name) -> None:
         ax.set_ylabel("us")
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    out = RESULTS / f"{name}.png"
+    out = folder / f"{name}.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     log(f"plot: {out}")

@@ -15,6 +15,10 @@ Writes bench/results/lora_anatomy.{json,md}.
 """
 from __future__ import annotations
 
+from _util import require
+
+require("torch", "triton", "guardlint")  # a clear message outside the venv
+
 import statistics
 import sys
 from pathlib import Path

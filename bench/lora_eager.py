@@ -10,6 +10,10 @@ sits beside them, so host-bound calls (wall above device) stand out.
 """
 from __future__ import annotations
 
+from _util import require
+
+require("torch", "triton", "guardlint")  # a clear message outside the venv
+
 import argparse
 import statistics
 import sys

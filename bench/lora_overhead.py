@@ -13,6 +13,10 @@ Writes bench/results/<out>.{json,md}.
 """
 from __future__ import annotations
 
+from _util import require
+
+require("torch", "triton", "guardlint")  # a clear message outside the venv
+
 import argparse
 import dataclasses
 import os
@@ -131,6 +135,8 @@ def time_calls(entries, rounds: int, calls: int) -> list:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true",
+                        help="update the committed files in bench/results/ (default: print only)")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--out", default="lora_overhead", help="result file name under bench/results/")

@@ -8,6 +8,10 @@ A 32 MB device-to-device copy timed the same way gives the bandwidth floor of th
 """
 from __future__ import annotations
 
+from _util import require
+
+require("torch", "triton", "guardlint")  # a clear message outside the venv
+
 import argparse
 import importlib.util
 import itertools
@@ -37,6 +41,8 @@ def amortised_us(torch, fns) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true",
+                    help="update the committed files in bench/results/ (default: print only)")
     ap.add_argument("--quick", action="store_true", help="fewer configs")
     args = ap.parse_args()
     import torch

@@ -9,6 +9,10 @@ bench/results/transformers_vision.{json,md} (+ .png with matplotlib).
 """
 from __future__ import annotations
 
+from _util import require
+
+require("torch", "triton", "guardlint", "transformers")  # a clear message outside the venv
+
 import argparse
 import inspect
 import os
