@@ -21,6 +21,7 @@ import libcst as cst
 from guardlint.contracts import Contract, Derivation
 
 from .names import dotted, is_none
+from .walk import children
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def _contains_call(node: cst.CSTNode) -> bool:
         n = stack.pop()
         if isinstance(n, (cst.Call, cst.NamedExpr, cst.Await, cst.Yield)):
             return True
-        stack.extend(n.children)
+        stack.extend(children(n))
     return False
 
 

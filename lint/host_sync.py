@@ -18,6 +18,7 @@ import libcst as cst
 from guardlint.contracts import Contract
 
 from .names import dotted
+from .walk import children
 from .patterns import LAYER_LOOP_NAME, PER_LAYER_CLASS_SUFFIXES, SYNC_METHODS, is_seqlen_name
 
 
@@ -32,9 +33,9 @@ def _names_in(expr: cst.CSTNode):
             yield node.attr.value
             stack.append(node.value)
         elif isinstance(node, (cst.Subscript, cst.Call, cst.BinaryOperation, cst.UnaryOperation)):
-            stack.extend(node.children)
+            stack.extend(children(node))
         elif isinstance(node, (cst.SubscriptElement, cst.Index, cst.Slice, cst.Arg)):
-            stack.extend(node.children)
+            stack.extend(children(node))
 
 
 def _metadata_name(expr: cst.CSTNode) -> Optional[str]:
@@ -165,7 +166,7 @@ def _first_read(body: cst.CSTNode) -> Optional[str]:
             what = PerLayerHostSync._host_read(node)
             if what:
                 return what
-        stack.extend(node.children)
+        stack.extend(children(node))
     return None
 
 
@@ -209,7 +210,7 @@ def _names_in_all(expr: cst.CSTNode):
         node = stack.pop()
         if isinstance(node, cst.Name):
             yield node.value
-        stack.extend(node.children)
+        stack.extend(children(node))
 
 
 def _statements(block):

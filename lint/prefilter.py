@@ -17,7 +17,10 @@ one with findings (``tests/test_lint_prefilter.py`` runs the engine with and wit
 from __future__ import annotations
 
 import ast
+import bisect
+import re
 from dataclasses import dataclass
+from typing import Optional
 
 from .patterns import LAYER_LOOP_NAME, PATTERNS, PER_LAYER_CLASS_SUFFIXES, SYNC_METHODS, is_seqlen_name
 from .rules import RuleSet
@@ -47,14 +50,110 @@ class TreeFilter:
         """False only when no rule can report anything in the file whose tree is ``tree``."""
         if self.opaque:
             return True
-        # Only what the bytes mention can be in the tree: most files need one kind of check at most.
+        # Only what the bytes mention can be in the tree, and only on the lines that mention it: the
+        # walk goes down only into statements that span such a line (a full walk of every tree cost as
+        # much as parsing it).
         names = {n for n in self.names if n.encode() in data}
-        fields = {n for n in self.fields if n.encode() in data}
+        fields = {n for n in self.fields if n.encode() in data} if b"replace" in data else set()
         host_sync = self.host_sync and any(n in data for n in PATTERNS[HOST_SYNC].needles)
         if not (names or fields or host_sync):
             return False
-        suspects = []
-        for node in ast.walk(tree):
+        words = [*names, *fields, *(("replace",) if fields else ()), *(_READ_WORDS if host_sync else ())]
+        scan = _Scan(names, fields, host_sync, _lines_of(data, words))
+        if scan.block(getattr(tree, "body", ()), False, None):
+            return True
+        if scan.replace_calls and any(
+                f.attr == "replace" if type(f) is ast.Attribute else f.id in scan.replace_names
+                for f in scan.replace_calls):
+            return True
+        if scan.helpers:
+            # A module-level helper that reads the host makes its callers suspects too (host_sync).
+            helpers = scan.helpers
+            scan = _Scan(set(), set(), False, _lines_of(data, helpers))
+            scan.helper_names = helpers
+            return scan.block(getattr(tree, "body", ()), False, None)
+        return False
+
+
+# Attribute and function names of the calls GL104's visitor looks at (``_host_read``).
+_READ_WORDS = ("item", "tolist", "any", "all", "int")
+_LINE_BREAK = re.compile(rb"\r\n|\r|\n")
+
+
+def _lines_of(data: bytes, words) -> list[int]:
+    """Sorted numbers of the lines (as CPython counts them) where one of ``words`` occurs as a word."""
+    if not words:
+        return []
+    pattern = re.compile(rb"\b(?:" + b"|".join(re.escape(w.encode()) for w in sorted(set(words))) + rb")\b")
+    offsets = [m.start() for m in pattern.finditer(data)]
+    if not offsets:
+        return []
+    breaks = [m.end() for m in _LINE_BREAK.finditer(data)]
+    return sorted({bisect.bisect_right(breaks, o) + 1 for o in offsets})
+
+
+class _Scan:
+    """One descent through the statements that span a line of interest, in per-layer context order."""
+
+    def __init__(self, names: set, fields: set, host_sync: bool, lines: list[int]):
+        self.names = names
+        self.fields = fields
+        self.host_sync = host_sync
+        self.lines = lines
+        self.replace_calls: list = []  # callees of calls that pass a field keyword
+        self.replace_names = {"replace"}  # names bound to dataclasses.replace by an import
+        self.helpers: set = set()  # module-level functions holding a host read
+        self.helper_names: set = set()
+
+    def _spans_a_line(self, node) -> bool:
+        start = getattr(node, "lineno", None)
+        if start is None:  # match_case: no position of its own
+            return True
+        decorators = getattr(node, "decorator_list", None)
+        if decorators:
+            start = min(start, *(d.lineno for d in decorators))
+        i = bisect.bisect_left(self.lines, start)
+        return i < len(self.lines) and self.lines[i] <= node.end_lineno
+
+    def block(self, stmts, context: bool, owner, suspects: Optional[list] = None) -> bool:
+        """Any reportable node in ``stmts``; ``context``: they run per layer; ``owner``: the class whose
+        body they are directly in; ``suspects``: a host read was seen (None: module level, where each
+        function is a possible helper)."""
+        for node in stmts:
+            if not self._spans_a_line(node):
+                continue
+            seen = [False] if suspects is None else suspects
+            t = type(node)
+            inner_context, inner_owner = context, owner
+            if t is ast.ClassDef:
+                inner_owner = node.name
+            elif t is ast.FunctionDef or t is ast.AsyncFunctionDef:
+                inner_owner = None
+                if node.name == "forward" and owner and owner.lower().endswith(PER_LAYER_CLASS_SUFFIXES):
+                    inner_context = True
+            elif (t is ast.For or t is ast.AsyncFor) and _loops_over_layers(node.iter):
+                inner_context = True
+            blocks = [v for _, v in ast.iter_fields(node)
+                      if type(v) is list and v and isinstance(v[0], _BLOCK_ITEMS)]
+            if not blocks:
+                if self.expr(node, inner_context, seen):
+                    return True
+            else:
+                for _, value in ast.iter_fields(node):
+                    if type(value) is list and value and isinstance(value[0], _BLOCK_ITEMS):
+                        if self.block(value, inner_context, inner_owner, seen):
+                            return True
+                        continue
+                    for item in (value if type(value) is list else (value,)):
+                        if isinstance(item, ast.AST) and self.expr(item, inner_context, seen):
+                            return True
+            if suspects is None and seen[0] and t is ast.FunctionDef:
+                self.helpers.add(node.name)
+        return False
+
+    def expr(self, root, context: bool, suspects: list) -> bool:
+        names, fields = self.names, self.fields
+        for node in ast.walk(root):
             t = type(node)
             if t is ast.Name:
                 if node.id in names:
@@ -62,24 +161,28 @@ class TreeFilter:
             elif t is ast.Attribute:
                 if node.attr in names:
                     return True
-            elif t is ast.keyword:
-                if node.arg in fields:
-                    return True
             elif t is ast.Call:
-                if host_sync and _host_read(node):
-                    suspects.append(node)
+                if fields and any(k.arg in fields for k in node.keywords) and type(node.func) in _CALLEES:
+                    self.replace_calls.append(node.func)
+                if self.host_sync and _host_read(node):
+                    if context:
+                        return True
+                    suspects[0] = True
+                elif self.helper_names and context and type(node.func) is ast.Name \
+                        and node.func.id in self.helper_names:
+                    return True
             elif t is ast.Import or t is ast.ImportFrom:
                 if names and _imports_name(node, names):
                     return True
-        if suspects:
-            # A module-level helper that reads the host makes its callers suspects too (host_sync).
-            found = {id(n) for n in suspects}
-            helpers = {d.name for d in getattr(tree, "body", ()) if type(d) is ast.FunctionDef
-                       and any(id(n) in found for n in ast.walk(d))}
-            if helpers:
-                suspects.extend(n for n in ast.walk(tree) if type(n) is ast.Call
-                                and type(n.func) is ast.Name and n.func.id in helpers)
-        return bool(suspects) and _any_inside_context(tree, suspects)
+                if fields:
+                    self.replace_names.update(a.asname for a in node.names if a.asname and (
+                        a.name == "replace" or a.name.endswith(".replace")))
+        return False
+
+
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
+_BLOCK_ITEMS = (ast.stmt, ast.excepthandler, ast.match_case)
+_CALLEES = (ast.Name, ast.Attribute)
 
 
 def _imports_name(node, names: set) -> bool:
@@ -115,31 +218,6 @@ def _host_read(call: ast.Call) -> bool:
             and _reads_seqlen(func.value)
     if type(func) is ast.Name and func.id == "int" and len(call.args) + len(call.keywords) == 1:
         return _reads_seqlen(call)
-    return False
-
-
-def _any_inside_context(tree: ast.AST, calls: list) -> bool:
-    """Is one of ``calls`` in code that runs per layer, as ``host_sync`` decides it: under the
-    ``forward`` of a class named like a block, layer or attention, or a loop over layers/blocks."""
-    wanted = {id(c) for c in calls}
-    stack: list = [(tree, None)]  # (node, the class whose body it is directly in)
-    while stack:
-        node, owner = stack.pop()
-        t = type(node)
-        if t is ast.ClassDef:
-            inner = node.name
-        elif t is ast.FunctionDef or t is ast.AsyncFunctionDef:
-            if node.name == "forward" and owner and owner.lower().endswith(PER_LAYER_CLASS_SUFFIXES) \
-                    and any(id(n) in wanted for n in ast.walk(node)):
-                return True
-            inner = None
-        elif (t is ast.For or t is ast.AsyncFor) and _loops_over_layers(node.iter):
-            if any(id(n) in wanted for n in ast.walk(node)):
-                return True
-            inner = owner
-        else:
-            inner = owner
-        stack.extend((child, inner) for child in ast.iter_child_nodes(node))
     return False
 
 

@@ -35,6 +35,9 @@ class RuleSet:
     # Textual pre-filter: a file is parsed only if it contains one of ``needles`` (target names),
     # or what one of the pattern rules needs.
     needles: tuple[bytes, ...] = ()
+    # Fields of ``replace_contracts``: a file needs one of them and the word ``replace`` (the callee's
+    # own name or the name it is imported under) to hold such a call.
+    field_needles: tuple[bytes, ...] = ()
     pattern_specs: tuple[PatternSpec, ...] = ()
     # Other names of a target (``guardlint.kernels.X`` for ``guardlint.kernels.<submodule>.X``) -> the
     # target's own qualname, which per-target data (derivations, params) is keyed by.
@@ -55,6 +58,8 @@ class RuleSet:
         for n in self.needles:
             if n in data:
                 return True
+        if b"replace" in data and any(n in data for n in self.field_needles):
+            return True
         return any(spec.may_match(data) for spec in self.pattern_specs)
 
 
@@ -106,6 +111,7 @@ def build_rules(extra: Iterable[Contract] = (), *, builtin: Optional[Iterable[Co
     by_callee: dict[str, list[Contract]] = {}
     by_instance: dict[str, list[Contract]] = {}
     needles: dict[bytes, None] = {}
+    field_needles: dict[bytes, None] = {}
     replace: list[Contract] = []
     patterns: list[Contract] = []
     specs = []
@@ -124,7 +130,7 @@ def build_rules(extra: Iterable[Contract] = (), *, builtin: Optional[Iterable[Co
                 replace.append(c)
                 # replace(x, f=None, ...) must name the fields; one name per group is enough to look for.
                 for group in c.require:
-                    needles[group[0].split(".")[0].encode()] = None
+                    field_needles[group[0].split(".")[0].encode()] = None
         elif c.kind == "pattern":
             spec = PATTERNS.get(c.code)
             if spec is None:
@@ -139,6 +145,7 @@ def build_rules(extra: Iterable[Contract] = (), *, builtin: Optional[Iterable[Co
         replace_contracts=tuple(replace),
         patterns=tuple(patterns),
         needles=tuple(needles),
+        field_needles=tuple(n for n in field_needles if n not in needles),
         pattern_specs=tuple(specs),
         canonical=canonical,
     )
