@@ -23,7 +23,7 @@ engines-vllm: $(STAMP)
 	$(BIN)/python tests/engines/fetch.py vllm
 
 test: $(STAMP) engines
-	@echo "== ruff, then the CPU test suite: about TIME_PLACEHOLDER on 2 cores (the Triton kernels run in its interpreter)"
+	@echo "== ruff, then the CPU test suite: about 2 minutes on 2 cores (the Triton kernels run in the interpreter)"
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
 
