@@ -5,17 +5,17 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
 from guardlint.contracts import ConfigError, all_contracts
 
-from . import explain as _explain, output
 from .config import Settings, UsageError, load_settings
-from .fixer import unified_diff
 from .runner import lint_paths, rules_for, with_options
+
+# Output formats, diffs and rule texts are imported by the commands that print them: a pre-commit run
+# of one clean file needs none of them.
 
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 
@@ -65,10 +65,16 @@ def run_check(paths: Sequence[str], *, select: Sequence[str] = (), ignore: Seque
     code = EXIT_FINDINGS if failed and not exit_zero else EXIT_CLEAN
     if report.missing:
         code = EXIT_USAGE
+    from . import output
+
     if diff:
+        from .fixer import unified_diff
+
         out = "".join(unified_diff(c.path, c.before, c.after) for c in report.changes if c.changed)
         return Outcome(code, out, notes + _diff_summary(report.fixed, findings, unsafe_fixes) + "\n")
     if fmt == "json":
+        import json
+
         out = (json.dumps(output.statistics(findings, unsafe_fixes), indent=2) + "\n") if statistics \
             else output.as_json(findings)
     elif fmt == "sarif":
@@ -94,6 +100,8 @@ def run_check(paths: Sequence[str], *, select: Sequence[str] = (), ignore: Seque
 
 
 def _diff_summary(fixed: int, remaining: Sequence, unsafe_fixes: bool) -> str:
+    from . import output
+
     head = f"Would fix {fixed} finding{'s' if fixed != 1 else ''}" if fixed else "No fixes would be applied"
     if remaining:
         head += f" ({len(remaining)} would remain)"
@@ -106,6 +114,8 @@ def _settings_for_catalog(config: Optional[str], cwd: Optional[Path]) -> Setting
 
 
 def run_explain(code: str, *, config: Optional[str] = None, cwd: Optional[Path] = None) -> Outcome:
+    from . import explain as _explain
+
     try:
         settings = _settings_for_catalog(config, cwd)
     except ConfigError as e:
@@ -119,6 +129,8 @@ def run_explain(code: str, *, config: Optional[str] = None, cwd: Optional[Path] 
 
 
 def run_rules(*, fmt: str = "text", config: Optional[str] = None, cwd: Optional[Path] = None) -> Outcome:
+    from . import explain as _explain
+
     try:
         settings = _settings_for_catalog(config, cwd)
     except ConfigError as e:

@@ -58,6 +58,9 @@ def _pattern_class():
         return GitWildMatchPattern
 
 
+_PLAIN_NAME = re.compile(r"^(?!\.+$)[A-Za-z0-9_.-]+$")
+
+
 @dataclass(frozen=True)
 class Glob:
     """One pattern, matched like a .gitignore line (by pathspec) against a path relative to the project
@@ -79,6 +82,10 @@ class Glob:
                               f"comment; write '\\#...' to match a name that starts with '#'")
         if p.startswith("./"):
             p = p[2:]
+        if _PLAIN_NAME.match(p):
+            # A bare name matches that name at any depth; the regex is pathspec's own for it, written
+            # here so that the default excludes do not import pathspec (~10 ms of every run).
+            return cls(pattern, re.compile(r"^(?:.+/)?" + re.escape(p) + r"(?:/|$)"))
         try:
             compiled = _pattern_class()(p)
         except (ValueError, TypeError, re.error) as e:

@@ -808,6 +808,10 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
         if not tree_filter(rules).may_report(tree, data):
             return FileResult(path, [])
     _load_cst()
+    # libcst's parse allocates a node object per token and per grammar rule and makes no cycles: the
+    # collector passes it triggers cost ~10% of the parse (65 files of sglang 0.5.23: 2.26 -> 2.04 s).
+    was_enabled = gc.isenabled()
+    gc.disable()
     try:
         module = cst.parse_module(data)
     except Exception as e:  # ParserSyntaxError, decoding errors, unknown encodings
@@ -820,6 +824,9 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
         if isinstance(e, cst.ParserSyntaxError):
             return file_error(path, e.message.strip().splitlines()[0], e.raw_line, e.raw_column + 1)
         return file_error(path, f"{type(e).__name__}: {e}")
+    finally:
+        if was_enabled:
+            gc.enable()
 
     collector = Collector(module_name, is_package)
     collector.default_indent = module.default_indent

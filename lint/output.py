@@ -4,7 +4,6 @@ Findings go to stdout in every format so it stays parseable; the summary line go
 """
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import PurePath
 from typing import Iterable, Sequence
@@ -53,6 +52,8 @@ def summary(findings: Sequence[Finding], unsafe_fixes: bool = False, fixed: int 
 
 
 def as_json(findings: Sequence[Finding]) -> str:
+    import json
+
     return json.dumps([f.to_dict() for f in findings], indent=2) + "\n"
 
 
@@ -165,4 +166,6 @@ def sarif(findings: Sequence[Finding], contracts: Iterable[Contract]) -> str:
             "results": results,
         }],
     }
+    import json
+
     return json.dumps(log, indent=2) + "\n"

@@ -18,14 +18,16 @@ import stat
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from guardlint.contracts import all_contracts
 
 from .config import SELECTOR, PathMatcher, Settings, UsageError, check_codes, relative_to_root
 from .findings import Finding
-from .fixer import Change, fix_source, write_atomic
 from .rules import RuleSet, build_rules
+
+if TYPE_CHECKING:
+    from .fixer import Change
 
 SOURCE_SUFFIXES = (".py", ".pyi")
 PARSE_ERROR = "GL000"
@@ -433,8 +435,6 @@ def lint_paths(paths: Sequence[str], settings: Settings, *, strict: bool = False
     the files, ``fix="diff"`` only computes them; both report what remains after fixing. Named paths
     that do not exist, or are not checked, are listed in the report; the others are linted anyway.
     ``progress(done, total)`` is called as files are checked."""
-    from .engine import file_error
-
     rules = rules_for(settings)
     every_rule = None if _selects_all(settings) else build_rules(list(settings.contracts),
                                                                  builtin=list(all_contracts()))
@@ -446,6 +446,8 @@ def lint_paths(paths: Sequence[str], settings: Settings, *, strict: bool = False
         try:
             data = read_source(path)
         except OSError as e:
+            from .engine import file_error
+
             findings.extend(file_error(path, f"cannot read: {e.strerror or e}").findings)
             continue
         full = rules.may_match(data)
@@ -499,6 +501,8 @@ def _keep(findings: list[Finding], settings: Settings) -> list[Finding]:
 
 def _fix(report: Report, candidates: list[Candidate], rules: RuleSet, settings: Settings, strict: bool,
          unsafe_fixes: bool, write: bool) -> None:
+    from . import fixer
+
     by_path: dict[str, list[Finding]] = {}
     for f in report.findings:
         by_path.setdefault(f.path, []).append(f)
@@ -515,11 +519,11 @@ def _fix(report: Report, candidates: list[Candidate], rules: RuleSet, settings: 
                                 is_package=c.is_package)
             return _keep(result.findings, settings)
 
-        change = fix_source(c.data, found, recheck, unsafe_fixes=unsafe_fixes, path=path)
+        change = fixer.fix_source(c.data, found, recheck, unsafe_fixes=unsafe_fixes, path=path)
         change.stdin = c.stdin
         if write and change.changed and not c.stdin:
             try:
-                write_atomic(path, change.after)
+                fixer.write_atomic(path, change.after)
             except OSError as e:
                 change.error = f"the fixed file could not be written: {e.strerror or e}"
                 change.findings = found
@@ -570,6 +574,8 @@ def fixed_source(source, path: str = "<string>", *, unsafe_fixes: bool = False,
                  rules: Optional[RuleSet] = None):
     """``source`` (text or bytes) after ``--fix`` (with ``unsafe_fixes``: ``--fix --unsafe-fixes``),
     as the same type; unchanged when nothing applies."""
+    from .fixer import fix_source
+
     data = source.encode("utf-8") if isinstance(source, str) else source
     settings = settings or Settings(root=Path.cwd())
     rules = rules or rules_for(settings)

@@ -299,3 +299,20 @@ def test_no_arguments_checks_the_current_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     r = invoke()
     assert r.exit_code == 1 and r.stdout.startswith("m.py:2:1: GL201 ")
+
+
+def test_check_of_a_clean_file_imports_only_what_it_needs(tmp_path):
+    """pre-commit's common case: one file without candidate text loads no parser, no output format
+    other than text, no pattern library and no process pool."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "clean.py"
+    path.write_text("def f(x):\n    return x + 1\n")
+    code = ("import sys\nfrom guardlint.lint.cli import main\n"
+            f"try:\n    main(['check', {str(path)!r}])\nexcept SystemExit:\n    pass\n"
+            "heavy = ('libcst', 'json', 'pathspec', 'concurrent.futures', 'multiprocessing', 'difflib',\n"
+            "         'guardlint.lint.engine', 'guardlint.lint.fixer', 'guardlint.lint.explain')\n"
+            "print(sorted(m for m in heavy if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -403,13 +403,13 @@ def test_a_fix_that_would_break_the_file_is_not_written(tmp_path, monkeypatch):
 
 
 def test_a_file_that_cannot_be_written_keeps_its_findings(tmp_path, monkeypatch):
-    from guardlint.lint import runner
+    from guardlint.lint import fixer
 
     def refuse(path, data):
         raise PermissionError(13, "Permission denied")
 
     p = _write(tmp_path, "m.py", (LORA + "LoRABatchInfo(seg_indptr=p)\n").encode())
-    monkeypatch.setattr(runner, "write_atomic", refuse)
+    monkeypatch.setattr(fixer, "write_atomic", refuse)  # the runner imports it when it writes
     r = invoke("--fix", "--unsafe-fixes", str(p))
     assert r.exit_code == 1 and "could not be written: Permission denied" in r.stdout and "GL201" in r.stdout
 

@@ -177,3 +177,11 @@ def test_user_contract_with_its_own_code(tmp_path):
     (tmp_path / "use.py").write_text("from mylib.ops import fwd\nfwd(1)\n")
     r = CliRunner().invoke(main, [str(tmp_path / "use.py")])
     assert r.exit_code == 1 and "GL901" in r.stdout
+
+
+@pytest.mark.parametrize("name", [".git", "build", "node_modules", "foo_bar-1.x", "a.b.c"])
+def test_glob_bare_name_is_pathspecs_own_regex(name):
+    from guardlint.lint.config import _pattern_class
+
+    assert Glob.compile(name).regex.pattern == _pattern_class()(name).regex.pattern
+    assert PathMatcher([name]).matches(f"src/{name}/x.py") and not PathMatcher([name]).matches(f"src/{name}x/y.py")
