@@ -23,8 +23,9 @@ engines-vllm: $(STAMP)
 	$(BIN)/python tests/engines/fetch.py vllm
 
 test: $(STAMP) engines
-	@echo "== ruff, then the CPU test suite: about 2 minutes on 2 cores (the Triton kernels run in the interpreter)"
+	@echo "== ruff, mypy (contracts/), then the CPU test suite: about 2 minutes on 2 cores (the Triton kernels run in the interpreter)"
 	$(BIN)/ruff check .
+	$(BIN)/mypy contracts/
 	$(BIN)/python -m pytest -q tests
 
 # The vLLM engine tests (a 340 MB download, so not in every CI run).

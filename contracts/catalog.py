@@ -5,7 +5,7 @@ user-declared contracts; GL3xx: the machine. A new kernel costs one entry here.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .model import Contract, Derivation, Diagnosis, Example, Target
 
@@ -243,7 +243,7 @@ VLLM_CUDNN_FIX = (
     "as cu_seqlens, as Qwen2.5-VL's prepare_encoder_metadata does."
 )
 
-_VISION_DIAG_COMMON = dict(
+_VISION_DIAG_COMMON: dict[str, Any] = dict(
     when_it_happens=(
         "A ViT block calls the vision attention with cu_seqlens only: the model was written for the "
         "FA3/SDPA backends and then switched to flashinfer_cudnn, or a wrapper forwards every keyword and "
