@@ -391,7 +391,8 @@ GL104 = Contract(
     diagnosis=Diagnosis(
         message="host sync in a per-layer forward: compute max_seqlen once per model forward",
         what_it_means=(
-            ".item(), int(t.max()) or .tolist() on cu_seqlens-like tensors copies a value from the GPU and "
+            ".item(), .tolist(), int(t), bool(t), float(t), int(t.max()) or an if/while test of "
+            "cu_seqlens-like tensors copies a value from the GPU and "
             "waits for every queued kernel: about 30 us per call on an H200, ~1 ms per forward across 32 "
             "ViT layers, and an error inside CUDA graph capture."
         ),
@@ -431,7 +432,33 @@ def encode(blocks, x, cu_seqlens):
         x = blk(x, cu_seqlens, max_seqlen)
     return x
 '''),
+        Example("bad", '''\
+import torch.nn as nn
+
+
+class DecoderLayer(nn.Module):
+    def forward(self, x, cu_seqlens, seq_lens):
+        total = int(cu_seqlens[-1])  # expect: GL104
+        if seq_lens[0] > 0:  # expect: GL104
+            x = x[:total]
+        return x
+'''),
         Example("good", GL104_GOOD),
+        # Host values, whatever the names: host-named lengths, shapes and sizes, .is_npu, None tests.
+        Example("good", '''\
+import torch.nn as nn
+
+
+class DecoderLayer(nn.Module):
+    def forward(self, x, cu_seqlens, seq_lens, seq_lens_cpu):
+        batch = int(cu_seqlens.shape[0]) - 1
+        longest = int(max(seq_lens_cpu))
+        if seq_lens is None or len(seq_lens) == 0:
+            return x
+        if seq_lens.is_npu:
+            seq_lens = seq_lens.to("cpu")
+        return x[:batch], longest
+'''),
     ),
 )
 

@@ -680,6 +680,8 @@ def _positions_from_ast(module, tree, calls, raw, data):
     lines = _NEWLINE.split(data.decode(module.encoding))
     out = []
     for r in raw:
+        if id(r.node) not in index:  # not a call (GL104's ``if seq_lens:``): libcst's positions
+            return None
         a = acalls[index[id(r.node)]]
         if _ast_dotted(a.func) != dotted(r.node.func):
             return None

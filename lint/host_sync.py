@@ -18,8 +18,8 @@ import libcst as cst
 from guardlint.contracts import Contract
 
 from .names import dotted
+from .patterns import CASTS, LAYER_LOOP_NAME, PER_LAYER_CLASS_SUFFIXES, SYNC_METHODS, is_seqlen_name
 from .walk import children
-from .patterns import LAYER_LOOP_NAME, PER_LAYER_CLASS_SUFFIXES, SYNC_METHODS, is_seqlen_name
 
 
 def _names_in(expr: cst.CSTNode):
@@ -72,10 +72,22 @@ class PerLayerHostSync:
     def visit_If(self, node: cst.If) -> None:
         if _tests_metadata(node.test):
             self._fallback += 1
-        if self._context() and isinstance(node.test, cst.Call):
-            what = _tensor_truth(node.test)
-            if what:
-                self.report(node.test, f"{self.contract.diagnosis.message}: {what} inside {self._context()}")
+        self._truth(node.test, "if")
+
+    def visit_While(self, node: cst.While) -> None:
+        self._truth(node.test, "while")
+
+    def _truth(self, test: cst.BaseExpression, keyword: str) -> None:
+        """``if (a > b).any():``, ``if seq_lens:``, ``while cu_seqlens[i] < n:`` - the truth of a tensor."""
+        context = self._context()
+        if not context:
+            return
+        if isinstance(test, cst.Call):
+            what = _tensor_truth(test)
+        else:  # in the fallback branch of a prepared-metadata test the callers are reported (GL109)
+            what = None if getattr(self, "_fallback", 0) else _metadata_truth(test, keyword)
+        if what:
+            self.report(test, f"{self.contract.diagnosis.message}: {what} inside {context}")
 
     def leave_If(self, node: cst.If) -> None:
         if _tests_metadata(node.test):
@@ -146,15 +158,20 @@ class PerLayerHostSync:
             name = _metadata_name(func.value)
             if name:
                 return f".{func.attr.value}() on {name}"
-        if isinstance(func, cst.Name) and func.value == "int" and len(node.args) == 1:
+        if isinstance(func, cst.Name) and func.value in CASTS and len(node.args) == 1:
             inner = node.args[0].value
             if isinstance(inner, cst.Call):
                 f = inner.func
                 is_max = (isinstance(f, cst.Attribute) and f.attr.value == "max")
-                if is_max:
+                if is_max and func.value == "int":
                     name = _metadata_name(inner)
                     if name:
                         return f"int(....max()) on {name}"
+            if node.args[0].star:
+                return None
+            name = _device_value(inner)
+            if name:
+                return f"{func.value}() of {name}"
         return None
 
 
@@ -189,6 +206,67 @@ def _tensor_truth(test: cst.Call) -> Optional[str]:
 
 
 HOST_NAMES = ("_cpu", "_host", "_list", "_np")
+# Reading these gives host values whatever the tensor's device: len(t), t.shape, t.size(), t.numel() ...
+_HOST_ATTRS = ("shape", "ndim", "device", "dtype", "requires_grad")
+_HOST_METHODS = ("size", "numel", "dim", "cpu", "numpy")
+
+
+def _device_value(expr: cst.BaseExpression) -> Optional[str]:
+    """The sequence-length name whose device value ``expr`` reads, when nothing in it proves the value
+    is a host one: a host-named variable, ``.cpu()``, shapes and sizes, ``len(...)`` are host values, and
+    a ``.item()``/``.tolist()`` inside is reported as itself."""
+    stack = [expr]
+    found = None
+    while stack:
+        node = stack.pop()
+        if isinstance(node, cst.Name):
+            if is_seqlen_name(node.value):
+                found = found or node.value
+        elif isinstance(node, cst.Attribute):
+            if node.attr.value in _HOST_ATTRS or node.attr.value.startswith("is_"):  # t.is_npu
+                continue
+            if is_seqlen_name(node.attr.value):
+                found = found or node.attr.value
+            stack.append(node.value)
+        elif isinstance(node, cst.Call):
+            f = node.func
+            if isinstance(f, cst.Name) and f.value in ("len", "list", "tuple", "range"):
+                continue
+            if isinstance(f, cst.Attribute) and (f.attr.value in _HOST_METHODS or f.attr.value.startswith("is_")):
+                if f.attr.value in ("cpu", "numpy"):
+                    return None
+                continue
+            if isinstance(f, cst.Attribute) and f.attr.value in SYNC_METHODS:
+                return None
+            stack.extend(children(node))
+        elif isinstance(node, (cst.Subscript, cst.BinaryOperation, cst.UnaryOperation, cst.SubscriptElement,
+                               cst.Index, cst.Slice, cst.Arg)):
+            stack.extend(children(node))
+    return found
+
+
+def _metadata_truth(test: cst.BaseExpression, keyword: str = "if") -> Optional[str]:
+    """``if seq_lens:``, ``if not cu_seqlens[0]:``, ``if seg_lens[i] > 0:`` - a tensor of lengths tested
+    for truth; ``is None`` tests and host values (see ``_device_value``) are not reads."""
+    if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
+        test = test.expression
+    if isinstance(test, cst.BooleanOperation):
+        return _metadata_truth(test.left, keyword) or _metadata_truth(test.right, keyword)
+    if isinstance(test, cst.Comparison):
+        if any(isinstance(c.operator, (cst.Is, cst.IsNot, cst.In, cst.NotIn)) for c in test.comparisons):
+            return None
+        name = _device_value(test.left) if isinstance(test.left, (cst.Name, cst.Attribute, cst.Subscript)) \
+            else None
+        for c in test.comparisons:
+            if name:
+                break
+            if isinstance(c.comparator, (cst.Name, cst.Attribute, cst.Subscript)):
+                name = _device_value(c.comparator)
+        return f"{keyword} ... {name} ... (the truth of a tensor)" if name else None
+    if isinstance(test, (cst.Name, cst.Attribute, cst.Subscript)):
+        name = _device_value(test)
+        return f"{keyword} {name} (the truth of a tensor)" if name else None
+    return None
 
 
 def _host_only(node: cst.ClassDef) -> bool:

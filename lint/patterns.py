@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 from guardlint.contracts.catalog import HOST_SUFFIXES, SEQLEN_STEMS
 
@@ -22,15 +23,18 @@ class PatternSpec:
     needles: tuple[bytes, ...]
     also: tuple[tuple[bytes, ...], ...] = ()
     context: tuple[bytes, ...] = ()
+    # Passes for ``also`` too when it matches (reads whose spelling is too common to look for alone).
+    also_pattern: Optional[re.Pattern] = None
 
     def may_match(self, data: bytes) -> bool:
         if not any(n in data for n in self.needles):
             return False
-        if self.also and not any(all(n in data for n in group) for group in self.also):
-            return False
         if self.context:
             lower = data.lower()
-            return any(n in lower for n in self.context)
+            if not any(n in lower for n in self.context):
+                return False
+        if self.also and not any(all(n in data for n in group) for group in self.also):
+            return self.also_pattern is not None and self.also_pattern.search(data) is not None
         return True
 
 
@@ -40,11 +44,15 @@ class PatternSpec:
 SEQLEN_NAME = re.compile(rf"^(?:\w*_)?(?:{'|'.join(SEQLEN_STEMS)})(?:_\w+)?$")
 # Calls that copy a device value to the host: t.item(), t.tolist(); int(t.max()) is matched apart.
 SYNC_METHODS = ("item", "tolist")
+# int(t), bool(t), float(t) of a device tensor read it back as well.
+CASTS = ("int", "bool", "float")
 # A forward of a class named like this runs once per layer.
 PER_LAYER_CLASS_SUFFIXES = ("block", "layer", "attention")
 # A loop over something named like this runs once per layer: self.blocks, layers, self.layers,
 # enumerate(self.blocks), range(num_layers), self.vision_blocks ...
 LAYER_LOOP_NAME = re.compile(r"(?:^|_)(?:layers?|blocks?)$", re.IGNORECASE)
+
+_STEM = rb"(?:" + b"|".join(stem.encode() for stem in SEQLEN_STEMS if stem != "cu_seqlens") + rb")"
 
 PATTERNS: dict[str, PatternSpec] = {
     "GL104": PatternSpec(
@@ -55,6 +63,13 @@ PATTERNS: dict[str, PatternSpec] = {
         also=((b".item(",), (b".tolist(",), (b"int(", b".max("), (b".any()",), (b".all()",)),
         # A per-layer place: class *Block/*Layer/*Attention, or a loop over layers/blocks.
         context=(b"block", b"layer", b"attention"),
+        # int(t)/bool(t)/float(t) of lengths, with the lengths on the line of the cast, and ``if``/``while``
+        # tests of lengths (``if seq_lens:``, ``if not cu_seqlens[0]``, ``while x and seg_lens[i] < n``):
+        # ``int`` and ``if`` alone are in every file, and ``if seq_lens is None`` is no read.
+        also_pattern=re.compile(
+            rb"\b(?:int|bool|float)\([^\n]*?" + _STEM
+            + rb"|\b(?:if|elif|while|and|or)\s+(?:not\s+)?\(?\s*[\w.]*" + _STEM
+            + rb"\w*(?:\[[^\]\n]*\])?\s*(?::|and\b|or\b|[<>]=?|==|!=|\))"),
     ),
 }
 

@@ -22,7 +22,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from .patterns import LAYER_LOOP_NAME, PATTERNS, PER_LAYER_CLASS_SUFFIXES, SYNC_METHODS, is_seqlen_name
+from .patterns import (CASTS, LAYER_LOOP_NAME, PATTERNS, PER_LAYER_CLASS_SUFFIXES, SYNC_METHODS,
+                       is_seqlen_name)
 from .rules import RuleSet
 
 HOST_SYNC = "GL104"
@@ -58,8 +59,8 @@ class TreeFilter:
         host_sync = self.host_sync and any(n in data for n in PATTERNS[HOST_SYNC].needles)
         if not (names or fields or host_sync):
             return False
-        words = [*names, *fields, *(("replace",) if fields else ()), *(_READ_WORDS if host_sync else ())]
-        scan = _Scan(names, fields, host_sync, _lines_of(data, words))
+        scan = _Scan(names, fields, host_sync, _lines_of(data, [*names, *fields, *(("replace",) if fields else ())]),
+                     _lines_of(data, _READ_WORDS) if host_sync else [])
         if scan.block(getattr(tree, "body", ()), False, None):
             return True
         if scan.replace_calls and any(
@@ -69,14 +70,15 @@ class TreeFilter:
         if scan.helpers:
             # A module-level helper that reads the host makes its callers suspects too (host_sync).
             helpers = scan.helpers
-            scan = _Scan(set(), set(), False, _lines_of(data, helpers))
+            scan = _Scan(set(), set(), False, [], _lines_of(data, helpers))
             scan.helper_names = helpers
             return scan.block(getattr(tree, "body", ()), False, None)
         return False
 
 
-# Attribute and function names of the calls GL104's visitor looks at (``_host_read``).
-_READ_WORDS = ("item", "tolist", "any", "all", "int")
+# Attribute and function names of the calls GL104's visitor looks at (``_host_read``), and the keywords
+# of the tests it looks at (an ``if`` statement spans the line of its keyword).
+_READ_WORDS = ("item", "tolist", "any", "all", "int", "bool", "float", "if", "elif", "while")
 _LINE_BREAK = re.compile(rb"\r\n|\r|\n")
 
 
@@ -84,65 +86,91 @@ def _lines_of(data: bytes, words) -> list[int]:
     """Sorted numbers of the lines (as CPython counts them) where one of ``words`` occurs as a word."""
     if not words:
         return []
-    pattern = re.compile(rb"\b(?:" + b"|".join(re.escape(w.encode()) for w in sorted(set(words))) + rb")\b")
+    # The rest of the line is part of a match: one match a line at most, however common the words.
+    pattern = re.compile(rb"\b(?:" + b"|".join(re.escape(w.encode()) for w in sorted(set(words))) + rb")\b[^\r\n]*")
     offsets = [m.start() for m in pattern.finditer(data)]
     if not offsets:
         return []
-    breaks = [m.end() for m in _LINE_BREAK.finditer(data)]
-    return sorted({bisect.bisect_right(breaks, o) + 1 for o in offsets})
+    if b"\r" in data:  # \r alone ends a line too
+        breaks = [m.end() for m in _LINE_BREAK.finditer(data)]
+        return sorted({bisect.bisect_right(breaks, o) + 1 for o in offsets})
+    lines, line, at = [], 1, 0
+    for o in offsets:
+        line += data.count(b"\n", at, o)
+        at = o
+        lines.append(line)
+    return lines
 
 
 class _Scan:
     """One descent through the statements that span a line of interest, in per-layer context order."""
 
-    def __init__(self, names: set, fields: set, host_sync: bool, lines: list[int]):
+    def __init__(self, names: set, fields: set, host_sync: bool, name_lines: list[int], read_lines: list[int]):
         self.names = names
         self.fields = fields
         self.host_sync = host_sync
-        self.lines = lines
+        # Lines naming a target or a field (looked at everywhere), and lines of host reads and tests
+        # (looked at only where they can be reported: per-layer code and module-level helpers).
+        self.name_lines = name_lines
+        self.read_lines = read_lines
         self.replace_calls: list = []  # callees of calls that pass a field keyword
         self.replace_names = {"replace"}  # names bound to dataclasses.replace by an import
         self.helpers: set = set()  # module-level functions holding a host read
         self.helper_names: set = set()
 
-    def _spans_a_line(self, node) -> bool:
+    @staticmethod
+    def _spans(node, lines: list[int]) -> bool:
+        if not lines:
+            return False
         start = getattr(node, "lineno", None)
         if start is None:  # match_case: no position of its own
             return True
         decorators = getattr(node, "decorator_list", None)
         if decorators:
             start = min(start, *(d.lineno for d in decorators))
-        i = bisect.bisect_left(self.lines, start)
-        return i < len(self.lines) and self.lines[i] <= node.end_lineno
+        i = bisect.bisect_left(lines, start)
+        return i < len(lines) and lines[i] <= node.end_lineno
 
-    def block(self, stmts, context: bool, owner, suspects: Optional[list] = None) -> bool:
+    def block(self, stmts, context: bool, owner, suspects: Optional[list] = None, reads: bool = False) -> bool:
         """Any reportable node in ``stmts``; ``context``: they run per layer; ``owner``: the class whose
         body they are directly in; ``suspects``: a host read was seen (None: module level, where each
-        function is a possible helper)."""
+        function is a possible helper); ``reads``: a host read here matters (inside a module-level
+        function, which may be a helper)."""
         for node in stmts:
-            if not self._spans_a_line(node):
+            named = self._spans(node, self.name_lines)
+            if not named and not self._spans(node, self.read_lines):
                 continue
             seen = [False] if suspects is None else suspects
             t = type(node)
-            inner_context, inner_owner = context, owner
+            inner_context, inner_owner, inner_reads = context, owner, reads
             if t is ast.ClassDef:
                 inner_owner = node.name
             elif t is ast.FunctionDef or t is ast.AsyncFunctionDef:
                 inner_owner = None
+                inner_reads = reads or (suspects is None and t is ast.FunctionDef)
                 if node.name == "forward" and owner and owner.lower().endswith(PER_LAYER_CLASS_SUFFIXES):
                     inner_context = True
             elif (t is ast.For or t is ast.AsyncFor) and _loops_over_layers(node.iter):
                 inner_context = True
+            elif (t is ast.If or t is ast.While) and self.host_sync and _truth_read(node.test):
+                if context:
+                    return True
+                seen[0] = True
+            # Expressions are walked where a name can be found or a read can count; statements are
+            # always gone down into (a loop over layers may be anywhere).
+            look = named or inner_context or inner_reads
             blocks = [v for _, v in ast.iter_fields(node)
                       if type(v) is list and v and isinstance(v[0], _BLOCK_ITEMS)]
             if not blocks:
-                if self.expr(node, inner_context, seen):
+                if look and self.expr(node, inner_context, seen):
                     return True
             else:
                 for _, value in ast.iter_fields(node):
                     if type(value) is list and value and isinstance(value[0], _BLOCK_ITEMS):
-                        if self.block(value, inner_context, inner_owner, seen):
+                        if self.block(value, inner_context, inner_owner, seen, inner_reads):
                             return True
+                        continue
+                    if not look:
                         continue
                     for item in (value if type(value) is list else (value,)):
                         if isinstance(item, ast.AST) and self.expr(item, inner_context, seen):
@@ -216,9 +244,14 @@ def _host_read(call: ast.Call) -> bool:
             return True  # ``if (a > b).any():`` (host_sync looks at the if)
         return func.attr in SYNC_METHODS and not call.args and not call.keywords \
             and _reads_seqlen(func.value)
-    if type(func) is ast.Name and func.id == "int" and len(call.args) + len(call.keywords) == 1:
+    if type(func) is ast.Name and func.id in CASTS and len(call.args) + len(call.keywords) == 1:
         return _reads_seqlen(call)
     return False
+
+
+def _truth_read(test: ast.AST) -> bool:
+    """Could GL104's visitor report this ``if``/``while`` test (``if seq_lens:``), context aside?"""
+    return type(test) is not ast.Call and _reads_seqlen(test)
 
 
 def _loops_over_layers(iterable: ast.AST) -> bool:

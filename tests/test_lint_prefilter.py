@@ -90,7 +90,7 @@ RECEIVERS = ("cu_seqlens", "self.seq_lens", "batch.extend_seq_lens[0]", "seq_len
              "(cu_seqlens[1:] - cu_seqlens[:-1])", "x.seg_indptr", "torch.diff(cu_seqlens_q)", "lengths",
              "f(seq_lens=n)", "-seg_lens", "(a if c else seq_lens)")
 READS = ("{r}.item()", "{r}.tolist()", "int({r}.max())", "int({r}.max().item())", "int(x=({r}).max())",
-         "{r}.max()", "int({r})", "{r}.item(0)", "float({r}.max())")
+         "{r}.max()", "int({r})", "{r}.item(0)", "float({r}.max())", "bool({r}[0])")
 PLACES = (
     "class {cls}(nn.Module):\n    def {meth}(self, x):\n        y = {read}\n        return y\n",
     "class {cls}:\n    async def {meth}(self):\n        if x:\n            return [{read} for _ in z]\n",
