@@ -9,7 +9,8 @@ from guardlint.lint import build_rules, check_source
 from test_lint_prefilter import _same
 
 RULES = build_rules()
-HEAD = "import torch.nn as nn\n\n\nclass VisionBlock(nn.Module):\n    def forward(self, x, cu_seqlens, seq_lens, seq_lens_cpu):\n"
+HEAD = ("import torch.nn as nn\n\n\nclass VisionBlock(nn.Module):\n"
+        "    def forward(self, x, cu_seqlens, seq_lens, seq_lens_cpu):\n")
 
 
 def _gl104(body: str) -> list[tuple[int, str]]:
