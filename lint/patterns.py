@@ -15,24 +15,22 @@ from guardlint.contracts.catalog import HOST_SUFFIXES, SEQLEN_STEMS
 @dataclass(frozen=True)
 class PatternSpec:
     """``visitor`` is ``module:Class`` under ``guardlint.lint``. A file can only trigger the rule when
-    it contains one of ``needles``, all of one group of ``also`` and, lower-cased, one of ``context``
-    (bytes, matched before parsing)."""
+    it contains one of ``needles``, all of one group of ``also`` (or a match of ``also_pattern``) and
+    a match of every pattern of one group of ``context`` (bytes, matched before parsing)."""
 
     code: str
     visitor: str
     needles: tuple[bytes, ...]
     also: tuple[tuple[bytes, ...], ...] = ()
-    context: tuple[bytes, ...] = ()
+    context: tuple[tuple[re.Pattern, ...], ...] = ()
     # Passes for ``also`` too when it matches (reads whose spelling is too common to look for alone).
     also_pattern: Optional[re.Pattern] = None
 
     def may_match(self, data: bytes) -> bool:
         if not any(n in data for n in self.needles):
             return False
-        if self.context:
-            lower = data.lower()
-            if not any(n in lower for n in self.context):
-                return False
+        if self.context and not any(all(p.search(data) for p in group) for group in self.context):
+            return False
         if self.also and not any(all(n in data for n in group) for group in self.also):
             return self.also_pattern is not None and self.also_pattern.search(data) is not None
         return True
@@ -61,8 +59,12 @@ PATTERNS: dict[str, PatternSpec] = {
         # cu_seqlens contains seqlens: the shorter stems cover every name
         needles=tuple(stem.encode() for stem in SEQLEN_STEMS if stem != "cu_seqlens"),
         also=((b".item(",), (b".tolist(",), (b"int(", b".max("), (b".any()",), (b".all()",)),
-        # A per-layer place: class *Block/*Layer/*Attention, or a loop over layers/blocks.
-        context=(b"block", b"layer", b"attention"),
+        # A per-layer place: a forward in a class *Block/*Layer/*Attention (any case), or a for loop
+        # whose header names layers or blocks (up to its colon: headers over several lines count).
+        context=(
+            (re.compile(rb"\bclass\s+\w*(?i:block|layer|attention)\b"), re.compile(rb"\bdef\s+forward\b")),
+            (re.compile(rb"\bfor\b[^:]{0,400}?\bin\b[^:]{0,400}?(?:\b|_)(?i:layers?|blocks?)\b"),),
+        ),
         # int(t)/bool(t)/float(t) of lengths, with the lengths on the line of the cast, and ``if``/``while``
         # tests of lengths (``if seq_lens:``, ``if not cu_seqlens[0]``, ``while x and seg_lens[i] < n``):
         # ``int`` and ``if`` alone are in every file, and ``if seq_lens is None`` is no read.
