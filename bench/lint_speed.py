@@ -3,7 +3,7 @@
 Without PATH, lints a generated tree of >= 1000 realistic files (~4% call a contract target); also
 times name resolution alternatives and ``guardlint --version``. Writes bench/results/lint_speed.*.
 With ``--tree PATH`` (repeatable; unpacked sdists, say), times each tree with and without the tree
-pre-filter instead and writes bench/results/lint_real_tree.*.
+pre-filter instead and writes bench/results/lint_tree_prefilter.*.
 Usage: .venv/bin/python bench/lint_speed.py [PATH] [--files N] [--repeat R] [--tree PATH ...]
 """
 from __future__ import annotations
@@ -389,7 +389,7 @@ def main_trees(trees: list[str], repeat: int) -> None:
     columns = ["tree", "files", "MB", "lines", "ast_s", "cli_s", "cli_ratio", "lint_s", "lint_ratio",
                "lint_s_text_filter_only", "ratio_text_filter_only", "past_text_filter", "to_libcst",
                "findings"]
-    table = write_results("lint_real_tree", rows, columns, meta=meta,
+    table = write_results("lint_tree_prefilter", rows, columns, meta=meta,
                           title="guardlint on public source trees: with and without the tree pre-filter")
     print(table)
 

@@ -9,7 +9,7 @@ workers, all files of a run in one pool.
 # Parsing every file with ``ast`` costs about one more ast.parse of the files the pre-filter skips,
 # spread over the workers: on the generated 1216-file tree of bench/lint_speed.py the CLI went from
 # 0.81-1.01x to 1.31-1.39x of one process's read + ast.parse (best of 5, a shared 2-core machine),
-# inside the 1.5x budget (bench/results/lint_real_tree.md).
+# inside the 1.5x budget (bench/results/lint_tree_prefilter.md).
 from __future__ import annotations
 
 import dataclasses
@@ -35,7 +35,7 @@ PARSE_ERROR = "GL000"
 # costs more than it saves; a 300-line file parses in ~10 ms.
 MIN_PARALLEL = 24
 # Every file gets CPython's parse (GL000 everywhere); False: only the pre-filtered ones are parsed, as
-# before (kept so that the cost can be measured, bench/results/lint_real_tree.md).
+# before (kept so that the cost can be measured, bench/results/lint_tree_prefilter.md).
 PARSE_EVERY_FILE = False
 # Files past the textual pre-filter go to libcst only when their CPython tree holds something a rule
 # could report (prefilter.py); False: all of them do, as before (kept so that the gain can be measured).
