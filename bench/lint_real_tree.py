@@ -1,0 +1,235 @@
+"""guardlint on the pinned engine trees against one process's read + ast.parse of every file, and on one file.
+
+Paired whole-process runs, in turn guardlint / the ast loop / ruff (when it is installed in the venv; it
+is no dependency), medians; one-file runs (a file without candidate text, files with one candidate
+call); the findings of each tree with a reading of whether the engine's maintainers would call it real.
+Goals: a tree in <= 0.35x the ast loop's time; one file <= 300 ms without a candidate, <= 600 ms with one.
+Usage: .venv/bin/python bench/lint_real_tree.py [--repeat N] [--one-file-repeat N] [--write]
+(the trees: python tests/engines/fetch.py sglang|vllm, unpacked under .engines/)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from _util import cpu_name, env_meta, markdown_table  # noqa: E402
+
+PY = ROOT / ".venv" / "bin" / "python"
+GUARDLINT = ROOT / ".venv" / "bin" / "guardlint"
+RUFF = ROOT / ".venv" / "bin" / "ruff"
+ENGINES = ROOT / ".engines"
+TREES = ("sglang-0.5.23", "vllm-0.33.0")
+# The baseline: one process reading and parsing every .py/.pyi file of the tree.
+AST_LOOP = """\
+import ast, os, sys
+for dirpath, dirnames, filenames in os.walk(sys.argv[1]):
+    dirnames.sort()
+    for name in sorted(filenames):
+        if name.endswith((".py", ".pyi")):
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                data = f.read()
+            try:
+                ast.parse(data, filename=path)
+            except (SyntaxError, ValueError):
+                pass
+"""
+ONE_FILE = (
+    ("no candidate", ROOT / "lint" / "findings.py"),
+    ("one candidate call (fixture)", ROOT / "tests" / "fixtures" / "lint" / "crlf.py"),
+    ("one candidate call (gemma4_vision.py)", ENGINES / "sglang-0.5.23" / "sglang" / "srt" / "models"
+     / "gemma4_vision.py"),
+)
+
+# Each finding read at its call site in the pinned release: (path in the tree, line, code) -> reading.
+READINGS = {
+    ("sglang/srt/layers/attention/vision.py", 743, "GL104"):
+        "real: VisionFlashInferAttention.forward checks `(end_elems > total_elems_q).any()` on device "
+        "tensors in every block, a host sync per layer (a bounds check that could run once per forward)",
+    ("sglang/srt/layers/attention/vision.py", 1035, "GL104"):
+        "real: VisionIntelXPUAttention.forward calls resolve_max_seqlen, which caches only on a "
+        "SingletonCache (made by InternVL alone); every other model's raw cu_seqlens gets "
+        "`int(seq_lens.max().item())` per block",
+    ("sglang/srt/models/deepseek_janus_pro.py", 557, "GL109"):
+        "real: VisionTransformerBlock calls VisionAttention with no cu_seqlens and no max_seqlen; the "
+        "triton/fa3/fa4 backends then run resolve_precomputed_max_seqlen's `.item()` in every block "
+        "(the engine's own docstring calls this a stream sync); max_seqlen = seq_len is free here",
+    ("sglang/srt/models/midashenglm.py", 189, "GL109"):
+        "real: DashengAttention calls VisionAttention with only attn_mask: per-block `.item()` on the "
+        "varlen backends, as above",
+    ("sglang/srt/models/mllama.py", 244, "GL109"):
+        "real: MllamaVisionEncoderLayer calls self_attn without max_seqlen: per-layer `.item()` on the "
+        "varlen backends",
+    ("sglang/srt/models/mllama4.py", 212, "GL109"):
+        "real: Llama4VisionEncoderLayer, same pattern (position_embeddings only)",
+    ("sglang/srt/models/pixtral.py", 584, "GL109"):
+        "real: PixtralHFTransformerBlock passes cu_seqlens=None and no max_seqlen: per-block `.item()` on "
+        "the varlen backends",
+    ("sglang/srt/models/qwen3_omni_moe.py", 142, "GL109"):
+        "real: the audio encoder layer passes cu_seqlens but no max_seqlen, so each layer derives it "
+        "with a host read",
+    ("sglang/srt/models/siglip.py", 149, "GL109"):
+        "real: SiglipEncoderLayer, attention_mask only: per-layer `.item()` on the varlen backends",
+    ("sglang/srt/models/step3_vl.py", 591, "GL109"):
+        "real: Step3VisionAttention.forward calls self.attn(hidden_states) alone, once per block",
+    ("sglang/srt/models/step3_vl_10b.py", 248, "GL109"):
+        "real: PerceptionEncoderVisionBlock, position_embeddings only: per-block `.item()` on the "
+        "varlen backends",
+    ("sglang/srt/models/gemma4_vision.py", 255, "GL101"):
+        "real (the issue's case): Gemma4VisionAttention calls self.qkv_backend.forward directly with "
+        "cu_seqlens=None; with --mm-attention-backend flashinfer_cudnn VisionFlashInferAttention raises "
+        "'sequence_lengths should be prepared'",
+    ("sglang/srt/models/gemma4_vision.py", 255, "GL102"):
+        "real: the same call; the cuDNN backend's next check is 'max_seqlen should be prepared'",
+    ("vllm/model_executor/models/funasr.py", 520, "GL101"):
+        "real under the FlashInfer encoder backend (chosen globally for every MMEncoderAttention): "
+        "vit_flashinfer_wrapper asserts sequence_lengths is not None; FunASR's audio attention passes "
+        "cu_seqlens and max_seqlen only",
+    ("vllm/model_executor/models/funaudiochat.py", 168, "GL101"):
+        "real under the FlashInfer backend: the audio attention passes no sequence_lengths (bare assert)",
+    ("vllm/model_executor/models/glm_ocr.py", 196, "GL101"):
+        "real under the FlashInfer backend: GlmOcrVisionAttention passes no sequence_lengths, unlike "
+        "qwen2.5-vl/qwen3-vl which compute it with maybe_compute_seq_lens",
+    ("vllm/model_executor/models/openpangu_vl.py", 155, "GL101"):
+        "real under the FlashInfer backend: no sequence_lengths (bare assert)",
+    ("vllm/model_executor/models/qwen3_omni_moe_thinker.py", 261, "GL101"):
+        "real under the FlashInfer backend: the audio attention passes none, while the vision tower of "
+        "the same file (line 681) does",
+    ("vllm/models/deepseek_v4/common/vision.py", 147, "GL101"):
+        "real under the FlashInfer backend: DeepseekV4VisionAttention passes cu_seqlens and max_seqlen "
+        "only",
+}
+
+
+def _run(cmd: list, cwd: Path = ROOT) -> tuple[float, bytes]:
+    start = time.perf_counter()
+    out = subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start, out.stdout
+
+
+def tools_for_tree(tree: str) -> dict:
+    tools = {"guardlint": [str(GUARDLINT), "check", tree, "--exit-zero", "--format", "json"],
+             "ast_loop": [str(PY), "-c", AST_LOOP, tree]}
+    if RUFF.exists():
+        tools["ruff"] = [str(RUFF), "check", "--isolated", "--no-cache", "--exit-zero", "--quiet", tree]
+    return tools
+
+
+def paired(tools: dict, repeat: int, cwd: Path) -> tuple[dict, bytes]:
+    """``repeat`` rounds, each running every tool once, the order rotated a round; the times of each
+    tool, and guardlint's last output."""
+    times: dict[str, list[float]] = {name: [] for name in tools}
+    names = list(tools)
+    last = b""
+    for i in range(repeat):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            t, out = _run(tools[name], cwd)
+            times[name].append(t)
+            if name == "guardlint":
+                last = out
+    return times, last
+
+
+def measure_tree(tree: str, repeat: int) -> tuple[dict, list]:
+    files = [p for p in (ENGINES / tree).rglob("*") if p.suffix in (".py", ".pyi") and p.is_file()]
+    _run([str(PY), "-c", AST_LOOP, tree], ENGINES)  # page cache
+    times, out = paired(tools_for_tree(tree), repeat, ENGINES)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    ratios = [g / a for g, a in zip(times["guardlint"], times["ast_loop"])]
+    row = {"tree": tree, "files": len(files), "MB": sum(p.stat().st_size for p in files) / 1e6,
+           "guardlint_s": med["guardlint"], "ast_loop_s": med["ast_loop"],
+           "ratio": med["guardlint"] / med["ast_loop"], "paired_ratio_median": statistics.median(ratios),
+           "ruff_s": med.get("ruff"), "guardlint_runs": [round(t, 3) for t in times["guardlint"]],
+           "ast_loop_runs": [round(t, 3) for t in times["ast_loop"]]}
+    findings = json.loads(out or b"[]")
+    return row, findings
+
+
+def measure_one_file(label: str, path: Path, repeat: int) -> dict:
+    tools = {"guardlint": [str(GUARDLINT), "check", str(path)]}
+    if RUFF.exists():
+        tools["ruff"] = [str(RUFF), "check", "--isolated", "--no-cache", "--quiet", str(path)]
+    times, _ = paired(tools, repeat, ROOT)
+    return {"case": label, "file": str(path.relative_to(ROOT)), "lines": path.read_bytes().count(b"\n"),
+            "guardlint_ms": statistics.median(times["guardlint"]) * 1e3,
+            "guardlint_min_ms": min(times["guardlint"]) * 1e3,
+            "ruff_ms": statistics.median(times["ruff"]) * 1e3 if "ruff" in times else None}
+
+
+def findings_markdown(tree: str, findings: list) -> str:
+    lines = [f"### {tree}: {len(findings)} finding{'s' if len(findings) != 1 else ''}", ""]
+    for f in findings:
+        rel = f["path"].split("/", 1)[1]
+        reading = READINGS.get((rel, f["line"], f["code"]), "NOT READ YET")
+        lines.append(f"- `{rel}:{f['line']}:{f['column']}` {f['code']} {f['message']}  \n  Reading: {reading}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=5, help="paired rounds per tree")
+    ap.add_argument("--one-file-repeat", type=int, default=15, help="paired rounds per one-file case")
+    ap.add_argument("--write", action="store_true", help="write bench/results/lint_real_tree.{json,md}")
+    args = ap.parse_args()
+
+    trees = [t for t in TREES if (ENGINES / t).is_dir()]
+    missing = sorted(set(TREES) - set(trees))
+    rows, found = [], {}
+    for tree in trees:
+        row, findings = measure_tree(tree, args.repeat)
+        rows.append(row)
+        found[tree] = findings
+        print(f"{tree}: guardlint {row['guardlint_s']:.2f} s, ast loop {row['ast_loop_s']:.2f} s "
+              f"({row['ratio']:.2f}x), ruff {row['ruff_s'] or float('nan'):.2f} s", flush=True)
+    one = [measure_one_file(label, path, args.one_file_repeat) for label, path in ONE_FILE if path.exists()]
+
+    tree_cols = ["tree", "files", "MB", "guardlint_s", "ast_loop_s", "ratio", "paired_ratio_median", "ruff_s"]
+    one_cols = ["case", "file", "lines", "guardlint_ms", "guardlint_min_ms", "ruff_ms"]
+    unread = [(t, f["path"], f["line"], f["code"]) for t, fs in found.items() for f in fs
+              if (f["path"].split("/", 1)[1], f["line"], f["code"]) not in READINGS]
+    tables = markdown_table(rows, tree_cols) + "\n\n" + markdown_table(one, one_cols)
+    if unread:
+        print("findings without a reading:", *unread, sep="\n  ")
+    if args.write:
+        meta = env_meta()
+        meta.update(cpu=cpu_name(), cpus=os.cpu_count(),
+                    load_average=" / ".join(f"{x:.1f}" for x in os.getloadavg()),
+                    repeat=f"median of {args.repeat} paired rounds (trees), {args.one_file_repeat} (one file)",
+                    ruff=subprocess.run([str(RUFF), "--version"], capture_output=True, text=True).stdout.strip()
+                    if RUFF.exists() else None,
+                    goals="tree <= 0.35x the ast loop; one file <= 300 ms (no candidate), <= 600 ms (one)")
+        out = HERE / "results"
+        out.mkdir(exist_ok=True)
+        read = {t: [{**f, "reading": READINGS.get((f["path"].split("/", 1)[1], f["line"], f["code"]))}
+                    for f in fs] for t, fs in found.items()}
+        (out / "lint_real_tree.json").write_text(json.dumps(
+            {"meta": meta, "trees": rows, "one_file": one, "findings": read}, indent=2) + "\n")
+        md = out / "lint_real_tree.md"
+        body = ["# guardlint on the pinned engine trees and on one file",
+                ", ".join(f"{k}: {v}" for k, v in meta.items()), tables,
+                "`guardlint_s` is `guardlint check TREE --exit-zero --format json` (start-up, discovery, "
+                "every file's textual pre-filter, CPython's parse and the tree pre-filter of the candidates, "
+                "libcst for the rest), `ast_loop_s` one process reading and `ast.parse`-ing every .py/.pyi "
+                "file, `ruff_s` `ruff check --isolated --no-cache` (its default rules, all its threads) as a "
+                "reference. Rounds alternate the tools with the order rotated; `paired_ratio_median` is the "
+                "median of each round's own ratio. One-file rows: `guardlint check FILE` with start-up. "
+                "Command: `.venv/bin/python bench/lint_real_tree.py --write`."
+                + (f" Trees not unpacked here: {', '.join(missing)}." if missing else ""),
+                "## Findings, each read at its call site in the pinned release",
+                *(findings_markdown(t, fs) for t, fs in found.items())]
+        md.write_text("\n\n".join(body).rstrip() + "\n")
+    print(tables)
+
+
+if __name__ == "__main__":
+    main()
