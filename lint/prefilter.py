@@ -9,6 +9,10 @@ one with findings (``tests/test_lint_prefilter.py`` runs the engine with and wit
 # - call/positional/value contracts: a callee that resolves to a target. The resolver only follows
 #   names, attributes, imports (with aliases) and instances made by a target's constructor, so the
 #   target's short name is a Name, an Attribute, or part of an import somewhere in the file.
+# - instance targets (nothing checks their construction): a call of what a construction in the file
+#   was assigned to (``self.attn = VisionAttention(...)`` ... ``self.attn(...)``, ``.forward`` too) or
+#   of the construction itself, that does not pass one keyword group of each contract whole (not None,
+#   no splats); an instance target imported under another name sends the file.
 # - dataclasses.replace(..., max_len=None, ...): a keyword named like a field of such a contract
 #   (the callee is not looked at, so an aliased replace is covered).
 # - GL104: .item()/.tolist() without arguments, or int(...) of one argument, whose expression reads a
@@ -39,13 +43,32 @@ class TreeFilter:
     fields: frozenset
     host_sync: bool
     opaque: bool
+    # Short names of instance targets (nothing checks their construction) -> the keyword groups that
+    # satisfy each of their contracts: only a call of an instance made in the file, passing none of
+    # one contract's groups, can be reported.
+    instances: tuple = ()
 
     @classmethod
     def from_rules(cls, rules: RuleSet) -> "TreeFilter":
-        names = {q.rsplit(".", 1)[-1].removesuffix("[]") for q in (*rules.by_callee, *rules.by_instance)}
+        def short(q: str) -> str:
+            return q.rsplit(".", 1)[-1].removesuffix("[]")
+
+        names = {short(q) for q in (*rules.by_callee, *rules.by_instance)}
         fields = {n.split(".", 1)[0] for c in rules.replace_contracts for g in c.require for n in g}
         codes = {c.code for c in rules.patterns}
-        return cls(frozenset(names), frozenset(fields), HOST_SYNC in codes, bool(codes - {HOST_SYNC}))
+        callees = {short(q) for q in rules.by_callee}
+        needs: dict[str, list] = {}
+        for qual, contracts in rules.by_instance.items():
+            name = short(qual)
+            if name in callees or any(c.kind != "call" for c in contracts):
+                continue
+            # A contract counts as satisfied only by keywords it names whole (an attribute path such
+            # as forward_metadata.packed_indptrs depends on how the value was built).
+            needs.setdefault(name, []).extend(
+                tuple(frozenset(g) for g in c.require if not any("." in n for n in g)) for c in contracts)
+        instances = tuple((name, tuple(groups)) for name, groups in sorted(needs.items()))
+        return cls(frozenset(names - set(needs)), frozenset(fields), HOST_SYNC in codes,
+                   bool(codes - {HOST_SYNC}), instances)
 
     def may_report(self, tree: ast.AST, data: bytes) -> bool:
         """False only when no rule can report anything in the file whose tree is ``tree``."""
@@ -57,16 +80,24 @@ class TreeFilter:
         names = {n for n in self.names if n.encode() in data}
         fields = {n for n in self.fields if n.encode() in data} if b"replace" in data else set()
         host_sync = self.host_sync and any(n in data for n in PATTERNS[HOST_SYNC].needles)
-        if not (names or fields or host_sync):
+        instances = {n: groups for n, groups in self.instances if n.encode() in data}
+        if not (names or fields or host_sync or instances):
             return False
-        scan = _Scan(names, fields, host_sync, _lines_of(data, [*names, *fields, *(("replace",) if fields else ())]),
-                     _lines_of(data, _READ_WORDS) if host_sync else [])
+        words = [*names, *instances, *fields, *(("replace",) if fields else ())]
+        scan = _Scan(names, fields, host_sync, _lines_of(data, words),
+                     _lines_of(data, _READ_WORDS) if host_sync else [], instances)
         if scan.block(getattr(tree, "body", ()), False, None):
             return True
         if scan.replace_calls and any(
                 f.attr == "replace" if type(f) is ast.Attribute else f.id in scan.replace_names
                 for f in scan.replace_calls):
             return True
+        if scan.made:
+            # Calls of what the constructions were assigned to (``self.attn(...)``, ``attn.forward(...)``).
+            calls = _Scan(set(), set(), False, _lines_of(data, scan.made), [], instances)
+            calls.made_names = scan.made
+            if calls.block(getattr(tree, "body", ()), False, None):
+                return True
         if scan.helpers:
             # A module-level helper that reads the host makes its callers suspects too (host_sync).
             helpers = scan.helpers
@@ -105,8 +136,13 @@ def _lines_of(data: bytes, words) -> list[int]:
 class _Scan:
     """One descent through the statements that span a line of interest, in per-layer context order."""
 
-    def __init__(self, names: set, fields: set, host_sync: bool, name_lines: list[int], read_lines: list[int]):
+    def __init__(self, names: set, fields: set, host_sync: bool, name_lines: list[int], read_lines: list[int],
+                 instances: Optional[dict] = None):
         self.names = names
+        self.instances = instances or {}  # instance target -> keyword groups per contract
+        # Names and attributes a construction of an instance target is assigned to -> those targets.
+        self.made: dict[str, set] = {}
+        self.made_names: dict[str, set] = {}  # in the second pass: the same
         self.fields = fields
         self.host_sync = host_sync
         # Lines naming a target or a field (looked at everywhere), and lines of host reads and tests
@@ -179,6 +215,34 @@ class _Scan:
                 self.helpers.add(node.name)
         return False
 
+    def _constructs(self, call: ast.Call) -> Optional[str]:
+        """The instance target ``call`` makes: ``VisionAttention(...)``, ``m.VisionAttention(...)``,
+        ``QKV_BACKEND_IMPL[key](...)``."""
+        func = call.func
+        if type(func) is ast.Subscript:
+            func = func.value
+        name = func.id if type(func) is ast.Name else func.attr if type(func) is ast.Attribute else None
+        return name if name in self.instances else None
+
+    def _calls_instance(self, call: ast.Call):
+        """The instance targets whose instance (or its ``.forward``) the engine may resolve this call to."""
+        func = call.func
+        if type(func) is ast.Attribute and func.attr == "forward":
+            func = func.value
+        if type(func) is ast.Call:
+            made = self._constructs(func)
+            return {made} if made else None
+        name = func.id if type(func) is ast.Name else func.attr if type(func) is ast.Attribute else None
+        return self.made_names.get(name)
+
+    def _satisfied(self, call: ast.Call, targets) -> bool:
+        """Every contract of ``targets`` has a group passed whole as keywords with values other than
+        None, and nothing is splatted (the checker would not know what is passed)."""
+        if any(type(a) is ast.Starred for a in call.args) or any(k.arg is None for k in call.keywords):
+            return False
+        passed = {k.arg for k in call.keywords if not (type(k.value) is ast.Constant and k.value.value is None)}
+        return all(any(g <= passed for g in groups) for t in targets for groups in self.instances[t])
+
     def expr(self, root, context: bool, suspects: list) -> bool:
         names, fields = self.names, self.fields
         for node in ast.walk(root):
@@ -189,7 +253,19 @@ class _Scan:
             elif t is ast.Attribute:
                 if node.attr in names:
                     return True
+            elif t is ast.Assign or t is ast.AnnAssign:
+                made = self._constructs(node.value) if self.instances and type(node.value) is ast.Call else None
+                if made:
+                    for target in (node.targets if t is ast.Assign else (node.target,)):
+                        name = target.id if type(target) is ast.Name else \
+                            target.attr if type(target) is ast.Attribute else None
+                        if name:
+                            self.made.setdefault(name, set()).add(made)
             elif t is ast.Call:
+                if self.instances:
+                    targets = self._calls_instance(node)
+                    if targets and not self._satisfied(node, targets):
+                        return True
                 if fields and any(k.arg in fields for k in node.keywords) and type(node.func) in _CALLEES:
                     self.replace_calls.append(node.func)
                 if self.host_sync and _host_read(node):
@@ -202,6 +278,9 @@ class _Scan:
             elif t is ast.Import or t is ast.ImportFrom:
                 if names and _imports_name(node, names):
                     return True
+                # An instance target imported under another name: its constructions are not followed.
+                if self.instances and any(a.asname and _last(a.name) in self.instances for a in node.names):
+                    return True
                 if fields:
                     self.replace_names.update(a.asname for a in node.names if a.asname and (
                         a.name == "replace" or a.name.endswith(".replace")))
@@ -211,6 +290,10 @@ class _Scan:
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
 _BLOCK_ITEMS = (ast.stmt, ast.excepthandler, ast.match_case)
 _CALLEES = (ast.Name, ast.Attribute)
+
+
+def _last(dotted: str) -> str:
+    return dotted.rsplit(".", 1)[-1]
 
 
 def _imports_name(node, names: set) -> bool:

@@ -151,3 +151,36 @@ def test_prefilter_does_not_load_at_start_up():
                           "print('guardlint.lint.prefilter' in sys.modules)"],
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines() == [f"guardlint {__version__}", "False"]
+
+
+# -- instance targets: only calls of instances made in the file can be reported ---------------------
+VISION = "from sglang.srt.layers.attention.vision import VisionAttention, QKV_BACKEND_IMPL\n"
+
+
+@pytest.mark.parametrize("init, call, reported", [
+    ("self.attn = VisionAttention(dim)", "self.attn(x, cu_seqlens=cu)", True),
+    ("self.attn = VisionAttention(dim)", "self.attn(x, cu_seqlens=cu, max_seqlen=None)", True),
+    ("self.attn = VisionAttention(dim)", "self.attn(x, **kwargs)", True),
+    ("self.attn = VisionAttention(dim)", "self.attn.forward(x, max_seqlen=m)", False),
+    ("self.attn = VisionAttention(dim)", "self.attn(x, forward_metadata=meta)", False),
+    ("self.attn: VisionAttention = VisionAttention(dim)", "self.attn(\n            x)", True),
+    ("self.backend = QKV_BACKEND_IMPL[name](dim)", "self.backend.forward(q=x, cu_seqlens=None)", True),
+    ("self.backend = QKV_BACKEND_IMPL[name](dim)",
+     "self.backend.forward(q=x, forward_metadata=meta, sequence_lengths=s, max_seqlen=m)", False),
+    ("self.attn = None", "VisionAttention(dim)(x)", True),
+    ("self.attn = None", "VisionAttention(dim)(x, max_seqlen=m)", False),
+])
+def test_prefilter_instance_targets_sends_only_unsatisfied_calls(init, call, reported):
+    source = (VISION + "\n\nclass Block:\n    def __init__(self, dim):\n        " + init + "\n\n"
+              "    def forward(self, x, cu, m, meta, s, kwargs):\n        return " + call + "\n")
+    assert _sent(source) == reported
+    full, filtered, _ = _both(source.encode())
+    assert filtered == full
+
+
+def test_prefilter_instance_targets_mentioned_but_not_called_are_dropped():
+    assert not _sent(VISION + "def build(dim) -> 'VisionAttention':\n    return isinstance(dim, VisionAttention)\n")
+
+
+def test_prefilter_instance_target_imported_under_another_name_is_sent():
+    assert _sent("from sglang.srt.layers.attention.vision import VisionAttention as VA\nVA(1)(x)\n")
