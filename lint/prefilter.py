@@ -7,8 +7,9 @@ one with findings (``tests/test_lint_prefilter.py`` runs the engine with and wit
 """
 # What each rule needs to report, and what is looked for here:
 # - call/positional/value contracts: a callee that resolves to a target. The resolver only follows
-#   names, attributes, imports (with aliases) and instances made by a target's constructor, so the
-#   target's short name is a Name, an Attribute, or part of an import somewhere in the file.
+#   names, attributes, imports (with aliases) and instances made by a target's constructor, so a call
+#   whose callee's last name is the target's short name (``TABLE[key](...)``: the table's), or an
+#   import of the target under another name.
 # - instance targets (nothing checks their construction): a call of what a construction in the file
 #   was assigned to (``self.attn = VisionAttention(...)`` ... ``self.attn(...)``, ``.forward`` too) or
 #   of the construction itself, that does not pass one keyword group of each contract whole (not None,
@@ -247,13 +248,7 @@ class _Scan:
         names, fields = self.names, self.fields
         for node in ast.walk(root):
             t = type(node)
-            if t is ast.Name:
-                if node.id in names:
-                    return True
-            elif t is ast.Attribute:
-                if node.attr in names:
-                    return True
-            elif t is ast.Assign or t is ast.AnnAssign:
+            if t is ast.Assign or t is ast.AnnAssign:
                 made = self._constructs(node.value) if self.instances and type(node.value) is ast.Call else None
                 if made:
                     for target in (node.targets if t is ast.Assign else (node.target,)):
@@ -262,6 +257,13 @@ class _Scan:
                         if name:
                             self.made.setdefault(name, set()).add(made)
             elif t is ast.Call:
+                if names:
+                    func = node.func
+                    if type(func) is ast.Subscript:  # a registry: TABLE[key](...)
+                        func = func.value
+                    if (func.id if type(func) is ast.Name else func.attr if type(func) is ast.Attribute
+                            else None) in names:
+                        return True
                 if self.instances:
                     targets = self._calls_instance(node)
                     if targets and not self._satisfied(node, targets):
@@ -276,10 +278,10 @@ class _Scan:
                         and node.func.id in self.helper_names:
                     return True
             elif t is ast.Import or t is ast.ImportFrom:
-                if names and _imports_name(node, names):
-                    return True
-                # An instance target imported under another name: its constructions are not followed.
-                if self.instances and any(a.asname and _last(a.name) in self.instances for a in node.names):
+                # A target imported under another name (``import m.f as g``, ``from m import C as D``):
+                # its calls are not looked for under the new name.
+                if any(a.asname and (_last(a.name) in names or _last(a.name) in self.instances)
+                       for a in node.names):
                     return True
                 if fields:
                     self.replace_names.update(a.asname for a in node.names if a.asname and (
@@ -294,13 +296,6 @@ _CALLEES = (ast.Name, ast.Attribute)
 
 def _last(dotted: str) -> str:
     return dotted.rsplit(".", 1)[-1]
-
-
-def _imports_name(node, names: set) -> bool:
-    parts = set(node.module.split(".")) if getattr(node, "module", None) else set()
-    for alias in node.names:
-        parts.update(alias.name.split("."))
-    return not parts.isdisjoint(names)
 
 
 def _reads_seqlen(expr: ast.AST) -> bool:

@@ -184,3 +184,11 @@ def test_prefilter_instance_targets_mentioned_but_not_called_are_dropped():
 
 def test_prefilter_instance_target_imported_under_another_name_is_sent():
     assert _sent("from sglang.srt.layers.attention.vision import VisionAttention as VA\nVA(1)(x)\n")
+
+
+def test_prefilter_callee_targets_only_in_annotations_are_dropped():
+    source = ("from sglang.srt.lora.utils import LoRABatchInfo\n\n\n"
+              "def run(batch_info: LoRABatchInfo, seg_lens) -> LoRABatchInfo:\n"
+              "    assert isinstance(batch_info, LoRABatchInfo)\n    return batch_info\n")
+    assert not _sent(source)
+    assert _sent(source + "info = LoRABatchInfo(1, 2)\n")
