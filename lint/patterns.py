@@ -23,17 +23,35 @@ class PatternSpec:
     needles: tuple[bytes, ...]
     also: tuple[tuple[bytes, ...], ...] = ()
     context: tuple[tuple[re.Pattern, ...], ...] = ()
-    # Passes for ``also`` too when it matches (reads whose spelling is too common to look for alone).
+    # Passes for ``also`` too when it matches a line that holds one of ``needles``, with the line
+    # before it (``if (`` and the lengths below it, as formatters write long tests): reads whose
+    # spelling is too common to look for alone; only those lines are searched.
     also_pattern: Optional[re.Pattern] = None
+
+    def _also_on_a_line(self, data: bytes) -> bool:
+        seen = set()
+        for needle in self.needles:
+            at = data.find(needle)
+            while at != -1:
+                line = max(data.rfind(b"\n", 0, at), data.rfind(b"\r", 0, at))
+                start = max(data.rfind(b"\n", 0, max(line, 0)), data.rfind(b"\r", 0, max(line - 1, 0))) + 1
+                if start not in seen:
+                    seen.add(start)
+                    end = data.find(b"\n", at)
+                    if self.also_pattern.search(data, start, len(data) if end == -1 else end):
+                        return True
+                at = data.find(needle, at + 1)
+        return False
 
     def may_match(self, data: bytes) -> bool:
         if not any(n in data for n in self.needles):
             return False
-        if self.context and not any(all(p.search(data) for p in group) for group in self.context):
-            return False
+        # Cheapest first: substring tests, then patterns that start with a literal (a pattern that
+        # starts with \b is tried at every byte).
         if self.also and not any(all(n in data for n in group) for group in self.also):
-            return self.also_pattern is not None and self.also_pattern.search(data) is not None
-        return True
+            if self.also_pattern is None or not self._also_on_a_line(data):
+                return False
+        return not self.context or any(all(p.search(data) for p in group) for group in self.context)
 
 
 # GL104 per-layer-host-sync. Names of host-read metadata: cu_seqlens, cu_seqlens_q, seq_lens,
@@ -62,15 +80,15 @@ PATTERNS: dict[str, PatternSpec] = {
         # A per-layer place: a forward in a class *Block/*Layer/*Attention (any case), or a for loop
         # whose header names layers or blocks (up to its colon: headers over several lines count).
         context=(
-            (re.compile(rb"\bclass\s+\w*(?i:block|layer|attention)\b"), re.compile(rb"\bdef\s+forward\b")),
-            (re.compile(rb"\bfor\b[^:]{0,400}?\bin\b[^:]{0,400}?(?:\b|_)(?i:layers?|blocks?)\b"),),
+            (re.compile(rb"def\s+forward\b"), re.compile(rb"class\s+\w*(?i:block|layer|attention)\b")),
+            (re.compile(rb"for\b[^:]{0,400}?\bin\b[^:]{0,400}?(?:\b|_)(?i:layers?|blocks?)\b"),),
         ),
         # int(t)/bool(t)/float(t) of lengths, with the lengths on the line of the cast, and ``if``/``while``
         # tests of lengths (``if seq_lens:``, ``if not cu_seqlens[0]``, ``while x and seg_lens[i] < n``):
         # ``int`` and ``if`` alone are in every file, and ``if seq_lens is None`` is no read.
         also_pattern=re.compile(
-            rb"\b(?:int|bool|float)\([^\n]*?" + _STEM
-            + rb"|\b(?:if|elif|while|and|or)\s+(?:not\s+)?\(?\s*[\w.]*" + _STEM
+            rb"(?:int|bool|float)\([^\n]*?" + _STEM
+            + rb"|(?:if|elif|while|and|or)\s+(?:not\s+)?\(?\s*[\w.]*" + _STEM
             + rb"\w*(?:\[[^\]\n]*\])?\s*(?::|and\b|or\b|[<>]=?|==|!=|\))"),
     ),
 }

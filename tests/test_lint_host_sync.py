@@ -57,3 +57,14 @@ def test_per_layer_host_sync_int_of_item_is_reported_once_as_item():
 def test_per_layer_host_sync_truth_test_outside_per_layer_code_is_fine():
     source = b"def prepare(seq_lens):\n    if seq_lens[0] > 0:\n        return int(seq_lens[0])\n"
     assert check_source(source, "m.py", RULES).findings == []
+
+
+def test_per_layer_host_sync_text_filter_sees_tests_written_over_lines():
+    from guardlint.lint.patterns import PATTERNS
+
+    spec = PATTERNS["GL104"]
+    head = b"class XBlock:\n    def forward(self, seq_lens):\n"
+    assert spec.may_match(head + b"        if (\n            seq_lens[0] > 0\n        ):\n            pass\n")
+    assert spec.may_match(head + b"        if (\n            x\n            and seq_lens[0] > 0\n        ):\n")
+    assert spec.may_match(head + b"        n = int(seq_lens[-1])\n")
+    assert not spec.may_match(head + b"        if seq_lens is None:\n            pass\n")
