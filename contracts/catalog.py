@@ -18,6 +18,9 @@ QKV_BACKENDS = f"{VISION_MODULE}.QKV_BACKEND_IMPL[]"
 REGISTRIES = {f"{VISION_MODULE}.QKV_BACKEND_IMPL": {"flashinfer_cudnn": VISION_FI}}
 VISION_ATTENTION = f"{VISION_MODULE}.VisionAttention"
 VLLM_MM = "vllm.model_executor.layers.attention.mm_encoder_attention.MMEncoderAttention"
+# Other names an engine exports a target under (its package's __init__ re-imports it): most of vLLM
+# 0.33's models import MMEncoderAttention from vllm.model_executor.layers.attention.
+REEXPORTS = {"vllm.model_executor.layers.attention.MMEncoderAttention": VLLM_MM}
 OUR_CUDNN = "guardlint.kernels.cudnn_vision_attention"
 ENGINE_LORA_INFO = "sglang.srt.lora.utils.LoRABatchInfo"
 OUR_LORA_INFO = "guardlint.kernels.lora.LoRABatchInfo"

@@ -92,7 +92,13 @@ def _kernel_exports() -> dict[str, str]:
 
 def aliases(qualname: str) -> tuple[str, ...]:
     """Other qualified names of the same object: ``guardlint.kernels.X`` is re-exported from
-    ``guardlint.kernels.<submodule>.X`` (and the other way round)."""
+    ``guardlint.kernels.<submodule>.X`` (and the other way round); an engine's re-exports are listed
+    in the catalog (``REEXPORTS``)."""
+    from guardlint.contracts.catalog import REEXPORTS
+
+    engine = tuple(alias for alias, target in REEXPORTS.items() if target == qualname)
+    if engine:
+        return engine
     prefix = KERNELS_PACKAGE + "."
     if not qualname.startswith(prefix):
         return ()

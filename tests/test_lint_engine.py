@@ -525,3 +525,16 @@ def test_modules_and_nodes_are_kept_for_a_fixer(tmp_path):
     assert isinstance(result.module, cst.Module) and len(result.nodes) == 1
     assert result.module.code_for_node(result.nodes[0]) == "LoRABatchInfo(bs=1)"
     assert finding.fix is None
+
+
+def test_vllm_mm_encoder_attention_imported_from_its_package_is_checked():
+    """vLLM's models import MMEncoderAttention from vllm.model_executor.layers.attention (a re-export)."""
+    from guardlint.lint import lint_source
+
+    source = ("from vllm.model_executor.layers.attention import MMEncoderAttention\n\n\n"
+              "class VisionAttention:\n    def __init__(self):\n        self.attn = MMEncoderAttention(16, 80)\n\n"
+              "    def forward(self, q, k, v, cu_seqlens, max_seqlen):\n"
+              "        return self.attn(query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)\n")
+    assert [f.code for f in lint_source(source, "m.py")] == ["GL101"]
+    fine = source.replace("max_seqlen=max_seqlen)", "max_seqlen=max_seqlen, sequence_lengths=s)")
+    assert lint_source(fine, "m.py") == []

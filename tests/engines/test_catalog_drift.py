@@ -58,3 +58,17 @@ def test_vllm_mm_encoder_attention_signature():
     for method in ("forward_native", "forward_cuda"):
         assert _own(source.parameters("vllm-0.33.0", VLLM_MM_MODULE, f"MMEncoderAttention.{method}")) == \
             list(catalog.VLLM_MM_PARAMS)
+
+
+def test_vllm_reexports_are_imports_of_the_target():
+    """``REEXPORTS``: each alias's package imports the target from the target's own module."""
+    import ast
+
+    if not release_dir("vllm-0.33.0").is_dir() and not os.environ.get("GUARDLINT_ENGINE_VLLM"):
+        pytest.skip("vLLM 0.33.0 is not fetched (make engines-vllm; GUARDLINT_ENGINE_VLLM=1 makes this an error)")
+    for alias, target in catalog.REEXPORTS.items():
+        package, name = alias.rsplit(".", 1)
+        init = release_dir("vllm-0.33.0").joinpath(*package.split("."), "__init__.py")
+        tree = ast.parse(init.read_bytes())
+        assert any(isinstance(n, ast.ImportFrom) and f"{n.module}.{name}" == target
+                   and any(a.name == name and a.asname is None for a in n.names) for n in ast.walk(tree)), alias
