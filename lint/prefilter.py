@@ -64,9 +64,17 @@ class TreeFilter:
             if name in callees or any(c.kind != "call" for c in contracts):
                 continue
             # A contract counts as satisfied only by keywords it names whole (an attribute path such
-            # as forward_metadata.packed_indptrs depends on how the value was built).
-            needs.setdefault(name, []).extend(
-                tuple(frozenset(g) for g in c.require if not any("." in n for n in g)) for c in contracts)
+            # as forward_metadata.packed_indptrs depends on how the value was built). One that applies
+            # only when some arguments are passed (``when_passed``) is skipped for a call that passes
+            # one of them neither by keyword nor at its position.
+            qual = rules.canonical.get(qual, qual)
+            for c in contracts:
+                target = c.target(qual)
+                params = c.params_for(qual)
+                when = tuple((n, params.index(n) if n in params else None)
+                             for n in (target.when_passed if target is not None else ()))
+                groups = tuple(frozenset(g) for g in c.require if not any("." in n for n in g))
+                needs.setdefault(name, []).append((groups, when))
         instances = tuple((name, tuple(groups)) for name, groups in sorted(needs.items()))
         return cls(frozenset(names - set(needs)), frozenset(fields), HOST_SYNC in codes,
                    bool(codes - {HOST_SYNC}), instances)
@@ -242,7 +250,14 @@ class _Scan:
         if any(type(a) is ast.Starred for a in call.args) or any(k.arg is None for k in call.keywords):
             return False
         passed = {k.arg for k in call.keywords if not (type(k.value) is ast.Constant and k.value.value is None)}
-        return all(any(g <= passed for g in groups) for t in targets for groups in self.instances[t])
+        positional = len(call.args)
+        for t in targets:
+            for groups, when in self.instances[t]:
+                if any(n not in passed and (at is None or positional <= at) for n, at in when):
+                    continue  # the contract does not apply to this call
+                if not any(g <= passed for g in groups):
+                    return False
+        return True
 
     def expr(self, root, context: bool, suspects: list) -> bool:
         names, fields = self.names, self.fields
