@@ -105,6 +105,40 @@ READINGS = {
     ("vllm/model_executor/models/qwen3_omni_moe_thinker.py", 261, "GL101"):
         "real under the FlashInfer backend: the audio attention passes none, while the vision tower of "
         "the same file (line 681) does",
+    ("vllm/model_executor/models/dots_ocr.py", 298, "GL101"):
+        "real under the FlashInfer backend: DotsVisionAttention passes cu_seqlens and max_seqlen only; "
+        "its max_seqlen is computed for FLASH_ATTN/ROCM_AITER_FA/TRITON_ATTN alone, so the wrapper's "
+        "asserts fail first (the model does not support that backend, and nothing says so)",
+    ("vllm/model_executor/models/ernie45_vl.py", 223, "GL101"):
+        "real under the FlashInfer backend: no sequence_lengths, max_seqlen only for the FA/Triton "
+        "backends (bare asserts)",
+    ("vllm/model_executor/models/glm4_1v.py", 369, "GL101"):
+        "real under the FlashInfer backend, and a plain bug: prepare_encoder_metadata computes "
+        "metadata['sequence_lengths'] (line 893) but the blocks never pass it to Glm4vVisionAttention",
+    ("vllm/model_executor/models/isaac.py", 554, "GL101"):
+        "real under the FlashInfer backend: no sequence_lengths (bare assert)",
+    ("vllm/model_executor/models/keye.py", 431, "GL101"):
+        "real under the FlashInfer backend: no sequence_lengths (bare assert)",
+    ("vllm/model_executor/models/lfm2_siglip2.py", 231, "GL101"):
+        "real under the FlashInfer backend: no sequence_lengths (bare assert)",
+    ("vllm/model_executor/models/mimo_v2_omni.py", 316, "GL101"):
+        "real under the FlashInfer backend: no sequence_lengths (bare assert)",
+    ("vllm/model_executor/models/moonvit.py", 472, "GL101"):
+        "real under the FlashInfer backend: MoonVitEncoderLayer passes cu_seqlens and max_seqlen only",
+    ("vllm/model_executor/models/paddleocr_vl.py", 620, "GL101"):
+        "real under the FlashInfer backend: no sequence_lengths, max_seqlen only for the FA/Triton "
+        "backends (bare asserts)",
+    ("vllm/model_executor/models/qwen2_vl.py", 380, "GL101"):
+        "real under the FlashInfer backend: Qwen2VisionAttention passes no sequence_lengths and "
+        "compute_attn_mask_seqlen gives max_seqlen=None for it, unlike qwen2.5-vl/qwen3-vl which "
+        "prepare both",
+    ("vllm/model_executor/models/siglip2navit.py", 263, "GL101"):
+        "real under the FlashInfer backend: no sequence_lengths (bare assert)",
+    ("vllm/models/glm5next/common/multimodal.py", 224, "GL101"):
+        "real under the FlashInfer backend, as glm4_1v: metadata['sequence_lengths'] is computed (line "
+        "544) and not passed to Glm5NextVisionAttention",
+    ("vllm/models/muse_spark/common/vision.py", 264, "GL101"):
+        "real under the FlashInfer backend: NaViTAttention passes cu_seqlens and max_seqlen only",
     ("vllm/models/deepseek_v4/common/vision.py", 147, "GL101"):
         "real under the FlashInfer backend: DeepseekV4VisionAttention passes cu_seqlens and max_seqlen "
         "only",
