@@ -44,3 +44,38 @@ def test_lora_batch_info_fix_uses_the_values_in_scope_and_builds_what_the_kernel
                  self=types.SimpleNamespace(device="cpu", max_loras_per_batch=2))
     info = eval(compile(ast.Expression(call), "fixed", "eval"), scope)
     assert info.max_len == 5 and info.seg_lens is seg_lens
+
+
+def test_cudnn_vision_fix_runs_through_the_engines_backend(monkeypatch):
+    """GL101/GL102 at a model-level forward (the catalog's engine example): the fix writes the engine's own
+    prepare_flashinfer_cudnn_vision_attention_metadata, and the fixed module, run against sglang 0.5.23's
+    real VisionFlashInferAttention (cuDNN kernel faked), hands the kernel the right lengths and offsets."""
+    import sys
+
+    from guardlint.contracts import get as get_contract
+    from test_sglang_vision import LENGTHS, NEW, engine, inputs, reference
+
+    bad = get_contract("GL101").examples_of("bad")[-1].without_markers()
+    assert "sglang.srt.layers.attention.vision" in bad
+    assert {f.code for f in lint_source(bad, "vision_tower.py")} >= {"GL101", "GL102"}
+    fixed = fixed_source(bad, "vision_tower.py", unsafe_fixes=True)
+    compile(fixed, "vision_tower.py", "exec")
+    assert not [f for f in lint_source(fixed, "vision_tower.py") if f.code in ("GL101", "GL102")]
+    assert "guardlint" not in fixed and "prepare_flashinfer_cudnn_vision_attention_metadata" in fixed
+
+    ns = engine(NEW)
+    vision = types.ModuleType("sglang.srt.layers.attention.vision")
+    vision.__dict__.update({k: v for k, v in ns.items() if not k.startswith("__")})
+    for parent in ("sglang", "sglang.srt", "sglang.srt.layers", "sglang.srt.layers.attention"):
+        monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
+    monkeypatch.setitem(sys.modules, "sglang.srt.layers.attention.vision", vision)
+    module = types.ModuleType("vision_tower")
+    exec(compile(fixed, "vision_tower.py", "exec"), module.__dict__)
+    q, k, v, cu = inputs()
+    tower = next(c for c in module.__dict__.values() if isinstance(c, type) and c.__module__ == "vision_tower")()
+    out = tower(q, k, v, cu, len(LENGTHS), max(LENGTHS))
+    torch.testing.assert_close(out, reference(q, k, v, cu))
+    _, kw = ns["kernel"].last
+    assert kw["actual_seq_lens_q"].view(-1).tolist() == list(LENGTHS) + [0] * 5
+    assert kw["max_token_per_sequence"] == 4096
+    assert kw["batch_offsets_v"].view(-1).tolist()[:4] == [x * q.shape[1] * q.shape[2] for x in (0, 5, 16, 19)]
