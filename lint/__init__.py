@@ -21,14 +21,14 @@ _EXPORTS = {
     "fixed_source": "runner",
     "Edit": "findings",
     "rules_for": "runner",
-    "FileResult": "engine",
+    "FileResult": "findings",
     "check_source": "engine",
 }
 
 if TYPE_CHECKING:  # what pyright, mypy and IDEs see; at runtime __getattr__ imports on first use
     from .config import Settings, UsageError, load_settings
-    from .engine import FileResult, check_source
-    from .findings import Edit, Finding, Fix
+    from .engine import check_source
+    from .findings import Edit, FileResult, Finding, Fix
     from .rules import RuleSet, build_rules
     from .runner import Report, fixed_source, lint_paths, lint_source, rules_for
 

@@ -5,26 +5,19 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
 from guardlint.contracts import ConfigError, all_contracts
 
 from .config import Settings, UsageError, load_settings
+from .findings import EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, Outcome
 from .runner import lint_paths, rules_for, with_options
 
 # Output formats, diffs and rule texts are imported by the commands that print them: a pre-commit run
 # of one clean file needs none of them.
 
-EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class Outcome:
-    exit_code: int
-    stdout: Union[str, bytes] = ""  # bytes: written as they are (``--fix -`` keeps the input's encoding)
-    stderr: str = ""
+__all__ = ["EXIT_CLEAN", "EXIT_FINDINGS", "EXIT_USAGE", "Outcome", "run_check", "run_explain", "run_rules"]
 
 
 def _split(values: Sequence[str]) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Iterable, Optional, Sequence, Union
 from guardlint.contracts import Contract, all_contracts
 from guardlint.contracts.catalog import ENGINE_ERRORS, EngineError
 
-from .commands import EXIT_CLEAN, EXIT_FINDINGS, Outcome
+from .findings import EXIT_CLEAN, EXIT_FINDINGS, Outcome
 
 # -- reading ---------------------------------------------------------------------------------------------
 

@@ -13,13 +13,13 @@ import bisect
 import gc
 import importlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from guardlint.contracts import Contract, get as _builtin_contract
 
 from . import suppress
-from .findings import Edit, Finding, Fix
+from .findings import Edit, FileResult, Finding, Fix
 from .patterns import PATTERNS, PER_LAYER_CLASS_SUFFIXES
 from .rules import REPLACE_FUNCTIONS, RuleSet
 
@@ -45,18 +45,6 @@ def _load_cst() -> None:
 
 MAX_BYTES = 10 * 1024 * 1024
 _NEWLINE = re.compile(r"\r\n|\r|\n")
-
-
-@dataclass
-class FileResult:
-    """Findings of one file. ``module`` (and ``nodes``, the node of each finding) are kept on
-    request for a fixer; they do not cross process boundaries."""
-
-    path: str
-    findings: list[Finding]
-    parsed: bool = False
-    module: Optional[cst.Module] = None
-    nodes: list = field(default_factory=list)
 
 
 @dataclass

@@ -1,14 +1,19 @@
-"""What the linter reports: a ``Finding`` per problem, with the ``Fix`` that ``--fix`` would apply.
+"""What the linter reports: a ``Finding`` per problem, with the ``Fix`` that ``--fix`` would apply, a
+``FileResult`` per file, and the ``Outcome`` (exit code and text) of a command.
 
 Plain data (no libcst), so findings and their fixes travel between worker processes and into every
 output format.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Literal, Optional
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Literal, Optional, Union
+
+if TYPE_CHECKING:
+    import libcst as cst
 
 Severity = Literal["error", "warning"]
+EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 Applicability = Literal["safe", "unsafe"]
 
 
@@ -76,3 +81,24 @@ class Finding:
                                            "message", "severity")}
         d["fix"] = self.fix.to_dict() if self.fix is not None else None
         return d
+
+
+@dataclass
+class FileResult:
+    """Findings of one file. ``module`` (and ``nodes``, the node of each finding) are kept on
+    request for a fixer; they do not cross process boundaries."""
+
+    path: str
+    findings: list[Finding]
+    parsed: bool = False
+    module: Optional[cst.Module] = None
+    nodes: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a command answers: its exit code (``EXIT_*``) and the text for stdout and stderr."""
+
+    exit_code: int
+    stdout: Union[str, bytes] = ""  # bytes: written as they are (``--fix -`` keeps the input's encoding)
+    stderr: str = ""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 from guardlint.contracts import all_contracts
 
 from .config import SELECTOR, PathMatcher, Settings, UsageError, check_codes, relative_to_root
-from .findings import Finding
+from .findings import FileResult, Finding
 from .rules import RuleSet, build_rules
 
 if TYPE_CHECKING:
@@ -360,8 +360,6 @@ def _check_all(candidates: list[Candidate], rules: RuleSet, strict: bool, jobs: 
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
-    from .engine import FileResult
-
     # Most work first, dealt round-robin into chunks, so no worker ends with a long tail.
     ordered = sorted(candidates, key=lambda c: -c.work)
     n_chunks = workers * 4
@@ -395,8 +393,7 @@ def _isolate(candidates: list[Candidate], rules: RuleSet, strict: bool) -> list:
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
-    from .engine import FileResult, file_error
-
+    from .engine import file_error
     results = []
     pool = None
     try:
