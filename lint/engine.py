@@ -30,17 +30,18 @@ Walker = _layer_loop = None
 
 def _load_cst() -> None:
     global cst, fixes, Binding, ClassInfo, FuncInfo, Resolver, Scope, dotted, is_none, Walker, _layer_loop
-    global Collector, BoundArgs, bind_args, Checker, RawFinding
+    global Collector, BoundArgs, bind_args, Checker, RawFinding, _positions_from_ast, _positions_from_cst
     if cst is not None:
         return
     import libcst
 
-    from . import checker, fixes as _fixes, host_sync, names, scopes, walk
+    from . import checker, fixes as _fixes, host_sync, names, positions, scopes, walk
 
     fixes, Walker, _layer_loop = _fixes, walk.Walker, host_sync._layer_loop
     Collector = scopes.Collector
     BoundArgs, bind_args, Checker = checker.BoundArgs, checker.bind_args, checker.Checker
     RawFinding = checker.RawFinding
+    _positions_from_ast, _positions_from_cst = positions.positions_from_ast, positions.positions_from_cst
     Binding, ClassInfo, FuncInfo, Resolver, Scope = (names.Binding, names.ClassInfo, names.FuncInfo,
                                                      names.Resolver, names.Scope)
     dotted, is_none = names.dotted, names.is_none
@@ -48,7 +49,8 @@ def _load_cst() -> None:
 
 
 # What moved out of this module stays importable from it; the names load with libcst, on first use.
-_MOVED = ("Collector", "BoundArgs", "bind_args", "Checker", "RawFinding")
+_MOVED = ("Collector", "BoundArgs", "bind_args", "Checker", "RawFinding", "_positions_from_ast",
+          "_positions_from_cst")
 
 
 def __getattr__(name: str):
@@ -60,76 +62,6 @@ def __getattr__(name: str):
 
 MAX_BYTES = 10 * 1024 * 1024
 _NEWLINE = re.compile(r"\r\n|\r|\n")
-
-
-# -- positions -------------------------------------------------------------------------------------
-def _ast_dotted(node: ast.AST) -> Optional[str]:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return None
-
-
-def _positions(module: cst.Module, tree: Optional[ast.AST], calls: list, raw: list, data: bytes):
-    """(line, column, end_line, end_column, call_line, call_range) of each finding: 1-based, end
-    exclusive, columns in characters; the range of the argument a finding is about, else of the call;
-    ``call_range`` is the call's (line, column, end_line, end_column), parentheses around it excluded."""
-    if tree is not None:
-        found = _positions_from_ast(module, tree, calls, raw, data)
-        if found is not None:
-            return found
-    from libcst.metadata import MetadataWrapper, PositionProvider
-
-    positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
-    out = []
-    for r in raw:
-        call = positions[r.node]
-        p = call if r.arg is None else positions[r.node.args[r.arg]]
-        out.append((p.start.line, p.start.column + 1, p.end.line, p.end.column + 1, call.start.line,
-                    (call.start.line, call.start.column + 1, call.end.line, call.end.column + 1)))
-    return out
-
-
-def _positions_from_ast(module, tree, calls, raw, data):
-    # Pre-order of a tree whose children are in source order is the order of start positions,
-    # an enclosing call before the calls it starts with (``f(x)(y)``): sort CPython's calls so.
-    acalls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
-    if len(acalls) != len(calls):
-        return None
-    acalls.sort(key=lambda n: (n.lineno, n.col_offset, -n.end_lineno, -n.end_col_offset))
-    index = {id(n): i for i, n in enumerate(calls)}
-    lines = _NEWLINE.split(data.decode(module.encoding))
-    out = []
-    for r in raw:
-        if id(r.node) not in index:  # not a call (GL104's ``if seq_lens:``): libcst's positions
-            return None
-        a = acalls[index[id(r.node)]]
-        if _ast_dotted(a.func) != dotted(r.node.func):
-            return None
-        p = a
-        if r.arg is not None:
-            # CPython keeps positional and keyword arguments apart; in source order they are libcst's.
-            args = sorted([*a.args, *a.keywords], key=lambda n: (n.lineno, n.col_offset))
-            if len(args) != len(r.node.args):
-                return None
-            p = args[r.arg]
-        out.append((p.lineno, _column(lines, p.lineno, p.col_offset),
-                    p.end_lineno, _column(lines, p.end_lineno, p.end_col_offset), a.lineno,
-                    (a.lineno, _column(lines, a.lineno, a.col_offset),
-                     a.end_lineno, _column(lines, a.end_lineno, a.end_col_offset))))
-    return out
-
-
-def _column(lines: list[str], lineno: int, byte_offset: int) -> int:
-    """CPython counts columns in UTF-8 bytes; findings count characters."""
-    line = lines[lineno - 1] if 0 < lineno <= len(lines) else ""
-    if line.isascii():
-        return byte_offset + 1
-    return len(line.encode("utf-8")[:byte_offset].decode("utf-8", errors="ignore")) + 1
 
 
 # -- one file --------------------------------------------------------------------------------------
@@ -268,7 +200,9 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
     if not raw:
         return result
 
-    positions = _positions(module, tree, collector.calls, raw, data)
+    positions = _positions_from_ast(module, tree, collector.calls, raw, data) if tree is not None else None
+    if positions is None:
+        positions = _positions_from_cst(module, raw)
     table = suppress.suppressions(data) if suppress.may_suppress(data) else None
     fixer = _Fixer(module, tree, data, Resolver(collector.module, {}, ()))
     seen = set()
