@@ -21,14 +21,14 @@ for s in "$@"; do
   case $s in
     # FlashInfer JIT-compiles each kernel on first use (FA2 ~21 s, FA3 ~83 s a head dim on a fresh machine):
     # its tests run in their own step with room for that, so the others never wait behind a build.
-    tests) step tests python3 -m pytest -q -m gpu -p no:cacheprovider -k "not flashinfer" tests/test_attention_gpu.py tests/test_guard_vit.py ;;
-    tests-flashinfer) STEP_TIMEOUT=${FI_TIMEOUT:-540} step tests-flashinfer python3 -m pytest -q -m gpu -p no:cacheprovider -k flashinfer tests/test_attention_gpu.py tests/test_guard_vit.py ;;
+    tests) step tests python3 -m pytest -q -m gpu -p no:cacheprovider -k "not flashinfer" tests/kernels/test_attention_gpu.py tests/guard/test_guard_vit.py ;;
+    tests-flashinfer) STEP_TIMEOUT=${FI_TIMEOUT:-540} step tests-flashinfer python3 -m pytest -q -m gpu -p no:cacheprovider -k flashinfer tests/kernels/test_attention_gpu.py tests/guard/test_guard_vit.py ;;
     lora) step lora python3 bench/lora.py --write ;;
     engines) step engines python3 -m pytest -q -m gpu -p no:cacheprovider tests/engines/test_engines_gpu.py ;;
-    lora-tests) step lora-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_lora_gpu.py ;;
+    lora-tests) step lora-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_lora_gpu.py ;;
     sweep) step sweep python3 bench/lora_sweep.py --write ;;
     anatomy) step anatomy python3 bench/lora_anatomy.py --write ;;
-    tests-rev) step tests-rev python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/test_guard_vit.py tests/test_attention_gpu.py ;;
+    tests-rev) step tests-rev python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/guard/test_guard_vit.py tests/kernels/test_attention_gpu.py ;;
     guard) step guard python3 bench/guard_sync.py --write ;;
     attention-quick) step attention-quick python3 bench/attention.py --quick --no-flashinfer --budget 200 --write ;;
     attention) STEP_TIMEOUT=$(( ${ATTN_BUDGET:-420} + 40 )) step attention python3 bench/attention.py --write-dispatch --write --budget "${ATTN_BUDGET:-420}" ;;

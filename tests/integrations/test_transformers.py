@@ -2,7 +2,7 @@
 
 Vision towers, image+text forwards, greedy generation (KV-cache decode), left-padded batches, packed text
 with cu_seq_lens, training gradients, refusals, and the once-per-forward metadata contract. fp32; the Triton
-kernel runs through the interpreter (tests/conftest.py).
+kernel runs through the interpreter (tests/integrations/conftest.py).
 """
 import subprocess
 import sys

@@ -1,7 +1,7 @@
 """The Gluon (Hopper) attention kernel without a GPU: it compiles for sm_90a within the register and
 shared-memory budget (Triton's bundled ptxas), its schedule keeps the PV product in flight while S is
 waited on, and the ``gluon`` backend refuses every call it cannot take. Its numbers against float64 are
-checked on the GPU (tests/test_attention_gpu.py)."""
+checked on the GPU (tests/kernels/test_attention_gpu.py)."""
 from __future__ import annotations
 
 import json

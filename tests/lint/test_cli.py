@@ -12,7 +12,7 @@ from guardlint.contracts import all_contracts
 from guardlint.lint.cli import main
 from guardlint.lint.commands import run_check, run_explain, run_rules
 
-FIXTURES = Path(__file__).parent / "fixtures" / "lint"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "lint"
 VISION = str(FIXTURES / "qwen2_vl_vision.py")
 LORA = str(FIXTURES / "lora_backend.py")
 CLEAN = "import torch\n\nx = torch.zeros(3)\n"

@@ -13,8 +13,8 @@ from guardlint.contracts import all_contracts, get
 from guardlint.lint.cli import main
 from guardlint.lint.diagnose import diagnose, run_diagnose
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).parent / "fixtures" / "diagnose"
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "diagnose"
 SAMPLE = ROOT / "examples" / "traceback.txt"
 
 

@@ -20,7 +20,7 @@ from guardlint.lint.cli import main
 from guardlint.lint.config import Settings
 from guardlint.lint.findings import Edit
 
-FIXTURES = Path(__file__).parent / "fixtures" / "lint"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "lint"
 CUDNN = "from guardlint.kernels import cudnn_vision_attention\n"
 LORA = "from sglang.srt.lora.utils import LoRABatchInfo\n"
 IMPORT = "from guardlint.guard import prepare_varlen_metadata\n"

@@ -15,7 +15,7 @@ from guardlint.lint import engine
 from guardlint.lint.walk import Walker
 
 RULES = build_rules()
-FIXTURES = Path(__file__).parent / "fixtures" / "lint"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "lint"
 VISION = "from sglang.srt.layers.attention.vision import VisionFlashInferAttention\n"
 LORA = "from sglang.srt.lora.utils import LoRABatchInfo\n"
 CUDNN = "from guardlint.kernels import cudnn_vision_attention\n"

@@ -16,7 +16,7 @@ from guardlint.lint import build_rules, check_source, lint_paths, load_settings
 from guardlint.lint.config import Settings
 from guardlint.lint.runner import MIN_PARALLEL, module_name_for
 
-FIXTURES = Path(__file__).parent / "fixtures" / "lint"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "lint"
 USER_PROJECT = FIXTURES / "user_project"
 STRICT_MARKER = re.compile(r"# strict: (?P<codes>GL\d{3}(?:\s*,\s*GL\d{3})*)\s*$")
 RULES = build_rules()

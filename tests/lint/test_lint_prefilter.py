@@ -20,7 +20,7 @@ from guardlint.lint.prefilter import tree_filter
 
 from test_lint_oracle import _sites
 
-FIXTURES = Path(__file__).parent / "fixtures" / "lint"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "lint"
 RULES = build_rules()
 FIXTURE_FILES = sorted(FIXTURES.rglob("*.py"))
 EXAMPLES = [pytest.param(e.code, id=f"{c.code}-{e.kind}{i}") for c in all_contracts()

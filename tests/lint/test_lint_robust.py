@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from guardlint.lint.cli import main
 
-FIXTURES = Path(__file__).parent / "fixtures" / "lint"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "lint"
 LORA = str(FIXTURES / "lora_backend.py")
 BAD_LORA = ("from sglang.srt.lora.utils import LoRABatchInfo\n\n"
             "info = LoRABatchInfo(seg_indptr=p)\n")

@@ -7,7 +7,7 @@ import importlib.util
 import pstats
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "lint_large_file.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "lint_large_file.py"
 
 
 def _large_source(calls: int) -> str:

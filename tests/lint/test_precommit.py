@@ -13,7 +13,7 @@ import pytest
 
 from guardlint.lint.commands import run_check
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = ROOT / ".pre-commit-hooks.yaml"
 GUARDLINT = Path(sys.executable).parent / "guardlint"
 PRE_COMMIT = Path(sys.executable).parent / "pre-commit"
