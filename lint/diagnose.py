@@ -10,76 +10,18 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import sysconfig
 import textwrap
 from bisect import bisect_right
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import accumulate
-from pathlib import PurePosixPath, PureWindowsPath
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 from guardlint.contracts import Contract, all_contracts
 from guardlint.contracts.catalog import ENGINE_ERRORS, EngineError
 
 from .findings import EXIT_CLEAN, EXIT_FINDINGS, Outcome
+from .frames import ENGINES, USER_PSEUDO_FILE, is_library_frame, search_dir, user_frame
 from .tracebacks import EXCEPTION_LINE, ErrorBlock, Frame, Parsed, decode, looks_like_exception, parse
-
-# -- the user's frame -------------------------------------------------------------------------------------
-
-# Frames in these packages (a path component of this name) are never the user's code...
-LIBRARY_PARTS = frozenset({"torch", "triton", "flashinfer", "sglang", "vllm", "site-packages", "dist-packages",
-                           "importlib", "_guardlint"})
-# ...except the engines' model files, wherever installed: there a model calls the attention layer, and that
-# call is where the metadata is to be passed (the engine's backends, LoRA and scheduler stay library code).
-_ENGINE_MODEL_FILE = re.compile(r"(?:^|/)(?:sglang/srt/models|vllm/model_executor/models)/[^/]+\.py$")
-ENGINES = ("sglang", "vllm")
-_GUARDLINT_SUBPACKAGES = ("guard", "kernels", "lint", "contracts")
-_USER_PSEUDO_FILE = re.compile(r"^(?:<stdin>|<string>|<console>|<input>|<ipython-input-[^>]*>|In ?\[\d+\])$")
-_STDLIB = re.compile(r"[\\/]lib(?:64)?[\\/]python\d+(?:\.\d+)?t?[\\/]|(?i:[\\/]python\d*[\\/]lib[\\/])")
-
-
-@lru_cache(maxsize=1)
-def _local_roots() -> tuple[str, ...]:
-    """This interpreter's stdlib and guardlint's own folders (an editable install has them outside
-    site-packages), as ``/``-separated path prefixes."""
-    from importlib.util import find_spec
-
-    roots = [sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib")]
-    for sub in _GUARDLINT_SUBPACKAGES:
-        try:
-            spec = find_spec(f"guardlint.{sub}")
-        except (ImportError, ValueError):
-            spec = None
-        roots += list(spec.submodule_search_locations or []) if spec else []
-    return tuple(dict.fromkeys(str(r).replace("\\", "/").rstrip("/") + "/" for r in roots if r))
-
-
-@lru_cache(maxsize=4096)
-def is_library_frame(file: str) -> bool:
-    """Is this frame's file part of torch, triton, flashinfer, a serving engine (but for its model files), an
-    installed package, the Python standard library or guardlint itself (rather than the user's code)?"""
-    if _USER_PSEUDO_FILE.match(file):
-        return False
-    if file.startswith("<"):  # <frozen runpy>, <guardlint wrapper of varlen_attention>
-        return True
-    if _ENGINE_MODEL_FILE.search(file.replace("\\", "/")):
-        return False
-    parts = [p for p in re.split(r"[\\/]+", file) if p]
-    if LIBRARY_PARTS.intersection(parts):
-        return True
-    if any(a == "guardlint" and b in _GUARDLINT_SUBPACKAGES for a, b in zip(parts, parts[1:])):
-        return True
-    if _STDLIB.search(file):
-        return True
-    posix = file.replace("\\", "/")
-    return any(posix.startswith(root) for root in _local_roots())
-
-
-def user_frame(frames: Iterable[Frame]) -> Optional[Frame]:
-    """The innermost frame outside library code: where the user's code made the failing call."""
-    return next((frame for frame in reversed(list(frames)) if not is_library_frame(frame.file)), None)
-
 
 # -- matching -------------------------------------------------------------------------------------------
 
@@ -334,16 +276,6 @@ def lint_codes(contract: Contract, contracts: Sequence[Contract] = ()) -> list[s
                                            and shared.intersection(c.targets))]
 
 
-def search_dir(frame: Optional[Frame]) -> str:
-    """The folder of the user's frame (where the same mistake most likely repeats), else ``.``."""
-    if frame is None or frame.file.startswith("<") or _USER_PSEUDO_FILE.match(frame.file):
-        return "."
-    file = frame.file
-    windows = re.match(r"^[A-Za-z]:[\\/]", file) or ("\\" in file and "/" not in file)
-    parent = str((PureWindowsPath if windows else PurePosixPath)(file).parent)
-    return parent if parent not in ("", ".") else "."
-
-
 def _quote(arg: str) -> str:
     return arg if re.fullmatch(r"[\w@%+=:,./\\-]+", arg) else shlex.quote(arg)
 
@@ -379,7 +311,7 @@ def _program(blocks: Sequence[ErrorBlock]) -> Optional[str]:
         if not block.frames:
             continue
         first = block.frames[0]
-        if is_library_frame(first.file) or first.file.startswith("<") or _USER_PSEUDO_FILE.match(first.file):
+        if is_library_frame(first.file) or first.file.startswith("<") or USER_PSEUDO_FILE.match(first.file):
             continue
         if block.style == "pytest":
             return f"python -m pytest {_quote(first.file)}"
