@@ -176,7 +176,7 @@ def diagnose(file, fmt) -> None:
     """Match an error message or traceback (FILE, or - or nothing for stdin) to its rule and fix.
 
     Exit 0 when a rule matches, 1 when none does."""
-    from .diagnose import run_diagnose
+    from .commands import run_diagnose
 
     if file.isatty():
         click.echo("Paste the error or traceback, then press Ctrl-D.", err=True)

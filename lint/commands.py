@@ -6,18 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
-from guardlint.contracts import ConfigError, all_contracts
+from guardlint.contracts import ConfigError, Contract, all_contracts
 
-from .config import Settings, UsageError, load_settings
 from .findings import EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, Outcome
-from .runner import lint_paths, rules_for, with_options
 
-# Output formats, diffs and rule texts are imported by the commands that print them: a pre-commit run
-# of one clean file needs none of them.
+if TYPE_CHECKING:
+    from .config import Settings
 
-__all__ = ["EXIT_CLEAN", "EXIT_FINDINGS", "EXIT_USAGE", "Outcome", "run_check", "run_explain", "run_rules"]
+# The runner, output formats, diffs, rule texts and diagnosis are imported by the commands that use
+# them: a pre-commit run of one clean file needs no rule text, ``diagnose`` no runner.
+
+__all__ = ["EXIT_CLEAN", "EXIT_FINDINGS", "EXIT_USAGE", "Outcome", "run_check", "run_diagnose", "run_explain",
+           "run_rules"]
 
 
 def _split(values: Sequence[str]) -> list[str]:
@@ -40,6 +42,9 @@ def run_check(paths: Sequence[str], *, select: Sequence[str] = (), ignore: Seque
     if fix and diff:
         return Outcome(EXIT_USAGE, stderr="guardlint: error: --fix and --diff cannot be used together "
                                           "(--diff shows the fixes without writing them; --fix writes them)\n")
+    from .config import UsageError, load_settings
+    from .runner import lint_paths, rules_for, with_options
+
     paths = list(paths) or ["."]
     try:
         settings = load_settings(paths, config, cwd=cwd)
@@ -103,6 +108,8 @@ def _diff_summary(fixed: int, remaining: Sequence, unsafe_fixes: bool) -> str:
 
 
 def _settings_for_catalog(config: Optional[str], cwd: Optional[Path]) -> Settings:
+    from .config import load_settings
+
     return load_settings((), config, cwd=cwd)
 
 
@@ -119,6 +126,17 @@ def run_explain(code: str, *, config: Optional[str] = None, cwd: Optional[Path] 
         return Outcome(EXIT_USAGE, stderr=f"guardlint: error: unknown rule code {code!r}; known codes: "
                                           f"{', '.join(sorted(contracts))}\n")
     return Outcome(EXIT_CLEAN, _explain.explain(contract))
+
+
+def run_diagnose(data: Union[bytes, str], *, fmt: str = "text",
+                 contracts: Optional[Sequence[Contract]] = None) -> Outcome:
+    """``guardlint diagnose``: exit 0 with the answer when a rule matches, 1 when none does."""
+    from . import diagnose_output
+    from .diagnose import diagnose
+
+    result = diagnose(data, contracts)
+    out = diagnose_output.as_json(result) if fmt == "json" else diagnose_output.as_text(result)
+    return Outcome(EXIT_CLEAN if result.contract is not None else EXIT_FINDINGS, out)
 
 
 def run_rules(*, fmt: str = "text", config: Optional[str] = None, cwd: Optional[Path] = None) -> Outcome:

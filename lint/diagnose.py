@@ -1,27 +1,26 @@
-"""``guardlint diagnose``: from an error message or a pasted traceback to the rule it matches, its diagnosis,
-the frame in the user's own code where it happened, and the command that finds the same pattern elsewhere.
-
-Tracebacks are read loosely (chained, pytest, IPython, log lines with timestamps). Rules are recognised by the
-catalog's ``Diagnosis.patterns``, by its ``ENGINE_ERRORS`` (engine errors told apart by the frame that raised
-them) and by a ``GuardError``'s ``[GLxxx]`` code; nothing here knows an error text.
+"""Matching an error to the catalog: from the exceptions ``tracebacks.py`` reads, the rule they match,
+the user's frame (``frames.py``) and the command that finds the same pattern elsewhere. Rules are
+recognised by the catalog's ``Diagnosis.patterns``, its ``ENGINE_ERRORS`` (told apart by the frame that
+raised them) and a ``GuardError``'s ``[GLxxx]`` code; nothing here knows an error text.
 """
 from __future__ import annotations
 
-import json
 import re
 import shlex
-import textwrap
 from bisect import bisect_right
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from guardlint.contracts import Contract, all_contracts
 from guardlint.contracts.catalog import ENGINE_ERRORS, EngineError
 
-from .findings import EXIT_CLEAN, EXIT_FINDINGS, Outcome
 from .frames import ENGINES, USER_PSEUDO_FILE, is_library_frame, search_dir, user_frame
 from .tracebacks import EXCEPTION_LINE, ErrorBlock, Frame, Parsed, decode, looks_like_exception, parse
+
+if TYPE_CHECKING:
+    from .commands import run_diagnose
+    from .diagnose_output import as_dict, as_json, as_text
 
 # -- matching -------------------------------------------------------------------------------------------
 
@@ -368,159 +367,20 @@ def diagnose(text: Union[str, bytes], contracts: Optional[Sequence[Contract]] = 
                           best.entry.confirm if best.entry and best.entry.confirm else None, tuple(also))
 
 
-# -- output ---------------------------------------------------------------------------------------------
+# Moved to the command layer and its output module; importable from here on first use.
+_MOVED = {"as_dict": "diagnose_output", "as_json": "diagnose_output", "as_text": "diagnose_output",
+          "run_diagnose": "commands"}
 
-_IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import|import\s+([\w.]+))", re.M)
-
-
-def _imports(code: str) -> set:
-    return {a or b for a, b in _IMPORT.findall(code)}
-
-
-def _example(contract: Contract, files: Sequence[str] = ()) -> Optional[dict]:
-    """A bad example and its fix. Where the contract has several, the bad one whose imports the traceback
-    runs through (the engine's module or guardlint's kernels), and the fixed or good one closest to it."""
-    bad = contract.examples_of("bad")
-    after = contract.examples_of("fixed") + contract.examples_of("good")
-    if not bad and not after:
-        return None
-
-    def seen(example) -> int:
-        tops = {m.split(".")[0] for m in _imports(example.code)} - {"torch"}
-        return sum(1 for top in tops if any(re.search(rf"\b{re.escape(top)}\b", f) for f in files))
-
-    chosen = max(bad, key=seen) if bad else None  # max keeps the first of equals: catalog order
-    if chosen is not None and after:
-        near = _imports(chosen.code)
-        fixed = max(after, key=lambda e: (len(near & _imports(e.code)), e.kind == "fixed"))
-    else:
-        fixed = after[0] if after else None
-    return {"bad": chosen.without_markers() if chosen else None, "fixed": fixed.code if fixed else None}
+__all__ = ["DiagnoseResult", "diagnose", "fix_for", "lint_codes", "prevention", "run_command", "env_setting",
+           # re-exported from the modules this one was split into
+           "Frame", "ErrorBlock", "Parsed", "decode", "parse", "is_library_frame", "user_frame", "search_dir",
+           "as_dict", "as_json", "as_text", "run_diagnose"]
 
 
-def as_dict(result: DiagnoseResult) -> dict:
-    c = result.contract
-    out = {
-        "code": result.code,
-        "name": c.name if c else None,
-        "summary": c.summary if c else None,
-        "kind": c.kind if c else None,
-        "message": result.message,
-        "exception": result.exception_type,
-        "evidence": result.evidence,
-        "frame": result.frame.as_dict() if result.frame else None,
-        "fix": result.fix,
-        "command": result.command,
-        "prevent": result.prevention,
-        "matches": list(result.matches),
-        "related": list(result.related),
-        "engine": result.engine,
-        "raised_at": result.raised_at.as_dict() if result.raised_at else None,
-        "possible": result.confirm is not None,
-        "confirm": result.confirm,
-        "also": [{"code": code, "name": _name(code)[len(code) + 2:-1] or None, "message": message, "fix": fix}
-                 for code, message, fix in result.also],
-    }
-    if c is not None:
-        d = c.diagnosis
-        out["diagnosis"] = {"message": d.message, "what_it_means": d.what_it_means,
-                            "when_it_happens": d.when_it_happens, "solutions": list(d.solutions),
-                            "fix_safety": d.fix_safety}
-        out["example"] = _example(c, result.files)
-        out["explain"] = f"guardlint explain {c.code}"
-    return out
+def __getattr__(name: str):
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
 
-
-def as_json(result: DiagnoseResult) -> str:
-    return json.dumps(as_dict(result), indent=2) + "\n"
-
-
-def _wrap(text: str, indent: str = "  ") -> list:
-    bullet = text.startswith("- ")
-    return textwrap.wrap(text[2:] if bullet else text, 100, initial_indent=indent + ("- " if bullet else ""),
-                         subsequent_indent=indent + ("  " if bullet else "")) or [indent.rstrip()]
-
-
-def _code_block(code: str, title: str) -> list:
-    return [f"  {title}:", "  ```python", *(("  " + line).rstrip() for line in code.rstrip("\n").split("\n")),
-            "  ```"]
-
-
-def _name(code: str) -> str:
-    return next((f"{code} ({c.name})" for c in all_contracts() if c.code == code), code)
-
-
-def as_text(result: DiagnoseResult) -> str:
-    if result.contract is None:
-        out = ["No guardlint rule matches this error." if result.message or result.related
-               else "No guardlint rule matches this input: it holds no error message guardlint knows."]
-        if result.message:
-            out.append(f"  error: {result.message}")
-        if result.frame:
-            out.append(f"  where: {result.frame.location()}")
-        if result.related:
-            out += ["", f"The code it quotes from your frames matches {', '.join(map(_name, result.related))}:",
-                    f"  {result.lint_command or 'guardlint explain ' + result.related[0]}"]
-        out += ["", "`guardlint rules` lists the errors guardlint knows; `guardlint explain CODE` shows one."]
-        return "\n".join(out) + "\n"
-    c, d = result.contract, result.contract.diagnosis
-    out = [f"{c.code} {c.name}: {c.summary}"]
-    if result.message:
-        out.append(f"  error: {result.message}")
-    if result.frame:
-        out.append(f"  where: {result.frame.location()}")
-        if result.frame.source:
-            out.append(f"         {result.frame.source}")
-    else:
-        out.append("  where: no frame of your own code in the input")
-    if result.raised_at:
-        out.append(f"  raised: {result.raised_at.location()}")
-        if result.raised_at.source:
-            out.append(f"          {result.raised_at.source}")
-    if result.confirm:
-        out += ["", f"Possibly {c.code}: confirm it", *_wrap(result.confirm)]
-    out += ["", "What it means", *_wrap(d.what_it_means), "", "When it happens", *_wrap(d.when_it_happens)]
-    if result.guard_fix and result.guard_fix not in d.solutions:
-        out += ["", "Fix (from the error)", *_wrap(result.guard_fix)]
-    elif result.engine_fix:
-        out += ["", f"Fix ({result.engine})", *_wrap(result.fix)]
-    if d.solutions:
-        out += ["", "Solutions", *[line for s in d.solutions for line in _wrap(f"- {s}")]]
-    example = _example(c, result.files)
-    if example:
-        out += ["", "Example fix"]
-        if example["bad"]:
-            out += _code_block(example["bad"], "before")
-        if example["fixed"]:
-            out += _code_block(example["fixed"], "after")
-    if not c.linted:
-        out += ["", "Prevent it", *_wrap(f"{c.code} is raised at runtime only, so no static check finds it; "
-                                         "the solutions above prevent it.")]
-        command = run_command(c, result.program)
-        if command:
-            out.append(f"  {command}")
-    if result.lint_command:
-        out += ["", "Find the same pattern elsewhere", f"  {result.lint_command}"]
-    if result.related:
-        out += ["", f"The code of your frames matches {', '.join(map(_name, result.related))}."]
-    if result.also:
-        out += ["", "Also in the input"]
-        for code, message, fix in result.also:
-            out += _wrap(f"- {_name(code)}: {message}")
-            if fix:
-                out += _wrap(f"fix: {fix}", "    ")
-    quoted = {code for code, _, _ in result.also}
-    others = [code for code in result.matches
-              if code != c.code and code not in result.related and code not in quoted]
-    if others:
-        out += ["", f"Also matched: {', '.join(map(_name, others))}."]
-    out += ["", f"More: guardlint explain {c.code}"]
-    return "\n".join(out) + "\n"
-
-
-def run_diagnose(data: Union[bytes, str], *, fmt: str = "text",
-                 contracts: Optional[Sequence[Contract]] = None) -> Outcome:
-    """``guardlint diagnose``: exit 0 with the answer when a rule matches, 1 when none does."""
-    result = diagnose(data, contracts)
-    out = as_json(result) if fmt == "json" else as_text(result)
-    return Outcome(EXIT_CLEAN if result.contract is not None else EXIT_FINDINGS, out)
+    return getattr(importlib.import_module(f"{__package__}.{module}"), name)
