@@ -1,15 +1,24 @@
-"""``guardlint explain CODE`` and ``guardlint rules``: the catalog's diagnosis text in ruff's sections.
+"""``guardlint explain CODE`` and ``guardlint rules``: a rule's page in ruff's layout, from the catalog.
 
-The engine's error pages say What it means / When it happens / Solutions / Example fix; ruff's rule
-pages say What it does / Why is this bad? / Example / Use instead / Fix safety. Both are kept here.
+The catalog's diagnosis follows the engines' error pages (what it means, when it happens, solutions,
+example fix); a page maps it onto ruff's sections: What it does, Why is this bad?, Example / Use instead,
+Fix safety, Options and References.
 """
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from typing import Sequence
 
 from guardlint.contracts import Contract
+from guardlint.contracts.model import Target
+
+# A derivation's template names the call's own arguments as ``{name}``: on the page, the names alone.
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+# A summary that is a clause ("X is read back ..."), not a thing: "Checks for cases where ...".
+_VERB = re.compile(r" (?:is|are|was|were|would) ")
+_PROJECTS = {"vllm": "vLLM"}
 
 
 def _wrap(text: str, width: int = 100) -> str:
@@ -21,32 +30,90 @@ def _code_block(code: str) -> str:
     return "```python\n" + code.rstrip("\n") + "\n```"
 
 
+def _name(m: re.Match) -> str:
+    return m.group(1)
+
+
+def _checks_for(c: Contract) -> str:
+    """The summary as ruff's first sentence: "Checks for <a thing>" or "Checks for cases where <a clause>"."""
+    summary = c.summary.rstrip(".")
+    if c.user_defined:
+        return f"Checks for calls that do not meet a contract of your configuration: {summary}."
+    first = summary.split(" ", 1)[0]
+    # "A", "Varlen", "Metadata" start a sentence; "LoRABatchInfo", "ViT" are names.
+    if first[:1].isupper() and (len(first) == 1 or first[1:].islower()):
+        summary = summary[0].lower() + summary[1:]
+    head = summary.split(":", 1)[0]
+    where = "cases where " if _VERB.search(f" {head} ") else ""
+    when = "" if c.linted else ", at runtime,"
+    return f"Checks{when} for {where}{summary}."
+
+
+def _target(t: Target) -> str:
+    package = t.qualname.split(".", 1)[0]
+    name = f"{_PROJECTS.get(package, package)}'s `{t.short_name}`"
+    if t.qualname.endswith("[]"):
+        return f"instances of the backends in {name} (a backend picked by configuration)"
+    if t.kind == "instance":
+        return f"{name} instances (called directly or through `.forward`)"
+    if t.kind == "class":
+        return f"{name} (constructed)"
+    return name
+
+
+def _requirement(c: Contract) -> str:
+    groups = [" and ".join(f"`{n}`" for n in g) for g in c.require]
+    each = ", each" if any(len(g) > 1 for g in c.require) else ""
+    return f"A call is fine when it passes {' or '.join(groups)}{each} with a value other than `None`."
+
+
+def _fix_availability(c: Contract) -> str:
+    if c.fix_safety == "safe":
+        return "Fix is sometimes available."
+    if c.fix_safety == "unsafe":
+        return "Fix is sometimes available (an unsafe fix: applied with `--unsafe-fixes`)."
+    return "Fix is not available."
+
+
 def explain(c: Contract) -> str:
     d = c.diagnosis
-    out = [f"# {c.code} {c.name}", "",
-           f"Kind: {c.kind}. Severity: {c.severity}." + ("" if c.linted else " Raised at runtime by the guard "
-                                                         "and kernels; the linter does not report it."), ""]
+    out = [f"# {c.name} ({c.code})", "", _fix_availability(c), ""]
+    if not c.linted:
+        out += ["Raised at runtime by the guard and kernels; the linter does not report it.", ""]
+    out += ["## What it does", _wrap(_checks_for(c)), ""]
     if c.targets:
-        out += ["Applies to: " + ", ".join(f"{t.qualname} ({t.kind})" for t in c.targets), ""]
-    out += ["## What it does", _wrap(f"{c.summary}. Message: \"{d.message}\""), "",
-            "## Why is this bad?", _wrap(d.what_it_means), "", _wrap(d.when_it_happens), ""]
+        out += ["It applies to calls of:", *[_wrap(f"- {_target(t)}") for t in c.targets], ""]
     if c.require:
-        out += ["Requires, each passed and not None: " + c.requirement_text(), ""]
+        out += [_wrap(_requirement(c)), ""]
+    out += [_wrap(f"{'Reported' if c.linted else 'Raised'} as: \"{d.message}\""), ""]
+    out += [_wrap(note) + "\n" for note in c.notes]
+    out += ["## Why is this bad?", _wrap(d.what_it_means), "", _wrap(d.when_it_happens), ""]
     if d.solutions:
-        out += ["## Solutions", *[_wrap(f"- {s}") for s in d.solutions], ""]
-    if c.derivations:
-        out += ["## Derivations"]
-        out += [_wrap(f"- {dv.target} = {dv.template}" + (f" ({dv.note})" if dv.note else "")) for dv in c.derivations]
-        out += [""]
+        out += ["To fix it:", *[_wrap(f"- {s}") for s in d.solutions], ""]
     bad = c.examples_of("bad")
     if bad:
         out += ["## Example", _code_block(bad[0].without_markers()), ""]
     use = c.examples_of("fixed") or c.examples_of("good")
     if use:
-        out += ["## Use instead", _code_block(use[0].code), ""]
-    for note in c.notes:
-        out += [_wrap(f"Note: {note}"), ""]
-    out += ["## Fix safety", _wrap(d.fix_safety or "No automatic fix.")]
+        out += ["Use instead:" if bad else "## Example", _code_block(use[0].code), ""]
+    out += ["## Fix safety", _wrap(d.fix_safety or "No automatic fix."), ""]
+    if c.derivations:
+        out += ["How a missing value is derived (the fix writes it; the guard computes it at runtime):"]
+        out += [_wrap(f"- `{dv.target} = {_PLACEHOLDER.sub(_name, dv.template)}`" + (f": {dv.note}" if dv.note else ""))
+                for dv in c.derivations]
+        out += [""]
+    if c.linted and c.code != "GL000":
+        out += ["## Options",
+                _wrap(f"- `select`, `ignore` and `per-file-ignores` in `[tool.guardlint]` of `pyproject.toml` "
+                      f"(or `--select` / `--ignore`) turn {c.code} on and off."),
+                _wrap(f"- `# guardlint: ignore[{c.code}]` or `# noqa: {c.code}` on a finding's line "
+                      "suppresses it.")]
+        if c.kind in ("call", "positional"):
+            out += [_wrap("- `--strict` also reports the calls that cannot be checked because they pass "
+                          "`*args` or `**kwargs`.")]
+        out += [""]
+    if c.targets:
+        out += ["## References", *[f"- `{t.qualname.removesuffix('[]')}`" for t in c.targets], ""]
     return "\n".join(out).rstrip() + "\n"
 
 
