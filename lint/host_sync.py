@@ -1,14 +1,15 @@
 """GL104 per-layer-host-sync: a device-to-host read of sequence-length metadata in code run per layer.
 
-Per layer means the ``forward`` of a class named ``*Block``, ``*Layer`` or ``*Attention`` (any case),
-or the body of a ``for`` loop over something named like layers or blocks. Reads are ``.item()``,
-``.tolist()`` and ``int(t.max())`` of sequence-length metadata, ``.any()``/``.all()`` of a tensor tested
-by ``if``/``while``, and calls of a same-module helper that does one of those. A class whose
-``__init__`` refuses to run off the CPU holds host tensors only: nothing there is a device sync. A
-helper called in the fallback branch of a prepared-metadata test (``if forward_metadata is not None:
-... else: helper(...)``) is reported at the callers that pass no metadata instead (GL109). The vocabulary (which names
-hold metadata, which calls read back) lives in ``patterns.py`` beside the pre-filter's needles.
+The vocabulary (which names hold metadata, which calls read back) lives in ``patterns.py`` beside the
+pre-filter's needles.
 """
+# Per layer means the ``forward`` of a class named ``*Block``, ``*Layer`` or ``*Attention`` (any case), or the
+# body of a ``for`` loop over something named like layers or blocks. Reads are ``.item()``, ``.tolist()`` and
+# ``int(t.max())`` of sequence-length metadata, ``.any()``/``.all()`` of a tensor tested by ``if``/``while``,
+# and calls of a same-module helper that does one of those. A class whose ``__init__`` refuses to run off the
+# CPU holds host tensors only: nothing there is a device sync. A helper called in the fallback branch of a
+# prepared-metadata test (``if forward_metadata is not None: ... else: helper(...)``) is reported at the
+# callers that pass no metadata instead (GL109).
 from __future__ import annotations
 
 from typing import Callable, Optional

@@ -1,6 +1,6 @@
 """Scopes and bindings of one file: resolves a call's callee to a qualified import name.
 
-Filled during the one walk that also finds the calls (``engine.Collector``), resolved per call after.
+Filled during the one walk that also finds the calls (``scopes.Collector``), resolved per call after.
 """
 # Why an import table of our own and not libcst's QualifiedNameProvider: the provider is exact but
 # costs 4-8x the libcst parse (scope analysis of every name), against ~0.1-0.2x for this table plus
@@ -108,7 +108,7 @@ _MAX_DEPTH = 8  # x = f(); y = x; ... chains longer than this are not followed
 
 
 class Resolver:
-    """Resolves callee expressions against the scopes filled by ``engine.Collector``."""
+    """Resolves callee expressions against the scopes filled by ``scopes.Collector``."""
 
     def __init__(self, module: Scope, instance_targets, known_targets):
         self.module = module

@@ -1,10 +1,10 @@
 """Second-stage pre-filter: CPython's ``ast`` tree of a file decides whether libcst must see it.
 
-The textual pre-filter (``RuleSet.may_match``) passes files that merely mention a trigger word; this
-one looks at the tree every file gets anyway and sends a file to the libcst check only when it holds
-something a rule could report. It may over-approximate (send a file that ends up clean), never drop
-one with findings (``tests/test_lint_prefilter.py`` runs the engine with and without it).
+The textual pre-filter (``RuleSet.may_match``) passes files that merely mention a trigger word; this one
+sends a file to the libcst check only when its tree holds something a rule could report.
 """
+# It may over-approximate (send a file that ends up clean), never drop one with findings (the prefilter
+# tests run the engine with and without it).
 # What each rule needs to report, and what is looked for here:
 # - call/positional/value contracts: a callee that resolves to a target. The resolver only follows
 #   names, attributes, imports (with aliases) and instances made by a target's constructor, so a call

@@ -1,12 +1,11 @@
-"""Runs the linter over paths: the textual pre-filter, parallel checking, selection, fixes (which files,
-``discovery.py``).
-
-Reading and pre-filtering happen in this process (a substring search per file, far cheaper than any
-parse). Every file gets CPython's parse, so a syntax error is reported in every file; those that can
-contain a target also go through the tree pre-filter (``prefilter.py``), and the ones it keeps are
-checked with libcst. All run across processes when there is enough work to pay for starting the
-workers, all files of a run in one pool.
+"""Runs the linter over the files ``discovery.py`` finds: the textual pre-filter, checking (across
+processes when there is enough work), selection, per-file ignores and fixes.
 """
+# Reading and pre-filtering happen in this process (a substring search per file, far cheaper than any
+# parse). Every file gets CPython's parse, so a syntax error is reported in every file; those that can
+# contain a target also go through the tree pre-filter (``prefilter.py``), and the ones it keeps are
+# checked with libcst. All run in one pool of worker processes when there is enough work to pay for
+# starting them.
 # Parsing every file with ``ast`` costs about one more ast.parse of the files the pre-filter skips,
 # spread over the workers: on the generated 1216-file tree of bench/lint_speed.py the CLI went from
 # 0.81-1.01x to 1.31-1.39x of one process's read + ast.parse (best of 5, a shared 2-core machine),
