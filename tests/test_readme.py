@@ -47,7 +47,7 @@ EXPECTED = {
                                          and "\n1\tGL104\tper-layer-host-sync\n" in out),
     "guardlint examples/ --select GL1 --ignore GL104": (
         1, lambda out: " GL101 " in out and " GL104 " not in out and " GL2" not in out),
-    "guardlint explain GL201": (0, lambda out: out.startswith("# GL201 missing-max-len-and-seg-lens")),
+    "guardlint explain GL201": (0, lambda out: out.startswith("# missing-max-len-and-seg-lens (GL201)\n")),
     "guardlint rules": (0, lambda out: all(code in out for code in ("GL000", "GL101", "GL201", "GL203"))),
     "guardlint diagnose examples/traceback.txt": (0, lambda out: out.startswith("GL101 missing-sequence-lengths")),
     "guardlint --diff --unsafe-fixes examples/": (

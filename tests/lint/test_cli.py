@@ -244,7 +244,7 @@ def test_exclude_option(tmp_path):
 @pytest.mark.parametrize("code", [c.code for c in all_contracts()])
 def test_explain_every_code(code):
     r = invoke("explain", code.lower())
-    assert r.exit_code == 0 and r.stdout.startswith(f"# {code} ")
+    assert r.exit_code == 0 and r.stdout.startswith("# ") and r.stdout.splitlines()[0].endswith(f" ({code})")
     for section in ("## What it does", "## Why is this bad?", "## Fix safety"):
         assert section in r.stdout
 
@@ -255,7 +255,7 @@ def test_explain_sections_come_from_the_catalog():
     c = get("GL201")
     text = invoke("explain", "GL201").stdout
     assert c.summary in text and c.diagnosis.solutions[1] in text.replace("\n  ", " ")
-    assert "## Solutions" in text and "## Example\n```python\n" in text and "## Use instead" in text
+    assert "To fix it:\n" in text and "## Example\n```python\n" in text and "Use instead:\n```python\n" in text
     assert "# expect:" not in text  # the markers are for tests, not for readers
     assert "dataclasses.replace(info, max_len=None, seg_lens=None) is reported too." in text.replace("\n", " ")
 
@@ -268,7 +268,7 @@ def test_explain_unknown_code_exits_2_with_the_codes():
 def test_explain_user_contract(tmp_path):
     cfg = tmp_path / "pyproject.toml"
     cfg.write_text("[[tool.guardlint.contracts]]\ncall = 'a.f'\nrequire = [['n']]\ncode = 'GL901'\n")
-    assert invoke("explain", "GL901", "--config", str(cfg)).stdout.startswith("# GL901 unmet-contract")
+    assert invoke("explain", "GL901", "--config", str(cfg)).stdout.startswith("# unmet-contract (GL901)\n")
 
 
 def test_rules_text_and_json():
@@ -290,7 +290,7 @@ def test_commands_are_plain_functions(tmp_path):
     assert out.exit_code == 1 and [d["code"] for d in json.loads(out.stdout)] == ["GL203"]
     assert run_check([LORA], exit_zero=True).exit_code == 0
     assert run_check([str(tmp_path / "missing")]).exit_code == 2
-    assert run_explain("GL104").stdout.startswith("# GL104 per-layer-host-sync")
+    assert run_explain("GL104").stdout.startswith("# per-layer-host-sync (GL104)\n")
     assert run_rules(fmt="json").exit_code == 0
 
 
