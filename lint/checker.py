@@ -12,6 +12,7 @@ import libcst as cst
 
 from guardlint.contracts import Contract
 
+from .findings import Severity
 from .names import ClassInfo, FuncInfo, Resolver, Scope, dotted, is_none
 from .rules import REPLACE_FUNCTIONS, RuleSet
 from .scopes import Collector
@@ -64,7 +65,7 @@ class RawFinding:
     node: cst.Call
     contract: Contract
     message: str
-    severity: str
+    severity: Severity
     # Index into ``node.args`` when the finding is about one argument (reported at that argument).
     arg: Optional[int] = None
     # What a fixer needs: how the call was checked ("call", "replace", "positional"; None: no fix),
@@ -137,7 +138,7 @@ class Checker:
     def _all_bindings(self):
         seen = set()
         for _, scope, _, _, _ in self.c.sites:
-            s = scope
+            s: Optional[Scope] = scope
             while s is not None and id(s) not in seen:
                 seen.add(id(s))
                 yield s.bindings
@@ -241,7 +242,7 @@ class Checker:
             b = self.resolver.lookup(scope, expr.value, seq)
             fn = scope.function_scope()
             binds = fn.bindings.get(expr.value, [])
-            if b is None or b.kind != "call" or len(b.value) < 4 or len(binds) != 1:
+            if b is None or b.kind != "call" or not isinstance(b.value, tuple) or len(b.value) < 4 or len(binds) != 1:
                 return None  # rebound (a branch per backend) or not built here: trusted
             call, s, sq = b.value[3], b.value[1], b.value[2]
             scope, seq = s, sq

@@ -133,7 +133,7 @@ def _hits(parsed: Parsed, contracts: Sequence[Contract]) -> list[_Hit]:
         for entry in ENGINE_ERRORS:
             contract = by_code.get(entry.code)
             found = _engine_error(entry, block) if contract is not None else None
-            if found:
+            if found and contract is not None:
                 m, frame = found
                 span = m.end() - m.start() + (_FRAME_CONFIRMED if entry.file else 0)
                 hits.append(_Hit(PATTERN_IN_EXCEPTION, position, span, contract, _line_of(text, m.start()), block,
@@ -161,12 +161,12 @@ def _hits(parsed: Parsed, contracts: Sequence[Contract]) -> list[_Hit]:
                 hits += [_Hit(PATTERN_IN_USER_CODE, i, span, c, line.strip(), block_of_frame.get(id(frame)))
                          for c, span in spans.items() if c.kind == "pattern"]
             continue
-        found = [(GUARD_CODE_IN_TEXT, m.end() - m.start(), by_code[m.group("code")])
-                 for m in _GUARD_CODE.finditer(line) if m.group("code") in by_code]
-        found += [(PATTERN_IN_TEXT, span, c) for c, span in spans.items()]
-        if found:
+        on_line = [(GUARD_CODE_IN_TEXT, m.end() - m.start(), by_code[m.group("code")])
+                   for m in _GUARD_CODE.finditer(line) if m.group("code") in by_code]
+        on_line += [(PATTERN_IN_TEXT, span, c) for c, span in spans.items()]
+        if on_line:
             block = next((b for b in blocks if b.start <= i <= b.end), None)
-            hits += [_Hit(tier, i, span, contract, line.strip(), block) for tier, span, contract in found]
+            hits += [_Hit(tier, i, span, contract, line.strip(), block) for tier, span, contract in on_line]
     return hits
 
 
@@ -257,7 +257,7 @@ def _engine_of(hit: "_Hit", hits: Sequence["_Hit"] = ()) -> Optional[str]:
             return engine
     same = (h for h in (hit, *hits) if h.entry and h.entry.engine and h.contract is hit.contract
             and h.line == hit.line)
-    return next((h.entry.engine for h in same), None)
+    return next((h.entry.engine for h in same if h.entry), None)
 
 
 def _linted(code: str) -> bool:
@@ -356,10 +356,11 @@ def diagnose(text: Union[str, bytes], contracts: Optional[Sequence[Contract]] = 
         if h.tier > PATTERN_IN_USER_CODE and h.contract.code not in seen and h.line != best.line:
             seen.add(h.contract.code)
             also.append((h.contract.code, h.line, fix_for(h.contract, _engine_of(h, hits))))
-    if best.tier in (GUARD_CODE_IN_EXCEPTION, PATTERN_IN_EXCEPTION):
+    exception_line = EXCEPTION_LINE.match(message) if message and looks_like_exception(message) else None
+    if best.tier in (GUARD_CODE_IN_EXCEPTION, PATTERN_IN_EXCEPTION) and block is not None:
         exception_type = block.exception_type
-    elif message and looks_like_exception(message):
-        exception_type = EXCEPTION_LINE.match(message).group("type")
+    elif exception_line:
+        exception_type = exception_line.group("type")
     else:
         exception_type = None
     return DiagnoseResult(best.contract, message, frame, matches, related, EVIDENCE[best.tier], exception_type,

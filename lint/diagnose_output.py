@@ -10,6 +10,7 @@ import textwrap
 from typing import Optional, Sequence
 
 from guardlint.contracts import Contract, all_contracts
+from guardlint.contracts.model import Example
 
 from .diagnose import DiagnoseResult, run_command
 
@@ -33,6 +34,7 @@ def _example(contract: Contract, files: Sequence[str] = ()) -> Optional[dict]:
         return sum(1 for top in tops if any(re.search(rf"\b{re.escape(top)}\b", f) for f in files))
 
     chosen = max(bad, key=seen) if bad else None  # max keeps the first of equals: catalog order
+    fixed: Optional[Example]
     if chosen is not None and after:
         near = _imports(chosen.code)
         fixed = max(after, key=lambda e: (len(near & _imports(e.code)), e.kind == "fixed"))
@@ -126,7 +128,7 @@ def as_text(result: DiagnoseResult) -> str:
     if result.guard_fix and result.guard_fix not in d.solutions:
         out += ["", "Fix (from the error)", *_wrap(result.guard_fix)]
     elif result.engine_fix:
-        out += ["", f"Fix ({result.engine})", *_wrap(result.fix)]
+        out += ["", f"Fix ({result.engine})", *_wrap(result.fix or "")]
     if d.solutions:
         out += ["", "Solutions", *[line for s in d.solutions for line in _wrap(f"- {s}")]]
     example = _example(c, result.files)

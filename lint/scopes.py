@@ -279,9 +279,8 @@ class Collector:
 
     def _self_class(self, obj: str) -> Optional[ClassInfo]:
         binds = self.scope.function_scope().bindings.get(obj)
-        if binds and binds[0].kind == "self":
-            return binds[0].value
-        return None
+        value = binds[0].value if binds and binds[0].kind == "self" else None
+        return value if isinstance(value, ClassInfo) else None
 
     # calls
     def visit_Call(self, node: cst.Call) -> None:

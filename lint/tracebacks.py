@@ -201,19 +201,19 @@ class _Reader:
         elif self.state == "message":
             if not line.strip():
                 self._close(i - 1)
-            elif (self.block.style == "bare" and not line[:1].isspace()
+            elif (self._current.style == "bare" and not line[:1].isspace()
                   and looks_like_exception(line.strip())):
                 # Error lines pasted one after another: each is an error of its own.
                 block = self._open("bare", i)
                 block.exception, block.exception_index = line.strip(), i
                 self.state = "message"
             else:
-                self.block.message.append(line)
+                self._current.message.append(line)
         else:
             self._outside_line(i, line)
 
     def _frame_line(self, i: int, line: str) -> None:
-        block = self.block
+        block = self._current
         m = _PY_FRAME.match(line) or _IPY_FRAME.match(line) or _IPY_CELL.match(line)
         if m:
             function = m.group("function")
@@ -240,10 +240,17 @@ class _Reader:
         block.exception, block.exception_index = stripped, i
         self.state = "message"
 
+    @property
+    def _current(self) -> ErrorBlock:
+        """The block being read: there is one whenever ``state`` is set."""
+        assert self.block is not None
+        return self.block
+
     def _pytest_block(self, i: int) -> ErrorBlock:
         if self.block is None or self.block.style != "pytest":
-            self._open("pytest", i)
+            block = self._open("pytest", i)
             self.state = "pytest"
+            return block
         return self.block
 
     def _outside_line(self, i: int, line: str) -> None:
@@ -290,8 +297,8 @@ class _Reader:
                 block.exception, block.exception_index = line.strip(), i
                 self.state = "message"
                 return
-            if self.want_source and line[:1].isspace() and self.block.frames:
-                frame = self.block.frames[-1]
+            if self.want_source and line[:1].isspace() and self._current.frames:
+                frame = self._current.frames[-1]
                 self.code_of[i] = frame
                 if frame.source is None and not _MARKERS.match(line.strip()):
                     frame.source = line.strip()
