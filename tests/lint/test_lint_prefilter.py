@@ -192,3 +192,55 @@ def test_prefilter_callee_targets_only_in_annotations_are_dropped():
               "    assert isinstance(batch_info, LoRABatchInfo)\n    return batch_info\n")
     assert not _sent(source)
     assert _sent(source + "info = LoRABatchInfo(1, 2)\n")
+
+
+# -- GL104's textual filter: a file whose reads can be per layer is passed ----------------------------
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(place=st.sampled_from(PLACES), read=st.sampled_from(READS), receiver=st.sampled_from(RECEIVERS),
+       cls=st.sampled_from(("VisionBlock", "DecoderLayer", "SelfAttention", "Helper", "ATTENTION")),
+       meth=st.sampled_from(("forward", "step", "__call__")),
+       loop=st.sampled_from(("self.layers", "range(num_layers)", "blocks", "items", "model.vision_blocks")))
+def test_host_sync_text_filter_keeps_generated_findings(place, read, receiver, cls, meth, loop):
+    data = ("import torch\n" + place.format(cls=cls, meth=meth, loop=loop, read=read.format(r=receiver))).encode()
+    if any(f.code == "GL104" for f in check_source(data, "x.py", RULES).findings):
+        assert HOST_SYNC_SPEC.may_match(data)
+
+
+HOST_SYNC_SPEC = runner.rules_for(Settings(root=Path.cwd())).pattern_specs[0]
+
+
+@pytest.mark.parametrize("source", [
+    # a receiver written over lines before its read
+    "class VisionBlock:\n    def forward(self, cu_seqlens):\n        n = (\n            cu_seqlens[1:]\n"
+    "            - cu_seqlens[:-1]\n        ).max().item()\n",
+    # int( with its argument on the next line
+    "for layer in self.layers:\n    n = int(\n        seq_lens.max()\n    )\n",
+    # a decorator belongs to the forward below it
+    "class VisionBlock:\n    @deco(\n        seq_lens.item()\n    )\n    def forward(self):\n        pass\n",
+    # a module-level helper called per layer
+    "def helper(seq_lens):\n    return seq_lens.tolist()\n\n\nclass DecoderLayer:\n    def forward(self, s):\n"
+    "        if s:\n            return helper(s)\n",
+    "for b in self.vision_blocks:\n    if (b.x > 0).any():\n        pass\n    seq_lens = 1\n",
+    "async def run(m):\n    async for b in m.blocks:\n        out = int(b.seq_lens[0])\n",
+    # CRLF line ends
+    "class XLayer:\r\n    def forward(self, seq_lens):\r\n        return seq_lens.tolist()\r\n",
+])
+def test_host_sync_text_filter_passes_per_layer_reads(source):
+    data = source.encode()
+    assert HOST_SYNC_SPEC.may_match(data)
+    assert [f.code for f in check_source(data, "x.py", RULES).findings] == ["GL104"]
+
+
+@pytest.mark.parametrize("source", [
+    # reads outside any per-layer place, though the file has one
+    "def prepare(seq_lens):\n    return seq_lens.max().item()\n\n\nfor layer in self.layers:\n    x = layer(x)\n",
+    "class VisionBlock:\n    def forward(self, x):\n        return x\n\n    def step(self, seq_lens):\n"
+    "        return seq_lens.tolist()\n",
+    "class Helper:\n    def forward(self, seq_lens):\n        return seq_lens.tolist()\n\n"
+    "class VisionBlock:\n    pass\n",
+    # .item() of something else, .any() that is not a test
+    "for layer in self.layers:\n    n = x.item()\n    a = 1\n    m = seq_lens\n    ok = (seq_lens > 0).any()\n",
+])
+def test_host_sync_text_filter_drops_reads_outside_per_layer_code(source):
+    assert not HOST_SYNC_SPEC.may_match(source.encode())
+    assert check_source(source.encode(), "x.py", RULES).findings == []
