@@ -517,3 +517,19 @@ def test_fix_from_stdin_prints_the_fixed_source():
                                                    "max_len=int((p[1:] - p[:-1]).max()))\n"
     r = invoke("--fix", "-", "--stdin-filename", "m.py", input=src)
     assert r.stdout == src and "m.py:2:8: GL201" in r.stderr
+
+
+def test_derived_expressions_are_parsed_once_for_many_calls(monkeypatch):
+    import libcst as cst
+
+    from guardlint.lint import fixes
+
+    src = CUDNN + "".join(f"def f{i}(q, k, v, cu):\n    return cudnn_vision_attention(q, k, v, cu, 1, 8)\n"
+                          for i in range(5))
+    fixes._parse_expression.cache_clear()
+    out = fix(src)
+    assert out.count(PREPARED) == 5
+    assert fixes._parse_expression.cache_info().misses < 5
+    # the shared nodes write the same text as fresh parses
+    monkeypatch.setattr(fixes, "_parse_expression", cst.parse_expression)
+    assert fix(src) == out
