@@ -33,6 +33,9 @@ class PatternSpec:
     # Last, given the offsets where ``also`` and ``also_pattern`` matched: whether one of them can be in
     # a place the rule looks at (GL104: code run per layer, ``in_per_layer_code``).
     where: Optional[Callable[[bytes, list[int]], bool]] = None
+    # ``needles`` as one pattern, searched instead of each needle in turn when given (needles with a
+    # common start: the regex engine looks for that start once).
+    needle_pattern: Optional[re.Pattern] = None
 
     def _also_on_a_line(self, data: bytes, every: bool = False) -> list[int]:
         """Offsets of ``also_pattern``'s matches near the needles (with ``every``: all, else the first)."""
@@ -61,7 +64,10 @@ class PatternSpec:
         return found
 
     def may_match(self, data: bytes) -> bool:
-        if not any(n in data for n in self.needles):
+        if self.needle_pattern is not None:
+            if self.needle_pattern.search(data) is None:
+                return False
+        elif not any(n in data for n in self.needles):
             return False
         # Cheapest first: substring tests, then patterns that start with a literal (a pattern that
         # starts with \b is tried at every byte).
@@ -200,6 +206,10 @@ PATTERNS: dict[str, PatternSpec] = {
         visitor="host_sync:PerLayerHostSync",
         # cu_seqlens contains seqlens: the shorter stems cover every name
         needles=tuple(stem.encode() for stem in SEQLEN_STEMS if stem != "cu_seqlens"),
+        # seqlens, seq_lens, seg_lens, seg_indptr: one search for "se" and what follows (on vLLM 0.33's
+        # 50 MB, 0.026 s against 0.063 s for four substring searches)
+        needle_pattern=re.compile(b"|".join(re.escape(stem.encode()) for stem in SEQLEN_STEMS
+                                            if stem != "cu_seqlens")),
         # The truth of a tensor as a whole test: ``if (a > b).any():`` (the visitor reports no other use).
         also=((b".any():",), (b".all():",), (b".any()):",), (b".all()):",)),
         # A per-layer place: a forward in a class *Block/*Layer/*Attention (any case), or a for loop

@@ -68,3 +68,12 @@ def test_per_layer_host_sync_text_filter_sees_tests_written_over_lines():
     assert spec.may_match(head + b"        if (\n            x\n            and seq_lens[0] > 0\n        ):\n")
     assert spec.may_match(head + b"        n = int(seq_lens[-1])\n")
     assert not spec.may_match(head + b"        if seq_lens is None:\n            pass\n")
+
+
+def test_per_layer_host_sync_needle_pattern_finds_each_needle():
+    from guardlint.lint.patterns import PATTERNS
+
+    spec = PATTERNS["GL104"]
+    for needle in spec.needles:
+        assert spec.needle_pattern.search(b"x = " + needle + b"[0]\n")
+    assert not spec.needle_pattern.search(b"seq_len = seg_len + seqlen_q + segment_lens\n")
