@@ -23,13 +23,16 @@ from .patterns import CASTS, LAYER_LOOP_NAME, PER_LAYER_CLASS_SUFFIXES, SYNC_MET
 from .walk import children
 
 
-def _names_in(expr: cst.CSTNode):
-    """Names and attribute names read in an expression (small subtrees only)."""
+def _names_in(expr: cst.CSTNode, everywhere: bool = False):
+    """Names and attribute names read in an expression: through subscripts, calls and arithmetic only,
+    or, ``everywhere``, through every child (a test's whole condition)."""
     stack = [expr]
     while stack:
         node = stack.pop()
         if isinstance(node, cst.Name):
             yield node.value
+        elif everywhere:
+            stack.extend(children(node))
         elif isinstance(node, cst.Attribute):
             yield node.attr.value
             stack.append(node.value)
@@ -190,7 +193,9 @@ def _first_read(body: cst.CSTNode) -> Optional[str]:
 
 def _tests_metadata(test: cst.BaseExpression) -> bool:
     """``if forward_metadata is not None`` / ``if metadata ...``: the else branch is the fallback."""
-    return any("metadata" in name for name in _names_in_all(test)) if not isinstance(test, cst.Call) else False
+    if isinstance(test, cst.Call):
+        return False
+    return any("metadata" in name for name in _names_in(test, everywhere=True))
 
 
 _TRUTH_METHODS = ("any", "all")
@@ -275,21 +280,13 @@ def _host_only(node: cst.ClassDef) -> bool:
     for stmt in getattr(node.body, "body", ()):
         if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "__init__":
             for inner in getattr(stmt.body, "body", ()):
-                if isinstance(inner, cst.If) and any("cpu" in n.lower() for n in _names_in_all(inner.test)) \
-                        and any(isinstance(b, cst.Raise) for b in _statements(inner.body)) \
-                        and not any(other in n.lower() for n in _names_in_all(inner.test)
-                                    for other in ("cuda", "hip", "xpu", "npu", "musa")):
+                if not isinstance(inner, cst.If):
+                    continue
+                names = [n.lower() for n in _names_in(inner.test, everywhere=True)]
+                if any("cpu" in n for n in names) and any(isinstance(b, cst.Raise) for b in _statements(inner.body)) \
+                        and not any(other in n for n in names for other in ("cuda", "hip", "xpu", "npu", "musa")):
                     return True
     return False
-
-
-def _names_in_all(expr: cst.CSTNode):
-    stack = [expr]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, cst.Name):
-            yield node.value
-        stack.extend(children(node))
 
 
 def _statements(block):
