@@ -7,6 +7,7 @@ descriptors built per call), and the expand. The device time of the same calls r
 sits beside them, so host-bound calls (wall above device) stand out.
 
     python bench/lora_eager.py [--write]      # --write: bench/results/lora_eager.{json,md}
+    python bench/lora_eager.py --profile      # where an eager call's host time goes (cProfile, 500 calls)
 """
 from __future__ import annotations
 
@@ -46,13 +47,42 @@ def wall_us(call, calls: int = 200, rounds: int = 7) -> float:
     return statistics.median(per_call)
 
 
+def profile() -> int:
+    import cProfile
+    import pstats
+
+    cases = {c.name: c for c in all_cases(False)}
+    for case_name, kernel in (("decode-r16", "sgemm_lora_a"), ("prefill-r16", "sgemm_lora_b")):
+        S, info, _, t = build(cases[case_name], "cuda", torch, lora)
+        if kernel == "sgemm_lora_a":
+            call = lambda: lora.sgemm_lora_a(t["x"], t["A"], info)  # noqa: E731
+        else:
+            call = lambda: lora.sgemm_lora_b(t["y"], t["B"], info, t["base"])  # noqa: E731
+        for _ in range(50):
+            call()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(500):
+            call()
+        torch.cuda.synchronize()
+        prof.disable()
+        print(f"== {case_name} {kernel}: 500 eager calls")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="write bench/results/lora_eager.{json,md}")
+    parser.add_argument("--profile", action="store_true",
+                        help="print a cProfile of 500 eager calls (decode shrink, prefill expand) instead")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
+    if args.profile:
+        return profile()
     rows = []
     for case in all_cases(False):
         if case.name == "prefill-r64":
