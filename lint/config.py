@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
@@ -136,11 +137,11 @@ def relative_to_root(path: Path, root: Path) -> str:
 
 # -- loading ----------------------------------------------------------------------------------------
 def _load_toml(path: Path) -> dict:
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ModuleNotFoundError:  # Python 3.10
+    else:
         try:
-            import tomli as tomllib  # type: ignore[no-redef]
+            import tomli as tomllib
         except ModuleNotFoundError:
             raise ConfigError(f"{path}: reading TOML needs Python 3.11 or the tomli package") from None
     try:

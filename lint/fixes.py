@@ -15,7 +15,7 @@ import functools
 import re
 import string
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union, cast
 
 import libcst as cst
 
@@ -79,8 +79,11 @@ def reevaluation_problem(expr: cst.BaseExpression) -> Optional[str]:
             return problem
         for element in expr.slice:
             index = element.slice
-            parts = ([index.value] if isinstance(index, cst.Index)
-                     else [p for p in (index.lower, index.upper, index.step) if p is not None])
+            if isinstance(index, cst.Index):
+                parts = [index.value]
+            else:  # a BaseSlice is an Index or a Slice
+                bounds = cast(cst.Slice, index)
+                parts = [p for p in (bounds.lower, bounds.upper, bounds.step) if p is not None]
             for part in parts:
                 if isinstance(part, (cst.Integer, cst.SimpleString)):
                     continue
@@ -327,7 +330,7 @@ def _write_all(contract: Contract, call: cst.Call, passed: dict, missing_in, sou
     """Write every name of ``contract.fix_writes`` that is missing, each from a value in scope when one
     has its name, else from its first derivation (whose sources may be values written just before)."""
     written: dict[str, str] = {}
-    uses = []
+    uses: list[tuple[str, Optional[Derivation], str]] = []  # a None derivation: the value in scope is passed
     for target in contract.fix_writes:
         if not missing_in((target,)):
             continue

@@ -57,7 +57,7 @@ def _layer_loop(iterable: cst.BaseExpression) -> Optional[str]:
 
 
 class PerLayerHostSync:
-    def __init__(self, contract: Contract, report: Callable[[cst.Call, str], None]):
+    def __init__(self, contract: Contract, report: Callable[[cst.BaseExpression, str], None]):
         self.contract = contract
         self.report = report
         self._classes: list[Optional[str]] = []  # enclosing class names; None for a def in between

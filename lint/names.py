@@ -11,7 +11,7 @@ Filled during the one walk that also finds the calls (``scopes.Collector``), res
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional, Union, cast
 
 import libcst as cst
 
@@ -154,7 +154,7 @@ class Resolver:
                 return Ref("qual", f"{base.qual}.{attr}")
             if base.kind == "inst" and not base.method:
                 return Ref("inst", base.qual, method=attr)
-            if base.kind == "self":
+            if base.kind == "self" and base.cls is not None:
                 for value, s, sq in base.cls.attrs.get(attr, ()):
                     made = self._instance_made_by(value, s, sq, depth + 1)
                     if made is not None:
@@ -179,7 +179,8 @@ class Resolver:
             return None
         index = expr.slice[0].slice
         if isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString):
-            mapped = table.get(index.value.evaluated_value)
+            key = index.value.evaluated_value  # bytes for b"...": no class is registered under one
+            mapped = table.get(key) if isinstance(key, str) else None
             return Ref("qual", mapped) if mapped else None
         return Ref("qual", base.qual + "[]")
 
@@ -199,17 +200,17 @@ class Resolver:
                     return Ref("qual", q)
             return None
         if b.kind == "import":
-            return Ref("qual", b.value)
+            return Ref("qual", cast(str, b.value))
         if b.kind == "def":
-            info = b.value
+            info = cast(Union[FuncInfo, ClassInfo], b.value)
             if info.qualname is None:
                 return None
             return Ref("qual", info.qualname, guarded=isinstance(info, FuncInfo) and self.guarded(info))
         if b.kind == "call":
-            callee, s, sq = b.value[:3]
+            callee, s, sq = cast(tuple, b.value)[:3]
             return self._instance_made_by(callee, s, sq, depth + 1)
         if b.kind == "self":
-            return Ref("self", cls=b.value)
+            return Ref("self", cls=cast(ClassInfo, b.value))
         return None
 
     # -- the guard --------------------------------------------------------------------------------

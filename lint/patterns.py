@@ -39,8 +39,11 @@ class PatternSpec:
 
     def _also_on_a_line(self, data: bytes, every: bool = False) -> list[int]:
         """Offsets of ``also_pattern``'s matches near the needles (with ``every``: all, else the first)."""
+        pattern = self.also_pattern
         seen = set()
         found: list[int] = []
+        if pattern is None:
+            return found
         for needle in self.needles:
             at = data.find(needle)
             while at != -1:
@@ -55,11 +58,11 @@ class PatternSpec:
                         end = data.find(b"\n", end + 1)
                     end = len(data) if end == -1 else end
                     if not every:
-                        m = self.also_pattern.search(data, start, end)
+                        m = pattern.search(data, start, end)
                         if m:
                             return [m.start()]
                     else:
-                        found.extend(m.start() for m in self.also_pattern.finditer(data, start, end))
+                        found.extend(m.start() for m in pattern.finditer(data, start, end))
                 at = data.find(needle, at + 1)
         return found
 

@@ -107,8 +107,8 @@ def aliases(qualname: str) -> tuple[str, ...]:
     if "." in rest:
         sub, name = rest.rsplit(".", 1)
         return (prefix + name,) if exports.get(name) == sub else ()
-    sub = exports.get(rest)
-    return (f"{prefix}{sub}.{rest}",) if sub else ()
+    module = exports.get(rest)
+    return (f"{prefix}{module}.{rest}",) if module else ()
 
 
 def build_rules(extra: Iterable[Contract] = (), *, builtin: Optional[Iterable[Contract]] = None) -> RuleSet:
