@@ -1,17 +1,118 @@
-"""A small LRU of values derived from metadata tensors, keyed on the tensor's identity and version.
+"""Small LRUs of values derived from tensors, keyed on the tensor's identity and version.
 
 An entry is valid while its tensor is alive (a weakref, whose callback drops the entry, so no derived
 tensor outlives its source) and unchanged: same ``_version`` (bumped by every in-place write), same
-``data_ptr()``, shape, dtype and device. Host sequences (lists, tuples, numpy arrays) are keyed on their
-contents. Plain dicts keep insertion order, which is all an LRU of 64 entries needs.
+``data_ptr()``, shape, dtype and device. ``DerivedCache`` is the guard's store (several values per metadata
+tensor, and which tensor a value came from); ``IdentityCache`` serves every other such cache (the kernels'
+per-forward plans, the integrations' masks). Plain dicts keep insertion order, which is all these LRUs need.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable, Optional
 
 CAPACITY = 64
 MISS = object()
+
+
+def _stamp(source: Any) -> Optional[tuple]:
+    """(version, data pointer) of a tensor; None for anything else (compared by identity only)."""
+    version = getattr(source, "_version", None)
+    return None if version is None else (version, source.data_ptr())
+
+
+class _Held:
+    """A strong stand-in for a weakref, for a source that takes none (a tuple of host offsets)."""
+
+    __slots__ = ("source",)
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def __call__(self) -> Any:
+        return self.source
+
+
+class IdentityCache:
+    """A bounded LRU of values made from one or more objects (mostly tensors) and a hashable ``tag``.
+
+    A hit needs every source to be the very object the value was made from (alive: held by weakref, and an
+    entry is dropped when one of its sources dies, so a freed tensor's reused id or address never hits) and,
+    for a tensor, unchanged since: same ``_version`` and ``data_ptr()``. A source that takes no weakref is
+    held by its entry (``hold=True``) or not cached at all (``hold=False``). ``capacity`` entries at most;
+    the least recently used goes first."""
+
+    __slots__ = ("capacity", "hold", "_entries", "_last")
+
+    def __init__(self, capacity: int = 8, *, hold: bool = True) -> None:
+        self.capacity = capacity
+        self.hold = hold
+        self._entries: dict[tuple, tuple[tuple, tuple, Any]] = {}
+        self._last: Any = None  # the key most recently moved to the end (a hot entry is not moved again)
+
+    def get(self, sources: tuple, tag: Hashable = None) -> Any:
+        """The value stored for ``sources`` and ``tag``, or ``MISS``."""
+        # Called per layer: one source (the common case) is checked without building generic tuples.
+        if len(sources) == 1:
+            source = sources[0]
+            key: tuple = (tag, id(source))
+            entry = self._entries.get(key)
+            if entry is None:
+                return MISS
+            stamp = entry[1][0]
+            fresh = entry[0][0]() is source and (stamp is None or stamp == (source._version, source.data_ptr()))
+        else:
+            key = (tag, *map(id, sources))
+            entry = self._entries.get(key)
+            if entry is None:
+                return MISS
+            fresh = True
+            for ref, stamp, source in zip(entry[0], entry[1], sources):
+                if ref() is not source or (stamp is not None and stamp != (source._version, source.data_ptr())):
+                    fresh = False
+                    break
+        if not fresh:  # another object under a reused id (not yet dropped), or written in place since
+            del self._entries[key]
+            return MISS
+        if key != self._last:
+            self._entries[key] = self._entries.pop(key)  # most recently used goes last
+            self._last = key
+        return entry[2]
+
+    def put(self, sources: tuple, tag: Hashable, value: Any) -> None:
+        key = (tag, id(sources[0])) if len(sources) == 1 else (tag, *map(id, sources))
+        drop = self._dropper(key)
+        refs: list[Callable[[], Any]] = []
+        for source in sources:
+            try:
+                refs.append(weakref.ref(source, drop))
+            except TypeError:
+                if not self.hold:
+                    return
+                refs.append(_Held(source))
+        entries = self._entries
+        entries.pop(key, None)
+        entries[key] = (tuple(refs), tuple(map(_stamp, sources)), value)
+        self._last = key
+        while len(entries) > self.capacity:
+            entries.pop(next(iter(entries)), None)
+
+    def _dropper(self, key: tuple) -> Callable[[Any], None]:
+        entries = self._entries
+
+        def drop(ref: Any) -> None:
+            entry = entries.get(key)
+            if entry is not None and any(r is ref for r in entry[0]):
+                del entries[key]
+
+        return drop
+
+    def clear(self) -> None:
+        self._last = None
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 class _Slot:

@@ -10,7 +10,6 @@ import dataclasses
 import inspect
 import math
 import operator
-import weakref
 from typing import Any, Callable, Optional, ParamSpec, TypeVar, overload
 
 import torch
@@ -18,7 +17,7 @@ import torch
 from guardlint.contracts import get as get_contract
 
 from . import _state
-from ._cache import MISS, cache
+from ._cache import MISS, IdentityCache, cache
 from ._codegen import accesses, make_wrapper
 from .decorator import bind, qualified_name
 from .derive import Context, DERIVERS
@@ -374,43 +373,25 @@ class _Copies:
     Keyed on the caller's object (weakly: an entry dies with it) and checked against a snapshot."""
 
     def __init__(self, capacity: int = 16) -> None:
-        self.capacity = capacity
-        self.entries: dict = {}
+        # hold=False: an info that takes no weakref (__slots__ without __weakref__) is copied at every call
+        self.entries = IdentityCache(capacity, hold=False)
 
     def get(self, info: Any) -> Any:
-        entry = self.entries.get(id(info))
-        if entry is None or entry[0]() is not info:
+        entry = self.entries.get((info,))
+        if entry is MISS:
             return None
-        fields, version = entry[1]
+        (fields, version), completed = entry
         now = info.__dict__
         if len(now) != len(fields) or not all(map(operator.is_, now.values(), fields)):
             return None
         seg_indptr = info.seg_indptr
         if version is not None and (seg_indptr._version, seg_indptr.data_ptr()) != version:
             return None
-        return entry[2]
+        return completed
 
     def put(self, info: Any, snapshot: Optional[tuple], completed: Any) -> None:
-        if snapshot is None:
-            return
-        try:
-            ref = weakref.ref(info, self._dropper(id(info)))
-        except TypeError:  # __slots__ without __weakref__: no memo, a copy per call
-            return
-        self.entries.pop(id(info), None)
-        self.entries[id(info)] = (ref, snapshot, completed)
-        while len(self.entries) > self.capacity:
-            self.entries.pop(next(iter(self.entries)), None)
-
-    def _dropper(self, key: int):
-        entries = self.entries
-
-        def drop(ref) -> None:
-            entry = entries.get(key)
-            if entry is not None and entry[0] is ref:
-                entries.pop(key, None)
-
-        return drop
+        if snapshot is not None:
+            self.entries.put((info,), None, (snapshot, completed))
 
     def clear(self) -> None:
         self.entries.clear()

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from guardlint.guard import GuardError, describe, prepare_varlen_metadata
+from guardlint.guard._cache import MISS, IdentityCache
 from guardlint.guard._state import note_read
 
 __all__ = ["DEFAULT_NAME", "attention_forward", "register", "unregister"]
@@ -215,21 +216,17 @@ def _decode_mask(padding: Optional[torch.Tensor], q_len: int, k_len: int, causal
 # -- cached plans -----------------------------------------------------------------------------------
 
 _uniform: dict = {}
-_unpad: dict = {}
-_equal: dict = {}
+_unpad = IdentityCache(8)
+_equal = IdentityCache(8)
 
 
-def _keyed(cache: dict, tensors: tuple, build):
-    """A small cache keyed on tensors' identity and version (the source tensors are kept and compared by
-    identity, so a freed tensor's reused id never hits): one plan per forward, shared by every layer."""
-    key = tuple((id(t), t._version) for t in tensors)
-    hit = cache.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], tensors)):
-        return hit[1]
-    value = build()
-    if len(cache) >= 8:
-        cache.pop(next(iter(cache)))
-    cache[key] = (tensors, value)
+def _keyed(cache: IdentityCache, tensors: tuple, build):
+    """``build()`` once per version of ``tensors`` (per object: an entry dies with them): one plan per forward,
+    shared by every layer."""
+    value = cache.get(tensors)
+    if value is MISS:
+        value = build()
+        cache.put(tensors, None, value)
     return value
 
 

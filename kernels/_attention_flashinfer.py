@@ -12,6 +12,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from guardlint.guard._cache import MISS, IdentityCache
+
 # What each FlashInfer path runs (FlashInfer 0.7): FA2 fails to build for 80, FA3 is compiled for
 # 64/128/256, and the cuDNN prefill takes 128/192 (its graph is built for bfloat16 only).
 FA2_HEAD_DIMS = frozenset({64, 128, 256})
@@ -26,7 +28,8 @@ _module = None
 _import_error: Optional[str] = None
 _workspaces: dict = {}
 _plans: "OrderedDict[tuple, object]" = OrderedDict()
-_by_identity: "OrderedDict[tuple, tuple]" = OrderedDict()
+# The host offsets a forward passes every layer -> its planned wrapper (a tuple takes no weakref: held)
+_by_identity = IdentityCache(_MAX_PLANS)
 _cudnn_offsets: "OrderedDict[tuple, tuple]" = OrderedDict()
 
 
@@ -132,9 +135,9 @@ def ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: Sequence[
               float(softmax_scale))
     # Layers of one forward pass the same offsets object (the plan's host copy): found by identity,
     # without hashing B+1 ints per call.
-    fast = _by_identity.get((id(offsets),) + shapes)
-    if fast is not None and fast[0] is offsets:
-        return fast[1].run(q, k, v)
+    fast = _by_identity.get((offsets,), shapes)
+    if fast is not MISS:
+        return fast.run(q, k, v)
     live = _live_offsets(offsets)
     key = shapes + (live,)
     wrapper = _plans.get(key)
@@ -149,9 +152,7 @@ def ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: Sequence[
             _plans.popitem(last=False)
     else:
         _plans.move_to_end(key)
-    _by_identity[(id(offsets),) + shapes] = (offsets, wrapper)
-    if len(_by_identity) > _MAX_PLANS:
-        _by_identity.popitem(last=False)
+    _by_identity.put((offsets,), shapes, wrapper)
     return wrapper.run(q, k, v)
 
 

@@ -14,12 +14,13 @@ parts, so q/k/v are read in place and never copied into padded buffers. Kernel, 
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
+
+from guardlint.guard._cache import MISS, IdentityCache
 
 # Decided once, when the kernels are defined: that is when Triton picks the interpreter.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -316,23 +317,21 @@ def _unit_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
 INTERPRET_BLOCKS = (16, 16)
 
 
-_orders: "OrderedDict[int, tuple]" = OrderedDict()
 _MAX_ORDERS = 8
+_orders = IdentityCache(_MAX_ORDERS)
 
 
 def sequence_order(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Sequence indices by decreasing length (ties in batch order), cu_seqlens' dtype, on its device: a few
     device ops, no host read; kept per cu_seqlens object and version, so the layers of a forward share one.
     Not kept when made during CUDA graph capture: outside the graph its memory holds no values."""
-    hit = _orders.get(id(cu_seqlens))
-    if hit is not None and hit[0] is cu_seqlens and hit[1] == cu_seqlens._version:
-        return hit[2]
+    order = _orders.get((cu_seqlens,))
+    if order is not MISS:
+        return order
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     order = torch.argsort(lengths, descending=True, stable=True).to(cu_seqlens.dtype)
     if not (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _orders[id(cu_seqlens)] = (cu_seqlens, cu_seqlens._version, order)
-        if len(_orders) > _MAX_ORDERS:
-            _orders.popitem(last=False)
+        _orders.put((cu_seqlens,), None, order)
     return order
 
 

@@ -7,13 +7,13 @@ once. Backends: ``triton`` (ours, native odd head dims), ``gluon`` (ours, warp-s
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from typing import Any, Optional
 
 import torch
 
 from guardlint.contracts import get as get_contract
 from guardlint.guard import GuardError, describe, guard_cudnn_vision, guard_varlen, prepare_varlen_metadata
+from guardlint.guard._cache import MISS, IdentityCache
 from guardlint.guard.validate import plan_fits
 
 from . import _attention_dispatch as dispatch
@@ -283,20 +283,15 @@ def _host_offsets(q: torch.Tensor, cu_seqlens: torch.Tensor, metadata: Any) -> t
 
 _MAX_CACHED = 8
 _MAX_GRID_YZ = 65535
-_element_offsets: "OrderedDict[tuple, tuple]" = OrderedDict()
+_element_offsets = IdentityCache(_MAX_CACHED)
 
 
-def _cached(key: tuple, keep: tuple, build):
-    """LRU of device-side derived offsets. ``keep`` (the source tensors) is stored with the value and
-    compared by identity, so a freed tensor's id reused by a new one can never hit a stale entry."""
-    hit = _element_offsets.get(key)
-    if hit is not None and len(hit[0]) == len(keep) and all(a is b for a, b in zip(hit[0], keep)):
-        _element_offsets.move_to_end(key)
-        return hit[1]
-    value = build()
-    _element_offsets[key] = (keep, value)
-    if len(_element_offsets) > _MAX_CACHED:
-        _element_offsets.popitem(last=False)
+def _cached(tag: tuple, sources: tuple, build):
+    """LRU of device-side offsets derived from the ``sources`` tensors (per object and version) and ``tag``."""
+    value = _element_offsets.get(sources, tag)
+    if value is MISS:
+        value = build()
+        _element_offsets.put(sources, tag, value)
     return value
 
 
@@ -312,8 +307,7 @@ def _run_cudnn_tokens(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, 
         out = packed[2 * section:].view(section, 1, 1, 1)
         return fi.cudnn_prefill(q, k, v, out, qk, metadata.sequence_lengths, metadata.flashinfer_max_seqlen,
                                 scale, causal, v_offsets=vo)
-    key = ("tokens", id(cu_seqlens), cu_seqlens._version, id(sequence_lengths), heads, k.shape[1], head_dim)
-    qo_off, kv_off, lengths = _cached(key, (cu_seqlens, sequence_lengths),
+    qo_off, kv_off, lengths = _cached(("tokens", heads, k.shape[1], head_dim), (cu_seqlens, sequence_lengths),
                                       lambda: fi.cudnn_offsets(q, k, cu_seqlens, sequence_lengths))
     return fi.cudnn_prefill(q, k, v, qo_off, kv_off, lengths, max_seqlen, scale, causal)
 
@@ -518,12 +512,12 @@ def _token_view(q, fm, cu_seqlens, sequence_lengths, max_seqlen, function):
     if fm is not None:
         packed = fm.packed_indptrs
         section = packed.numel() // 3
-        cu = _cached(("packed", id(packed), packed._version, heads_dim), (packed,),
+        cu = _cached(("packed", heads_dim), (packed,),
                      lambda: torch.div(packed.view(-1)[:section], heads_dim, rounding_mode="floor").to(torch.int32))
         return cu, None, max_seqlen, None
     if cu_seqlens.numel() == 3 * (sequence_lengths.numel() + 1):
         section = cu_seqlens.numel() // 3
-        cu = _cached(("packed", id(cu_seqlens), cu_seqlens._version, heads_dim), (cu_seqlens,),
+        cu = _cached(("packed", heads_dim), (cu_seqlens,),
                      lambda: torch.div(cu_seqlens[:section], heads_dim, rounding_mode="floor").to(torch.int32))
         return cu, sequence_lengths, max_seqlen, None
     return cu_seqlens, sequence_lengths, max_seqlen, None
@@ -539,7 +533,7 @@ def _packed_view(q, k, fm, cu_seqlens, sequence_lengths, max_seqlen):
         packed, lengths = cu_seqlens.view(-1), sequence_lengths
     else:
         cu = cu_seqlens.view(-1)
-        packed = _cached(("pack", id(cu_seqlens), cu_seqlens._version, heads_dim), (cu_seqlens,),
+        packed = _cached(("pack", heads_dim), (cu_seqlens,),
                          lambda: (cu.to(torch.int32) * heads_dim).repeat(3))
         lengths = sequence_lengths
     section = packed.numel() // 3
