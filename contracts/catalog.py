@@ -53,6 +53,12 @@ METADATA_BUILDERS = {
     f"{VISION_MODULE}.VisionAttentionMetadata": ("cu_seqlens", "seq_lens", "max_seqlen"),
 }
 ENGINE_PREPARE_IMPORT = ((VISION_MODULE, "prepare_flashinfer_cudnn_vision_attention_metadata"),)
+# The same builders as a user reads them (GL108's note): those that set packed_indptrs only when passed it,
+# and those that always set it.
+_BUILT_WITHOUT_PACKED = " or ".join(
+    f"{q.rsplit('.', 1)[1]}(...)" for q, f in METADATA_BUILDERS.items() if "packed_indptrs" not in f)
+_BUILT_WITH_PACKED = " and ".join(
+    f"{q.rsplit('.', 1)[1]}(...)" for q, f in METADATA_BUILDERS.items() if "packed_indptrs" in f)
 
 PREPARE_IMPORT = (("guardlint.guard", "prepare_varlen_metadata"),)
 
@@ -576,19 +582,22 @@ GL108 = Contract(
     params=VISION_PARAMS,
     require=(("forward_metadata.packed_indptrs",), ("sequence_lengths",)),
     notes=(
-        "Reported only when the metadata is built in the same function (or inline) by a builder the "
-        "catalog knows (METADATA_BUILDERS) and packed_indptrs is not passed to it; metadata from elsewhere "
-        "is trusted.",
+        f"Reported only when the function that makes the call also builds the metadata (assigned to a name "
+        f"once, or written inline in the call) with sglang's {_BUILT_WITHOUT_PACKED} and passes it no "
+        f"packed_indptrs= keyword. {_BUILT_WITH_PACKED} always sets packed_indptrs; metadata that comes "
+        f"from elsewhere (a parameter, an attribute, another function's result) is trusted.",
         "Not reported for VisionAttention, whose backend is the user's choice: models that build metadata "
         "without the cuDNN fields do not offer flashinfer_cudnn.",
     ),
     diagnosis=Diagnosis(
         message="forward_metadata lacks packed_indptrs: the flashinfer_cudnn backend cannot use it",
         what_it_means=(
-            "The cuDNN backend uses forward_metadata only when its packed_indptrs is set (with the padded "
-            "sequence_lengths and flashinfer_max_seqlen). Metadata from prepare_vision_attention_metadata(...) "
-            "without them falls through to the kwargs path, which raises 'sequence_lengths should be "
-            "prepared' (or, through VisionAttention, a TypeError from int(None))."
+            "The flashinfer_cudnn backend reads forward_metadata only when its packed_indptrs is set (with "
+            "the padded sequence_lengths and flashinfer_max_seqlen). Metadata from "
+            "prepare_vision_attention_metadata(...) has none of them, so the backend ignores it and reads "
+            "sequence_lengths and max_seqlen from the call's own keywords instead; those are None, and it "
+            "raises 'sequence_lengths should be prepared' (or, through VisionAttention, a TypeError from "
+            "int(None))."
         ),
         when_it_happens="A block switched to flashinfer_cudnn keeps the metadata built for FA3/Triton.",
         solutions=(
@@ -643,8 +652,8 @@ GL109 = Contract(
         message="VisionAttention without forward_metadata derives max_seqlen with a host read in every block",
         what_it_means=(
             "Without forward_metadata (or a max_seqlen keyword) the FA3/FA4/Triton backends compute "
-            "max_seqlen from cu_seqlens on the GPU in each block (resolve_precomputed_max_seqlen: "
-            ".item(), a device-to-host sync, ~30 us a layer on an H200, illegal under CUDA graph "
+            "max_seqlen from cu_seqlens on the GPU in each block (sglang's resolve_precomputed_max_seqlen "
+            "calls .item(): a device-to-host sync, ~30 us a layer on an H200, illegal under CUDA graph "
             "capture), and the flashinfer_cudnn backend dies with a TypeError from int(None)."
         ),
         when_it_happens="A ViT block written before the engine's prepared metadata existed, or a model "
@@ -722,9 +731,10 @@ GL201 = Contract(
     diagnosis=Diagnosis(
         message="LoRA batch_info must provide max_len or seg_lens.",
         what_it_means=(
-            "The segmented LoRA GEMMs (shrink, expand, and the MLA absorbed kv_b_proj steps A/B for q and "
-            "v) size their grid by the longest segment. With both max_len and seg_lens None the launcher "
-            "cannot size the grid without a host read, so it refuses."
+            "The segmented LoRA GEMMs (shrink, expand, and the steps of MLA's absorbed kv_b_proj: "
+            "step_a_q, step_b_q, step_a_v, step_b_v) size their grid by the longest segment. With both "
+            "max_len and seg_lens None the launcher cannot size the grid without a host read, so it "
+            "refuses."
         ),
         when_it_happens=(
             "A LoRA backend or test builds LoRABatchInfo by hand (or with dataclasses.replace) and leaves "
@@ -743,8 +753,8 @@ GL201 = Contract(
         fix_safety=(
             "Unsafe: the fix adds seg_lens (a seg_lens already in scope, else seg_indptr[1:] - "
             "seg_indptr[:-1] from the call's own seg_indptr) and max_len (a max_len already in scope, else "
-            "int(seg_lens.max()): one host read per batch). The engine's Triton kernels size their grid "
-            "with triton.cdiv(max_len, BLOCK_S), so seg_lens alone is not enough; only the absorbed-MLA "
+            "int(seg_lens.max()): one host read per batch). sglang's Triton kernels size their grid "
+            "with triton.cdiv(max_len, BLOCK_S), so seg_lens alone is not enough there; only its absorbed-MLA "
             "kv_b_proj path derives max_len itself. On graph-padded buffers the tail past num_segments is "
             "stale. Applied with --unsafe-fixes, only when the sources are names or attribute chains."
         ),
@@ -836,10 +846,11 @@ GL203 = Contract(
     forbidden_values=(("max_len", "0"),),
     satisfied_by_later_assignment=True,
     notes=(
-        "Not reported when the record is kept (self.<buf> = LoRABatchInfo(...) or a local name) and the "
-        "field is stored with another value on it, directly or through a local alias (batch_info = "
-        "self.<buf>; batch_info.max_len = ...), in the same class or function: a CUDA-graph buffer whose "
-        "placeholder is overwritten per batch.",
+        "Not reported for a CUDA-graph buffer whose placeholder 0 is overwritten per batch: the object is "
+        "kept and its max_len is set to another value afterwards. For self.batch_info = "
+        "LoRABatchInfo(..., max_len=0, ...), a method of the same class sets self.batch_info.max_len (or "
+        "info.max_len after info = self.batch_info); for info = LoRABatchInfo(...), the same function "
+        "sets info.max_len later.",
     ),
     diagnosis=Diagnosis(
         message="max_len=0 launches an empty grid: the LoRA kernels silently do nothing",
@@ -851,7 +862,8 @@ GL203 = Contract(
         "over an empty host list while tokens exist.",
         solutions=(
             "Pass the real maximum segment length, or None with seg_lens set so it is derived.",
-            "GUARDLINT_MODE=strict rejects max_len == 0 with tokens present; derive mode re-derives it.",
+            "With the guardlint kernels (or @guard_lora), GUARDLINT_MODE=strict rejects max_len == 0 when "
+            "there are tokens; the default mode, derive, computes max_len again from seg_indptr.",
         ),
         fix_safety="No automatic fix: the right value is a runtime quantity.",
     ),
@@ -911,7 +923,9 @@ GL205 = Contract(
             "is (S, N); all on one device, x and weights of one floating dtype."
         ),
         when_it_happens="A transposed weight stack, an output of the wrong width, or inputs on the CPU.",
-        solutions=("Check the shapes in the kernel's docstring; use the torch reference to compare.",),
+        solutions=("Check the shapes in the kernel's docstring (help(guardlint.kernels.lora.sgemm_lora_a)); "
+                   "compare with its torch reference, the same name with _reference "
+                   "(guardlint.kernels.lora.sgemm_lora_a_reference).",),
     ),
 )
 
