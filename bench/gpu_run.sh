@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the offline H200 machine: install guardlint, unpack the FlashInfer bundle (.gpu-deps, made by
 # ../shared/gpu/make_flashinfer_bundle.sh), then run the named steps and pack results + logs into $OUT.
-#   bash bench/gpu_run.sh tests tests-flashinfer engines lora-tests lora anatomy guard attention-quick attention
+#   bash bench/gpu_run.sh tests tests-flashinfer engines lora-tests lora eager eager-profile anatomy guard attention-quick
+#   attention
 # The engines step needs einops in .gpu-deps/wheels and the engine sources it loads carried (.engines/...).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -26,6 +27,8 @@ for s in "$@"; do
     lora) step lora python3 bench/lora.py --write ;;
     engines) step engines python3 -m pytest -q -m gpu -p no:cacheprovider tests/engines/test_engines_gpu.py ;;
     lora-tests) step lora-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_lora_gpu.py ;;
+    eager) step eager python3 bench/lora_eager.py --write ;;
+    eager-profile) step eager-profile python3 bench/lora_eager.py --profile ;;
     sweep) step sweep python3 bench/lora_sweep.py --write ;;
     anatomy) step anatomy python3 bench/lora_anatomy.py --write ;;
     tests-rev) step tests-rev python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/guard/test_guard_vit.py tests/kernels/test_attention_gpu.py ;;

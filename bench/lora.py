@@ -306,15 +306,13 @@ def main() -> int:
     def launch_config(call):
         """Blocks, warps and stages of the launch ``call()`` makes (already tuned: read off the launch)."""
         seen = []
-        names = ("_shrink_run", "_expand_run", "_gluon_shrink_run")
-        saved = [getattr(_lora_kernels, n) for n in names]
-        for n, run in zip(names, saved):
-            setattr(_lora_kernels, n, lambda *a, _run=run, **kw: seen.append(kw) or _run(*a, **kw))
+        gluon_run, direct_call = _lora_kernels._gluon_shrink_run, _lora_kernels.DirectLaunch.__call__
+        _lora_kernels._gluon_shrink_run = lambda *a, **kw: seen.append(kw) or gluon_run(*a, **kw)
+        _lora_kernels.DirectLaunch.__call__ = lambda self, *a: seen.append(self.options) or direct_call(self, *a)
         try:
             call()
         finally:
-            for n, run in zip(names, saved):
-                setattr(_lora_kernels, n, run)
+            _lora_kernels._gluon_shrink_run, _lora_kernels.DirectLaunch.__call__ = gluon_run, direct_call
         if not seen:
             return ""
         kw = seen[-1]

@@ -1,10 +1,12 @@
 """Eager wall time per LoRA call on one GPU: what a caller that does not capture CUDA graphs pays.
 
-For the prefill / small / decode cases of bench/lora.py: 200 calls of the public function back to back, the
-GPU synchronised once at the end, wall time per call (median of 7 rounds), for the shrink on its default
-eager route (the Triton kernel), the shrink forced onto the Gluon kernel (GUARDLINT_LORA_GLUON=1: TMA
-descriptors built per call), and the expand. The device time of the same calls replayed from a CUDA graph
-sits beside them, so host-bound calls (wall above device) stand out.
+For the prefill / small / decode cases of bench/lora.py: 200 calls back to back, the GPU synchronised once at
+the end, wall time per call (median of 15 rounds, interleaved), of the anchor (bench/_lora_anchor.py: a plain
+Triton kernel of the same job launched with ``kernel[grid]``, checked against ours first), the public shrink
+and expand on their default eager route (the Triton kernels, launched directly once compiled: kernels/_launch.py), the
+same through ``JITFunction.run`` (direct launches off), and the shrink forced onto the Gluon kernel
+(GUARDLINT_LORA_GLUON=1: TMA descriptors built per call). The device time of the same calls replayed from a
+CUDA graph sits beside them, so host-bound calls (wall above device) stand out.
 
     python bench/lora_eager.py [--write]      # --write: bench/results/lora_eager.{json,md}
     python bench/lora_eager.py --profile      # where an eager call's host time goes (cProfile, 500 calls)
@@ -16,6 +18,7 @@ from _util import require
 require("torch", "triton", "guardlint")  # a clear message outside the venv
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -24,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 try:
+    import _lora_anchor
     import torch
     from _util import amortised_graph_us, env_meta, markdown_table, write_results
     from lora import all_cases, build
@@ -33,18 +37,14 @@ except ImportError as e:  # run inside the project's environment
     sys.exit(f"bench/lora_eager.py needs guardlint with torch installed (make install; .venv/bin/python): {e}")
 
 
-def wall_us(call, calls: int = 200, rounds: int = 7) -> float:
-    for _ in range(20):
+def one_round(call, calls: int = 200) -> float:
+    """Wall time per call of ``calls`` calls back to back, one synchronize at the end (microseconds)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
         call()
     torch.cuda.synchronize()
-    per_call = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-        per_call.append((time.perf_counter() - start) * 1e6 / calls)
-    return statistics.median(per_call)
+    return (time.perf_counter() - start) * 1e6 / calls
 
 
 def profile() -> int:
@@ -72,6 +72,27 @@ def profile() -> int:
     return 0
 
 
+ANCHOR = "anchor: plain Triton kernel[grid]"
+ROUNDS = 15
+
+
+@contextlib.contextmanager
+def _route(gluon_eager: bool, direct: bool):
+    """The shrink's eager Gluon route on or off; the tuned configurations' direct launches on or off (off:
+    every launch through JITFunction.run)."""
+    saved = _lora_kernels.GLUON_EAGER
+    _lora_kernels.GLUON_EAGER = gluon_eager
+    entries = [e for tuner in (_lora_kernels._shrink, _lora_kernels._expand) for e in tuner.chosen.values()]
+    for entry in entries:
+        entry[3].enabled = direct
+    try:
+        yield
+    finally:
+        _lora_kernels.GLUON_EAGER = saved
+        for entry in entries:
+            entry[3].enabled = True
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="write bench/results/lora_eager.{json,md}")
@@ -88,33 +109,68 @@ def main() -> int:
         if case.name == "prefill-r64":
             continue
         S, info, _, t = build(case, "cuda", torch, lora)
-        calls = {
-            "sgemm_lora_a (default route)": (lambda: lora.sgemm_lora_a(t["x"], t["A"], info), False),
-            "sgemm_lora_a (Gluon forced, GUARDLINT_LORA_GLUON=1)": (lambda: lora.sgemm_lora_a(t["x"], t["A"], info),
-                                                                    True),
-            "sgemm_lora_b": (lambda: lora.sgemm_lora_b(t["y"], t["B"], info, t["base"]), False),
+        # The anchor does the same job: checked against the public functions before it is timed.
+        base_a, base_b = t["base"].clone(), t["base"].clone()
+        errors = {
+            "shrink": (_lora_anchor.shrink(torch, t["x"], t["A"], info).float()
+                       - lora.sgemm_lora_a(t["x"], t["A"], info).float()).abs().max().item(),
+            "expand": (_lora_anchor.expand(torch, t["y"], t["B"], info, base_a).float()
+                       - lora.sgemm_lora_b(t["y"], t["B"], info, base_b).float()).abs().max().item(),
         }
-        for name, (call, gluon_eager) in calls.items():
-            saved = _lora_kernels.GLUON_EAGER
-            _lora_kernels.GLUON_EAGER = gluon_eager
-            try:
-                routed = []
-                run = _lora_kernels._gluon_shrink_run
-                _lora_kernels._gluon_shrink_run = lambda *a, **kw: routed.append(1) or run(*a, **kw)
+        calls = {
+            ("shrink", ANCHOR): (lambda: _lora_anchor.shrink(torch, t["x"], t["A"], info), False, True),
+            ("shrink", "sgemm_lora_a"): (lambda: lora.sgemm_lora_a(t["x"], t["A"], info), False, True),
+            ("shrink", "sgemm_lora_a, launch through JITFunction.run"):
+                (lambda: lora.sgemm_lora_a(t["x"], t["A"], info), False, False),
+            ("shrink", "sgemm_lora_a, Gluon forced (GUARDLINT_LORA_GLUON=1)"):
+                (lambda: lora.sgemm_lora_a(t["x"], t["A"], info), True, True),
+            ("expand", ANCHOR): (lambda: _lora_anchor.expand(torch, t["y"], t["B"], info, t["base"]), False, True),
+            ("expand", "sgemm_lora_b"): (lambda: lora.sgemm_lora_b(t["y"], t["B"], info, t["base"]), False, True),
+            ("expand", "sgemm_lora_b, launch through JITFunction.run"):
+                (lambda: lora.sgemm_lora_b(t["y"], t["B"], info, t["base"]), False, False),
+        }
+        # Rounds interleaved over the calls of a case (anchor, ours, ours through JITFunction.run, ...), so
+        # that a slow stretch of the host hits all of them; ratios are paired per round.
+        order = list(calls.items())
+        walls: dict = {name: [] for name, _ in order}
+        routed: dict = {}
+        graphs: dict = {}
+        for (job, name), (call, gluon_eager, direct) in order:
+            with _route(gluon_eager, direct):
                 call()
-                _lora_kernels._gluon_shrink_run = run
-                wall = wall_us(call)
-                graph = amortised_graph_us([call])
-            finally:
-                _lora_kernels.GLUON_EAGER = saved
-            rows.append(dict(case=case.name, call=name, kernel="gluon" if routed else "triton", wall_us=wall,
-                             graph_us=graph, host_bound=bool(graph and wall > 1.2 * graph)))
-            print(f"{case.name:12s} {name:52s} {rows[-1]['kernel']:6s} wall {wall:7.1f} us  graph {graph or 0:7.1f} us",
-                  flush=True)
+                seen = []
+                run = _lora_kernels._gluon_shrink_run
+                _lora_kernels._gluon_shrink_run = lambda *a, **kw: seen.append(1) or run(*a, **kw)
+                try:
+                    call()
+                finally:
+                    _lora_kernels._gluon_shrink_run = run
+                routed[(job, name)] = bool(seen)
+                graphs[(job, name)] = amortised_graph_us([call])
+                for _ in range(20):
+                    call()
+        for _ in range(ROUNDS):
+            for (job, name), (call, gluon_eager, direct) in order:
+                with _route(gluon_eager, direct):
+                    walls[(job, name)].append(one_round(call))
+        for (job, name), _ in order:
+            anchor = walls[(job, ANCHOR)]
+            wall = statistics.median(walls[(job, name)])
+            ratio = statistics.median(w / a for w, a in zip(walls[(job, name)], anchor))
+            kernel = "anchor" if name == ANCHOR else "gluon" if routed[(job, name)] else "triton"
+            rows.append(dict(case=case.name, job=job, call=name, kernel=kernel, wall_us=wall,
+                             graph_us=graphs[(job, name)], x_anchor=round(ratio, 3), anchor_max_abs_diff=errors[job]))
+            graph = graphs[(job, name)] or 0
+            print(f"{case.name:12s} {name:56s} {kernel:6s} wall {wall:7.1f} us  graph {graph:7.1f} us"
+                  f"  x{ratio:.2f} of the anchor", flush=True)
     meta = env_meta()
-    meta.update(timing="wall_us: 200 eager calls back to back, one synchronize, median of 7 rounds per call; "
-                       "graph_us: device time of the same call, 16 per CUDA graph (bench/_util.amortised_graph_us)")
-    columns = ["case", "call", "kernel", "wall_us", "graph_us", "host_bound"]
+    meta.update(timing="wall_us: 200 eager calls back to back, one synchronize, median of 15 rounds per call, the "
+                       "rounds interleaved over the calls of a case; "
+                       "graph_us: device time of the same call, 16 per CUDA graph (bench/_util.amortised_graph_us); "
+                       "x_anchor: median over rounds of wall over the anchor's wall in the same round; "
+                       "anchor_max_abs_diff: the anchor's "
+                       "output against the public function's (bf16)")
+    columns = ["case", "job", "call", "kernel", "wall_us", "graph_us", "x_anchor", "anchor_max_abs_diff"]
     if args.write:
         table = write_results("lora_eager", rows, columns, meta=meta, title="LoRA eager calls: wall time per call (us)")
     else:

@@ -10,8 +10,9 @@ Shrink (``out[t, h, c] = sum_k x[t, h, k] * W[slot, h, c, k]`` for ``c % R < r``
     grid = (token tiles * column blocks * K slices, H)
 
 With more than one K slice (``SPLIT_K``, batches of up to 1024 tokens), each program of a tile leaves a
-float32 partial and counts itself in on a per-launch zeroed counter; the last to arrive sums the partials in
-slice order (a fixed order: the result does not depend on which program finishes first) and writes the tile.
+float32 partial and counts itself in on the tile's counter; the last to arrive sums the partials in slice order
+(a fixed order: the result does not depend on which program finishes first), writes the tile and sets the
+counter back to zero, so eager launches on one stream reuse one set of counters (``_split_buffers``).
 Prefill shrinks (more than 1024 tokens) on Hopper go to the Gluon kernel of ``_lora_gluon`` under CUDA-graph capture, where it applies
 (one head, no permutation, 16-bit, aligned rows): it starts loading x before the segment lookup.
 
@@ -74,6 +75,7 @@ import triton.language as tl
 import triton.testing
 
 from . import _gluon
+from ._launch import DirectLaunch
 
 # Triton decides at decoration time whether a kernel is interpreted; read the switch the same way.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -252,8 +254,8 @@ def _lora_shrink_kernel(
             _shrink_store(acc, out_ptrs, t_in, n_in, offs_n, rank, max_rank, bad)
     elif seg >= 0:
         # Each part leaves its float32 partial in its own cell and counts itself in; the part that arrives
-        # last (the counter was zeroed for this launch) adds the partials in part order, so the sum does
-        # not depend on arrival order, and writes the tile.
+        # last (the counter starts the launch at zero) adds the partials in part order, so the sum does
+        # not depend on arrival order, writes the tile and sets the counter back to zero.
         tile_id = head.to(tl.int64) * (tl.num_programs(0) // SPLIT_K) + pid
         cell = tl.arange(0, BLOCK_S)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         cells = partials_ptr + tile_id * (SPLIT_K * BLOCK_S * BLOCK_N)
@@ -266,6 +268,8 @@ def _lora_shrink_kernel(
                 # .cg: from L2, where the other parts' writes are, never a stale L1 line.
                 total += tl.load(cells + p * (BLOCK_S * BLOCK_N) + cell, cache_modifier=".cg")
             _shrink_store(total, out_ptrs, t_in, n_in, offs_n, rank, max_rank, bad)
+            # Every part has counted itself in: the counter is zero again for the next launch on the stream.
+            tl.store(arrivals_ptr + tile_id, 0)
 
 
 @triton.jit
@@ -631,7 +635,7 @@ class _Tuned:
         self.autotuner = triton.autotune(configs, key=key, do_bench=_tuning_bench,
                                          prune_configs_by={"early_config_prune": prune}, **autotune)(kernel)
         self.interpret_blocks = interpret_blocks
-        # key -> (BLOCK_S, BLOCK_N, every keyword of the launch: constexprs, warps, stages)
+        # key -> (BLOCK_S, BLOCK_N, every keyword of the launch: constexprs, warps, stages, its DirectLaunch)
         self.chosen: dict = {}
 
     def first_launch(self, key, args, meta: dict, grid, restore: torch.Tensor | None = None) -> None:
@@ -666,7 +670,9 @@ class _Tuned:
                 # starts again from the saved values.
                 restore.copy_(saved)
                 self.kernel.run(*args, grid=grid(blocks), warmup=False, **meta, **options)
-        self.chosen[key] = (blocks["BLOCK_S"], blocks.get("BLOCK_N", meta.get("BLOCK_N")), {**meta, **options})
+        options = {**meta, **options}
+        self.chosen[key] = (blocks["BLOCK_S"], blocks.get("BLOCK_N", meta.get("BLOCK_N")), options,
+                            DirectLaunch(self.kernel, options, INTERPRET))
 
 
 # Split-K arrival counters start each launch at zero: trials too.
@@ -676,8 +682,6 @@ _shrink = _Tuned(_lora_shrink_kernel, _SHRINK_CONFIGS, ["K", "N", "max_rank", "s
 # Accumulating launches run in place: their first launch saves out once and restores it after the trials.
 _expand = _Tuned(_lora_expand_kernel, _EXPAND_CONFIGS, ["N", "max_rank", "size_class"], _prune_expand,
                  {"BLOCK_S": 16, "BLOCK_N": 16, "STAGES": 2})
-_shrink_run = _lora_shrink_kernel.run
-_expand_run = _lora_expand_kernel.run
 
 
 def _gluon_shrink_run(*args, **kwargs) -> None:
@@ -747,11 +751,15 @@ def launch_shrink(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
         partials, arrivals = _split_buffers(x.device, [(grid(blocks), blocks) for blocks in configs], block_n)
         _shrink.first_launch(key, head + (partials, arrivals) + tables + tail, meta, grid)
         return
-    block_s, block_n, options = chosen
+    block_s, block_n, options, direct = chosen
     split = options.get("SPLIT_K", 1)
     grid = _shrink_grid(num_tokens, num_segments, heads, N, block_s, block_n, split)
-    partials, arrivals = _split_buffers(x.device, [(grid, options)], block_n)
-    _shrink_run(*head, partials, arrivals, *tables, *tail, grid=grid, warmup=False, **options)
+    if split == 1:
+        stand_in = _NO_SPLIT.get(x.device)
+        partials, arrivals = stand_in if stand_in is not None else _split_buffers(x.device, (), block_n)
+    else:
+        partials, arrivals = _split_buffers(x.device, [(grid, options)], block_n)
+    direct(head + (partials, arrivals) + tables + tail, grid)
 
 
 def _shrink_grid(num_tokens: int, num_segments: int, heads: int, N: int, block_s: int, block_n: int,
@@ -762,13 +770,20 @@ def _shrink_grid(num_tokens: int, num_segments: int, heads: int, N: int, block_s
 
 
 _NO_SPLIT: dict = {}
+_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+# Eager split-K buffers per (device index, raw stream): (partials, arrival counters), grown on demand.
+_SPLIT_EAGER: dict = {}
+_SPLIT_EAGER_CAPACITY = 16
 
 
 def _split_buffers(device: torch.device, launches, block_n: int) -> tuple:
     """Float32 partials and zeroed arrival counters for split-K launches ``[(grid, blocks), ...]``, sized
-    for the largest; one-element stand-ins (cached per device) when none splits K. Allocated per call: the
-    caching allocator keeps them stream-ordered, so concurrent streams and captured graphs never share a
-    counter, at the price of one small memset per split launch."""
+    for the largest; one-element stand-ins (cached per device) when none splits K.
+
+    The kernel sets each counter back to zero once its tile is written, so eager launches on one stream
+    (ordered one after another) share one pair per stream, grown when a launch needs more: no allocation and
+    no memset per call. Under CUDA-graph capture (a graph may be replayed beside another, or beside eager
+    work) and off the GPU they are allocated per call, stream-ordered by the caching allocator."""
     cells = tiles = 0
     for grid, blocks in launches:
         split = blocks.get("SPLIT_K", 1)
@@ -776,8 +791,20 @@ def _split_buffers(device: torch.device, launches, block_n: int) -> tuple:
             tiles = max(tiles, grid[0] // split * grid[1])
             cells = max(cells, grid[0] * grid[1] * blocks["BLOCK_S"] * block_n)
     if tiles:
-        return (torch.empty(cells, dtype=torch.float32, device=device),
-                torch.zeros(tiles, dtype=torch.int32, device=device))
+        if device.type != "cuda" or _stream_capturing():
+            return (torch.empty(cells, dtype=torch.float32, device=device),
+                    torch.zeros(tiles, dtype=torch.int32, device=device))
+        key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+        pair = _SPLIT_EAGER.get(key)
+        if pair is None or pair[0].numel() < cells or pair[1].numel() < tiles:
+            # Freed buffers go back to the allocator stream-ordered: launches still queued keep theirs.
+            if pair is not None:
+                cells, tiles = max(cells, pair[0].numel()), max(tiles, pair[1].numel())
+            elif len(_SPLIT_EAGER) >= _SPLIT_EAGER_CAPACITY:
+                _SPLIT_EAGER.pop(next(iter(_SPLIT_EAGER)))
+            pair = _SPLIT_EAGER[key] = (torch.empty(cells, dtype=torch.float32, device=device),
+                                        torch.zeros(tiles, dtype=torch.int32, device=device))
+        return pair
     stand_in = _NO_SPLIT.get(device)
     if stand_in is None:
         stand_in = _NO_SPLIT[device] = (torch.empty(1, dtype=torch.float32, device=device),
@@ -840,9 +867,8 @@ def launch_expand(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
                                                          blocks["BLOCK_N"], max_rank),
                              restore=out if accumulate else None)
         return
-    block_s, block_n, options = chosen
-    _expand_run(*args, grid=_expand_grid(num_tokens, tiles_extra, heads, N, block_s, block_n, max_rank),
-                warmup=False, **options)
+    block_s, block_n, options, direct = chosen
+    direct(args, _expand_grid(num_tokens, tiles_extra, heads, N, block_s, block_n, max_rank))
 
 
 def _expand_grid(num_tokens: int, tiles_extra: int, heads: int, N: int, block_s: int, block_n: int,

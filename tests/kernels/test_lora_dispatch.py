@@ -186,7 +186,8 @@ def test_autotuning_runs_once_per_launch_key(monkeypatch):
     direct = []
     monkeypatch.setattr(_lora_kernels, "INTERPRET", False)
     monkeypatch.setattr(_lora_kernels, "_shrink", tuner)
-    monkeypatch.setattr(_lora_kernels, "_shrink_run", lambda *args, grid, warmup, **kw: direct.append((grid, kw)))
+    monkeypatch.setattr(_lora_kernels.DirectLaunch, "__call__",
+                        lambda self, args, grid: direct.append((grid, self.options)))
     x, w, out = torch.zeros(100, 64), torch.zeros(2, 16, 64), torch.zeros(100, 16)
     seg = torch.tensor([0, 60, 100], dtype=torch.int32)
     for _ in range(3):

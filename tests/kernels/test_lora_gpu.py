@@ -149,3 +149,86 @@ def test_expand_tuning_call_updates_its_output_once(R, monkeypatch):
     torch.testing.assert_close(out.double(), want, rtol=1.6e-2, atol=3e-1)
     again = sgemm_lora_b(x, w, info, base.clone())
     assert torch.equal(again, out)
+
+
+def _recorded_direct_launches(monkeypatch):
+    """Every DirectLaunch call: (the launcher, its args, its grid)."""
+    seen = []
+    call = _lora_kernels.DirectLaunch.__call__
+    monkeypatch.setattr(_lora_kernels.DirectLaunch, "__call__",
+                        lambda self, args, grid: seen.append((self, args, grid)) or call(self, args, grid))
+    return seen
+
+
+# Views that change what Triton specializes on: a pointer off 16-byte alignment, token counts and strides
+# of 1, of a multiple of 16 and of neither, int64 tables.
+SPECIALIZATIONS = {
+    "aligned": dict(S_extra=0, offset=0, table=torch.int32),
+    "misaligned_x": dict(S_extra=0, offset=1, table=torch.int32),
+    "odd_tokens_int64": dict(S_extra=3, offset=0, table=torch.int64),
+    "one_token": dict(S_extra=None, offset=0, table=torch.int32),
+}
+
+
+@pytest.mark.parametrize("name", list(SPECIALIZATIONS))
+def test_direct_launch_uses_the_binary_triton_would_pick(name, monkeypatch):
+    """After the first call of a configuration, its Triton kernels are launched straight from the kept
+    binary (kernels/_launch.py). For inputs that Triton specializes differently, the kept binary is the one
+    ``JITFunction.run`` returns for the same arguments, and the results match float64 references."""
+    from guardlint.kernels.lora import sgemm_lora_b, sgemm_lora_b_reference
+
+    spec = SPECIALIZATIONS[name]
+    lens = [1] if spec["S_extra"] is None else [40, 7, 16 + spec["S_extra"], 1]
+    info, S = batch(lens, [0, 1, 3, 2][:len(lens)], [16, 9, 16, 4])
+    for field in ("seg_indptr", "weight_indices"):
+        setattr(info, field, getattr(info, field).to(spec["table"]))
+    g = torch.Generator(device="cpu").manual_seed(5)
+    K, N = 136, 200
+    x = torch.randn(S * K + spec["offset"], generator=g).to("cuda", torch.bfloat16)[spec["offset"]:].view(S, K)
+    A = (torch.randn(SLOTS, 16, K, generator=g) * K ** -0.5).to("cuda", torch.bfloat16)
+    y = torch.randn(S, 16, generator=g).to("cuda", torch.bfloat16)
+    B = (torch.randn(SLOTS, N, 16, generator=g) * 0.25).to("cuda", torch.bfloat16)
+    base = torch.randn(S, N, generator=g).to("cuda", torch.bfloat16)
+    seen = _recorded_direct_launches(monkeypatch)
+    for _ in range(3):  # the first call tunes, the second keeps the binary, the third launches it directly
+        out_a = sgemm_lora_a(x, A, info)
+        out_b = sgemm_lora_b(y, B, info, base.clone())
+    check(out_a, x, A, info)
+    ref = sgemm_lora_b_reference(y.double(), B.double(), info, base.double())
+    torch.testing.assert_close(out_b.double(), ref, rtol=2e-2, atol=6e-2)
+    launched = {id(d): d for d, _, _ in seen}
+    assert launched, "no launch went through a DirectLaunch"
+    for direct, args, grid in seen:
+        assert direct.enabled and direct.binaries, "a configuration kept no binary"
+        triton_pick = direct.fn.run(*args, grid=grid, warmup=True, **direct.options)
+        kept = direct.binaries[direct._signature(args)]
+        assert kept[0] is triton_pick.run and kept[1] == triton_pick.function, \
+            f"{name}: the kept binary is not the one Triton picks"
+
+
+@pytest.mark.parametrize("how", ["assigned", "chained"])
+def test_direct_launch_steps_aside_for_launch_hooks(how, monkeypatch):
+    """With a Triton launch hook set (a profiler: assigned, or added to Triton's hook chain), calls go
+    through JITFunction.run so that it sees them; with the chain empty again, they launch directly."""
+    from triton import knobs
+
+    info, S = batch([30, 2], [0, 1], [16, 16, 16, 16])
+    x = torch.randn(S, 64, device="cuda", dtype=torch.bfloat16)
+    A = torch.randn(SLOTS, 16, 64, device="cuda", dtype=torch.bfloat16)
+    sgemm_lora_a(x, A, info)
+    sgemm_lora_a(x, A, info)
+    hooked = []
+    hook = lambda metadata: hooked.append(metadata)  # noqa: E731
+    chain = knobs.runtime.launch_enter_hook
+    if how == "assigned" or not hasattr(chain, "add"):
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
+    else:
+        chain.add(hook)
+    try:
+        out = sgemm_lora_a(x, A, info)
+        torch.cuda.synchronize()
+    finally:
+        if how == "chained" and hasattr(chain, "remove"):
+            chain.remove(hook)
+    assert hooked, "the launch hook did not see the call"
+    check(out, x, A, info)
