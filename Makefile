@@ -27,9 +27,10 @@ engines-vllm: $(STAMP)
 # lane runs in Triton's interpreter and is most of it.
 PYTEST_WORKERS ?= auto
 
-# mypy over guardlint.contracts and guardlint.lint (the list is pyproject.toml's [tool.mypy] packages). The folders
-# install under other names (lint/ is guardlint.lint), so mypy reads them through links named as installed; its
-# paths are written back as the checkout's (build/typecheck/guardlint/lint/x.py as lint/x.py).
+# mypy over guardlint.contracts, .lint and .guard (pyproject.toml's [tool.mypy] packages): about 1 s with a warm
+# .mypy_cache, 10 s on an empty one (torch's stubs, for guard/). The folders install under other names (lint/ is
+# guardlint.lint), so mypy reads them through links named as installed; its paths are written back as the
+# checkout's (build/typecheck/guardlint/lint/x.py as lint/x.py).
 TYPECHECK := build/typecheck
 
 typecheck: $(STAMP)
@@ -41,7 +42,7 @@ typecheck: $(STAMP)
 	      -e 's#^$(TYPECHECK)/guardlint/#_guardlint/#' $(TYPECHECK)/mypy.out; exit $$rc
 
 test: $(STAMP) engines typecheck
-	@echo "== ruff, mypy (contracts/, lint/), then the CPU test suite over $(PYTEST_WORKERS) pytest-xdist workers: about 1 minute on 2 cores"
+	@echo "== ruff, mypy (contracts/, lint/, guard/), then the CPU test suite over $(PYTEST_WORKERS) pytest-xdist workers: about 1 minute on 2 cores"
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) tests
 

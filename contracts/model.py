@@ -193,6 +193,13 @@ class Contract:
                 return d
         return None
 
+    def derivation(self, target: str) -> Derivation:
+        """``derivation_for`` where the catalog defines one (the guard's own lookups): KeyError otherwise."""
+        d = self.derivation_for(target)
+        if d is None:
+            raise KeyError(f"{self.code} has no derivation of {target}")
+        return d
+
     def examples_of(self, kind: str) -> Tuple[Example, ...]:
         return tuple(e for e in self.examples if e.kind == kind)
 

@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from . import _state
 from .errors import GuardError
 
 PREFIX = "_guardlint_"
+
+
+class Guarded(Protocol):
+    """A guarded function: called as the original, and marked with what guards it (``__guardlint__``, read
+    by the integrations to leave an already guarded function alone)."""
+
+    __guardlint__: Any
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 class Access:
@@ -50,7 +59,7 @@ def accesses(fn: Callable, params: dict) -> dict:
 
 
 def make_wrapper(fn: Callable, access: dict, names: Sequence[str], hook: Callable,
-                 fast: Optional[str] = None, env: Optional[dict] = None, presence: bool = False) -> Callable:
+                 fast: Optional[str] = None, env: Optional[dict] = None, presence: bool = False) -> Guarded:
     """A wrapper of ``fn`` with its signature: mode off calls through; in derive mode, when ``fast``
     (a Python expression with ``{name}`` placeholders for contract arguments) is true, it calls through;
     otherwise ``hook(mode, *values)`` returns the values of ``names`` to call with. With ``presence``,

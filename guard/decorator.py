@@ -10,7 +10,7 @@ import inspect
 import operator
 from typing import Any, Callable, Iterable, Optional, ParamSpec, Sequence, TypeVar, Union
 
-from guardlint.contracts import Contract, get as get_contract
+from guardlint.contracts import Contract, Derivation, get as get_contract
 
 from . import _state
 from ._codegen import accesses, make_wrapper
@@ -148,7 +148,7 @@ class _Guard:
         self.names = tuple(self.params)
         sig = inspect.signature(fn).parameters
         self.named = {n for n, p in self.params.items() if p.param in sig}
-        self.derivations = {}
+        self.derivations: dict[str, tuple[Derivation, Callable, Context]] = {}
         for c in contracts:
             for d in c.derivations:
                 impl = deriver(d)
@@ -181,15 +181,16 @@ class _Guard:
         counters, note_cached, note_derived, STRICT = _state.counters, _state.note_cached, _state.note_derived, \
             _state.STRICT
 
-        def hook(mode: int, present: tuple, *vals: Any) -> Sequence:
+        def hook(mode: int, present: tuple, *args: Any) -> Sequence:
             """``present``: which of ``names`` were passed and not None (computed by the wrapper)."""
+            vals: Sequence[Any] = args
             plan = plans.get(present)
             if plan is None:
                 plan = plans[present] = self._steps(self._plan(frozenset(n for n, p in zip(names, present) if p)))
             if type(plan) is int:
                 raise self._unmet_error(plan, dict(zip(names, vals)))
             if plan:
-                vals = list(vals)
+                vals = filled = list(vals)
                 if mode == STRICT:
                     prefetch(*vals)
                 for index, d, impl, ctx, pick, q_index in plan:
@@ -200,7 +201,7 @@ class _Guard:
                                      host_read=counters.host_reads > before)
                     else:
                         note_cached(d.name)
-                    vals[index] = value
+                    filled[index] = value
             if mode == STRICT:
                 values = dict(zip(names, vals))
                 for check in validators:
@@ -229,20 +230,20 @@ class _Guard:
         most contracts, then one the function names as parameters over one that would go through
         ``**kwargs``, then the fewest host reads, then catalog order); or the index of a contract that
         cannot be met."""
-        present = set(present)
+        have = set(present)
         plan: list = []
         while True:
-            unmet = [i for i in range(len(self.contracts)) if not self._met(i, present)]
+            unmet = [i for i in range(len(self.contracts)) if not self._met(i, have)]
             if not unmet:
                 return tuple(plan)
             best = None
             for i in unmet:
                 for rank, group in enumerate(self.groups[i]):
-                    missing = [n for n in group if n not in present]
-                    steps = [self.derivations.get(n) for n in missing]
-                    if any(st is None or any(s not in present for s in st[0].sources) for st in steps):
+                    missing = [n for n in group if n not in have]
+                    steps = [self.derivations[n] for n in missing if n in self.derivations]
+                    if len(steps) < len(missing) or any(s not in have for st in steps for s in st[0].sources):
                         continue
-                    after = present | set(group)
+                    after = have | set(group)
                     key = (-sum(self._met(j, after) for j in unmet), sum(n not in self.named for n in missing),
                            sum(st[0].host_read for st in steps), i, rank)
                     if best is None or key < best[0]:
@@ -250,7 +251,7 @@ class _Guard:
             if best is None:
                 return unmet[0]
             plan += best[1]
-            present.update(best[1])
+            have.update(best[1])
 
     def _met(self, i: int, present: set) -> bool:
         return any(all(n in present for n in g) for g in self.groups[i])

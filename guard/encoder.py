@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Optional, ParamSpec, TypeVar, overload
+from typing import Any, Callable, Optional, ParamSpec, TypeVar, cast, overload
 
 import torch
 
@@ -17,6 +17,7 @@ from guardlint.contracts import get as get_contract
 
 from . import _state
 from ._cache import MISS, cache
+from ._codegen import Guarded
 from .decorator import qualified_name
 from .errors import GuardError, describe
 from .metadata import (VLLM_SEQLEN_BUCKETS, bucket_max_seqlen, check_index_tensor, is_compiling, prepare,
@@ -45,7 +46,7 @@ def _plan(query: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, function: 
     if not is_compiling():
         hit = cache.get(cu, tag)
         if hit is not MISS:
-            _state.note_cached(GL101.derivation_for("sequence_lengths").name)
+            _state.note_cached(GL101.derivation("sequence_lengths").name)
             return hit
     check_index_tensor(cu, "cu_seqlens", function)
     host = read_host(cu, "cu_seqlens", function)
@@ -68,7 +69,7 @@ def _plan(query: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, function: 
                              expected="non-decreasing element offsets", got="a decrease in the qko section")
         seq = torch.tensor(lengths, dtype=torch.int32).to(query.device, non_blocking=True)
         out = (cu, seq, _host_scalar(bucket_max_seqlen(max(lengths, default=0), VLLM_SEQLEN_BUCKETS)))
-    _state.note_derived(function, "sequence_lengths", GL101.derivation_for("sequence_lengths").name,
+    _state.note_derived(function, "sequence_lengths", GL101.derivation("sequence_lengths").name,
                         ("cu_seqlens",), fresh=True, host_read=True)
     if not is_compiling():
         cache.put(cu, tag, out)
@@ -126,5 +127,6 @@ def guard_mm_encoder(fn: Optional[Callable] = None):
             max_seqlen = mx if max_seqlen is None else max_seqlen
         return fn(self, query, key, value, cu_seqlens, max_seqlen, sequence_lengths, *args, **kwargs)
 
-    wrapper.__guardlint__ = ("mm_encoder", None)
-    return wrapper
+    guarded = cast(Guarded, wrapper)  # functools.wraps' type has no attributes of its own
+    guarded.__guardlint__ = ("mm_encoder", None)
+    return guarded

@@ -218,6 +218,8 @@ def token_offsets(values: Sequence[int], *, layout: str, total_tokens: Optional[
     """
     T, HD = total_tokens, elements_per_token
     if layout == "cudnn":
+        if T is None or HD is None:  # callers pass q's shape with this layout (prepare() requires q)
+            raise TypeError("token_offsets(layout='cudnn') needs total_tokens and elements_per_token")
         tokens_fit = values[-1] == T and values[0] == 0 and first_decrease(values) is None
         s = packed_sections(values)
         # With tokens present both readings cannot fit (packed sections restart at 0, valid token
@@ -292,6 +294,8 @@ def _build(offsets: tuple, *, layout: str, bucket: bool, device: torch.device,
     sections = 0
     if layout != "tokens":
         HD = elements_per_token
+        if HD is None:  # element offsets need q's H*D (prepare() requires q for these layouts)
+            raise TypeError(f"layout {layout!r} needs elements_per_token")
         Bp = bucket_batch_size(B) if bucket else B
         padded = list(offsets) + [offsets[-1]] * (Bp - B)
         strides = (HD, HD, HD) if layout == "cudnn" else (HD, v_elements_per_token or HD)

@@ -28,12 +28,12 @@ from .validate import check_lora, check_plan_source, check_varlen, prefetch
 
 GL101, GL102, GL201 = get_contract("GL101"), get_contract("GL102"), get_contract("GL201")
 # Derivation names for stats and events come from the catalog, not from here.
-SEQ_DERIVATION = GL101.derivation_for("sequence_lengths").name
-MAX_DERIVATION = GL102.derivation_for("max_seqlen").name
+SEQ_DERIVATION = GL101.derivation("sequence_lengths").name
+MAX_DERIVATION = GL102.derivation("max_seqlen").name
 # The catalog may list several ways to build forward_metadata (the engine's own helper first, for the
 # linter's fixes); the guard runs the one it implements.
 META_DERIVATION = next(d for d in GL101.derivations if d.target == "forward_metadata" and d.name in DERIVERS)
-SEG_LENS_DERIVATION = GL201.derivation_for("seg_lens")
+SEG_LENS_DERIVATION = GL201.derivation("seg_lens")
 MAX_LEN_DERIVATION = next(d for d in GL201.derivations if d.target == "max_len" and d.name in DERIVERS)
 
 
@@ -121,13 +121,15 @@ def _build_varlen(fn: Callable, **rename: str) -> Callable:
                                      expected="sequence_lengths and max_seqlen, or metadata=prepare_varlen_metadata("
                                               "cu_seqlens, q), or cu_seqlens to derive them from",
                                      got="None, and cu_seqlens is None too")
-                plan = MISS
+                hit: Any = MISS  # a VarlenMetadata when cached
                 if isinstance(cu, Tensor) and not is_compiling():
                     # prepare()'s own cache lookup, without its call and argument checks
-                    plan = cache.get(cu, ("meta", "tokens", False, getattr(q, "shape", None),
-                                          getattr(q, "device", None)))
+                    hit = cache.get(cu, ("meta", "tokens", False, getattr(q, "shape", None),
+                                         getattr(q, "device", None)))
                 fresh = False
-                if plan is MISS:
+                if hit is not MISS:
+                    plan = hit
+                else:
                     if mode == _state.STRICT:
                         prefetch(cu, seq)
                     before = _state.counters.host_reads

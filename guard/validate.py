@@ -373,11 +373,11 @@ def check_lora(function: Optional[str], *, seg_indptr: Any, num_segments: Any = 
                                      got=f"a {'negative' if ranks[w] < 0 else 'larger'} rank for the adapter of "
                                          f"segment {i}")
     if "permutation" in got:
-        bad = permutation_error(got["permutation"])
-        if bad is not None:
+        problem = permutation_error(got["permutation"])
+        if problem is not None:
             raise GuardError("GL204", argument=prefix + "permutation", function=function,
                              expected=f"a permutation of range({len(got['permutation'])}) (each token once)",
-                             got=bad)
+                             got=problem)
     if "seg_lens" in got:
         bad = _first_difference(got["seg_lens"][:num_segments], lengths)
         if bad is not None:

@@ -83,9 +83,10 @@ def _skip_flash_preload() -> None:
             return (None, None, None, None, None), (dict, dict)
         return original(implementation, *args, **kwargs)
 
-    lazy_import_flash_attention._guardlint = True
-    lazy_import_flash_attention.__wrapped__ = original
-    modeling_utils.lazy_import_flash_attention = lazy_import_flash_attention
+    patched: Any = lazy_import_flash_attention  # marked with attributes of its own
+    patched._guardlint = True
+    patched.__wrapped__ = original
+    modeling_utils.lazy_import_flash_attention = patched
 
 
 # -- masks ------------------------------------------------------------------------------------------
@@ -150,7 +151,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if sliding_window is not None and (mask is None or mask.dim() == 2) and 0 < sliding_window < k_len:
         raise _refuse("sliding_window", f"None or >= the {k_len} keys (the mask carries windows)",
                       repr(sliding_window), "No sliding-window mask reached the attention.")
-    backend = _registered.get(module.config._attn_implementation if hasattr(module, "config") else None, "auto")
+    implementation = None
+    if hasattr(module, "config"):
+        config: Any = module.config  # the model's PretrainedConfig (nn.Module's __getattr__ types it as a tensor)
+        implementation = config._attn_implementation
+    backend = _registered.get(implementation, "auto")
 
     cu_q = kwargs.get("cu_seq_lens_q")
     if mask is None and cu_q is not None:
