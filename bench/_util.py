@@ -173,3 +173,39 @@ def write_results(name: str, rows: Sequence[dict], columns: Sequence[str], *, me
     head = f"# {title or name}\n\n" + ", ".join(f"{k}: {v}" for k, v in meta.items()) + "\n\n"
     (out / f"{name}.md").write_text(head + table + "\n")
     return table
+
+
+def bar_plot(name: str, rows: Sequence[dict], *, group: str, label: str, values: dict, title: str,
+             ylabel: str = "us", out_dir: Optional[os.PathLike] = None) -> Optional[Path]:
+    """``<name>.png`` beside the results: one panel per value of ``group``, one bar cluster per row (named by
+    its ``label``), one bar per column of ``values`` ({column: legend}). None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:
+        print(f"{name}: no plot (matplotlib does not import: {type(exc).__name__})", file=sys.stderr)
+        return None
+    out = results_dir(out_dir)
+    if out is None:
+        return None
+    groups = list(dict.fromkeys(r[group] for r in rows))
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.8), squeeze=False)
+    width = 0.8 / max(len(values), 1)
+    for ax, g in zip(axes[0], groups):
+        mine = [r for r in rows if r[group] == g]
+        for i, (column, legend) in enumerate(values.items()):
+            xs = [x + (i - (len(values) - 1) / 2) * width for x in range(len(mine))]
+            ax.bar(xs, [r.get(column) or 0 for r in mine], width, label=legend)
+        ax.set_xticks(list(range(len(mine))))
+        ax.set_xticklabels([str(r[label]) for r in mine], rotation=35, ha="right", fontsize=7)
+        ax.set_title(str(g))
+        ax.set_ylabel(ylabel)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = out / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -6,9 +6,11 @@
 # The engines step needs einops in .gpu-deps/wheels and the engine sources it loads carried (.engines/...).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
-mkdir -p "$OUT" /tmp/logs
+# Step logs go to $LOGS (default /tmp/logs); LOGS=$OUT brings each one back even when the call runs out of time.
+LOGS=${LOGS:-/tmp/logs}
+mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation . >/tmp/logs/install.log 2>&1 || { cat /tmp/logs/install.log; exit 1; }
+python3 -m pip install -q --no-deps --no-build-isolation . >"$LOGS/install.log" 2>&1 || { cat "$LOGS/install.log"; exit 1; }
 if [ -d .gpu-deps ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .gpu-deps/wheels/*.whl >/dev/null 2>&1
   python3 -c "import tarfile; tarfile.open('.gpu-deps/flashinfer.tar.xz').extractall('/tmp/site')"
@@ -17,7 +19,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 rc=0
-step() { name=$1; shift; echo "=== $name: $*"; start=$(date +%s); timeout "${STEP_TIMEOUT:-300}" "$@" 2>&1 | tee "/tmp/logs/$name.log"; r=${PIPESTATUS[0]}; echo "=== $name: exit $r in $(( $(date +%s) - start )) s"; [ "$r" = 0 ] || rc=1; }
+step() { name=$1; shift; echo "=== $name: $*"; start=$(date +%s); timeout "${STEP_TIMEOUT:-300}" "$@" 2>&1 | tee "$LOGS/$name.log"; r=${PIPESTATUS[0]}; echo "=== $name: exit $r in $(( $(date +%s) - start )) s"; [ "$r" = 0 ] || rc=1; }
 for s in "$@"; do
   case $s in
     # FlashInfer JIT-compiles each kernel on first use (FA2 ~21 s, FA3 ~83 s a head dim on a fresh machine):
@@ -28,6 +30,7 @@ for s in "$@"; do
     engines) step engines python3 -m pytest -q -m gpu -p no:cacheprovider tests/engines/test_engines_gpu.py ;;
     lora-tests) step lora-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_lora_gpu.py ;;
     eager) step eager python3 bench/lora_eager.py --write ;;
+    attention-eager) STEP_TIMEOUT=420 step attention-eager python3 bench/attention_eager.py --write ;;
     eager-profile) step eager-profile python3 bench/lora_eager.py --profile ;;
     sweep) step sweep python3 bench/lora_sweep.py --write ;;
     anatomy) step anatomy python3 bench/lora_anatomy.py --write ;;
@@ -38,5 +41,5 @@ for s in "$@"; do
     *) echo "unknown step $s"; rc=1 ;;
   esac
 done
-tar czf "$OUT/results.tgz" bench/results kernels/attention_dispatch.json /tmp/logs 2>/dev/null || tar czf "$OUT/results.tgz" bench/results /tmp/logs
+tar czf "$OUT/results.tgz" bench/results kernels/attention_dispatch.json "$LOGS"/*.log 2>/dev/null || tar czf "$OUT/results.tgz" bench/results
 exit $rc

@@ -18,6 +18,7 @@ from _util import require
 require("torch", "triton", "guardlint")  # a clear message outside the venv
 
 import argparse
+import json
 import contextlib
 import statistics
 import sys
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 try:
     import _lora_anchor
     import torch
-    from _util import amortised_graph_us, env_meta, markdown_table, write_results
+    from _util import amortised_graph_us, bar_plot, env_meta, markdown_table, write_results
     from lora import all_cases, build
 
     from guardlint.kernels import _lora_kernels, lora
@@ -93,12 +94,25 @@ def _route(gluon_eager: bool, direct: bool):
             entry[3].enabled = True
 
 
+def plot(rows: list, out_dir=None):
+    """bench/results/lora_eager.png (``out_dir``: where; default only with --write)."""
+    return bar_plot("lora_eager", rows, group="case", label="call", out_dir=out_dir,
+                    values={"wall_us": "eager wall per call",
+                                                                   "graph_us": "device time (CUDA graph)"},
+                    title="LoRA eager calls on an H200: wall per call against a plain Triton anchor")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="write bench/results/lora_eager.{json,md}")
+    parser.add_argument("--write", action="store_true", help="write bench/results/lora_eager.{json,md,png}")
+    parser.add_argument("--plot", action="store_true", help="only draw bench/results/lora_eager.png from its JSON")
     parser.add_argument("--profile", action="store_true",
                         help="print a cProfile of 500 eager calls (decode shrink, prefill expand) instead")
     args = parser.parse_args()
+    if args.plot:
+        rows = json.loads((Path(__file__).resolve().parent / "results" / "lora_eager.json").read_text())["rows"]
+        print(plot(rows, Path(__file__).resolve().parent / "results"))
+        return 0
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
@@ -175,6 +189,8 @@ def main() -> int:
         table = write_results("lora_eager", rows, columns, meta=meta, title="LoRA eager calls: wall time per call (us)")
     else:
         table = markdown_table(rows, columns)
+    if args.write:
+        plot(rows)
     print()
     print(table)
     return 0

@@ -22,6 +22,8 @@ import triton.language as tl
 
 from guardlint.guard._cache import MISS, IdentityCache
 
+from ._launch import DirectLaunch
+
 # Decided once, when the kernels are defined: that is when Triton picks the interpreter.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -335,11 +337,15 @@ def sequence_order(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return order
 
 
-# Per (head_dim, group, causal, length class, dtype, index dtype, sorted): BLOCK_M and every keyword the jit
-# kernel takes, once the autotuner has picked for that key. Later calls launch the jit kernel with them
-# directly: the autotuner's own per-call work (argument dicts, key building) costs more host time than
-# everything else on the path (bench/results/attention_overhead.md).
+# Per (head_dim, group, causal, length class, dtype, index dtype, sorted): BLOCK_M, every keyword the jit
+# kernel takes, and their DirectLaunch, once the autotuner has picked for that key. Later calls launch the
+# kernel with them directly: the autotuner's own per-call work (argument dicts, key building) and then
+# JITFunction.run's cost more host time than everything else on the path (bench/results/attention_overhead.md).
 _launches: dict = {}
+
+
+def _settings(block_m: int, kwargs: dict) -> tuple:
+    return block_m, kwargs, DirectLaunch(_varlen_attention_fwd, kwargs, INTERPRET)
 
 
 def longest_first(batch: int, total_tokens: int, max_seqlen: int) -> bool:
@@ -383,8 +389,8 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
             softmax_scale * LOG2E, size_class)
     launch = _launches.get(key) if config is None else None
     if launch is not None:
-        block_m, kwargs = launch
-        _varlen_attention_fwd[(-(-max_seqlen // block_m), num_heads, batch)](*args, **kwargs)
+        block_m, _, direct = launch
+        direct(args, (-(-max_seqlen // block_m), num_heads, batch))
         return out
     d0, d1, d2, d3 = head_dim_parts(head_dim)
     meta = dict(HEAD_DIM=head_dim, GROUP=key[1], D0=d0, D1=d1, D2=d2, D3=d3, CAUSAL=bool(causal),
@@ -392,7 +398,7 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     if config is None and INTERPRET:
         block_m, block_n = INTERPRET_BLOCKS
-        _launches[key] = (block_m, dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1))
+        _launches[key] = _settings(block_m, dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1))
         return varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, out=out)
     if config is None:
         grid = lambda cfg: (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), num_heads, batch)  # noqa: E731
@@ -400,7 +406,7 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         # The autotuner just ran this key's pick; without that attribute, every call goes through it.
         best = getattr(_varlen_attention_fwd_tuned, "best_config", None)
         if best is not None:
-            _launches[key] = (best.kwargs["BLOCK_M"], dict(meta, **best.all_kwargs()))
+            _launches[key] = _settings(best.kwargs["BLOCK_M"], dict(meta, **best.all_kwargs()))
     else:
         block_m, block_n, num_warps, num_stages = config
         grid = (triton.cdiv(max_seqlen, block_m), num_heads, batch)
@@ -421,24 +427,23 @@ def plan_launch(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_
     key, size_class, by_length = _launch_key(q, k, cu_seqlens, max_seqlen, causal)
     qk_scale = softmax_scale * LOG2E
     ready = []  # [(grid, kwargs)] once the key's launch settings exist
-    kernel = _varlen_attention_fwd
 
     def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         if not ready:
             out = varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal)
             settings = _launches.get(key)
             if settings is not None and total_tokens > 0 and batch > 0 and max_seqlen > 0:
-                ready.append(((-(-max_seqlen // settings[0]), num_heads, batch), settings[1]))
+                ready.append(((-(-max_seqlen // settings[0]), num_heads, batch), settings[2]))
             return out
         out = new_output(q)
         sq, sk, sv = q.stride(), k.stride(), v.stride()
         if sq[2] != 1 or sk[2] != 1 or sv[2] != 1 or cu_seqlens.stride(0) != 1 or qk_scale < 0:
             return varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, out=out)
         so = out.stride()
-        grid, kwargs = ready[0]
+        grid, direct = ready[0]
         order = sequence_order(cu_seqlens) if by_length else cu_seqlens
-        kernel[grid](q, k, v, out, cu_seqlens, order, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1],
-                     total_tokens, qk_scale, size_class, **kwargs)
+        direct((q, k, v, out, cu_seqlens, order, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1],
+                total_tokens, qk_scale, size_class), grid)
         return out
 
     return launch

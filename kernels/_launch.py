@@ -28,8 +28,13 @@ _I32 = range(-(2 ** 31), 2 ** 31)
 _I64 = range(-(2 ** 63), 2 ** 63)
 
 
-def _int_class(v: int) -> int:
-    """Triton's view of an int argument: 1 (a constant), 32-bit / 64-bit / unsigned, aligned to 16 or not."""
+def _int_class(v: Any) -> int:
+    """Triton's view of a scalar argument: for an int, 1 (a constant), 32-bit / 64-bit / unsigned, aligned to
+    16 or not; a float is fp32 whatever its value, a bool u1."""
+    if type(v) is float:
+        return 7
+    if type(v) is bool:
+        return 8
     if v == 1:
         return 0
     aligned = not v & 15
@@ -63,7 +68,7 @@ class DirectLaunch:
     """Launches of ``fn`` with one fixed set of constexprs and launch ``options``.
 
     ``args`` are the kernel's non-constexpr parameters in declaration order (the constexprs must come last
-    in the kernel's signature and all be in ``options``); tensors and Python ints only."""
+    in the kernel's signature and all be in ``options``): tensors, Python ints, floats and bools."""
 
     def __init__(self, fn: Any, options: dict, interpret: bool = False) -> None:
         self.fn = fn

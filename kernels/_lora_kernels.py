@@ -12,7 +12,7 @@ Shrink (``out[t, h, c] = sum_k x[t, h, k] * W[slot, h, c, k]`` for ``c % R < r``
 With more than one K slice (``SPLIT_K``, batches of up to 1024 tokens), each program of a tile leaves a
 float32 partial and counts itself in on the tile's counter; the last to arrive sums the partials in slice order
 (a fixed order: the result does not depend on which program finishes first), writes the tile and sets the
-counter back to zero, so eager launches on one stream reuse one set of counters (``_split_buffers``).
+counter back to zero, so eager launches on one stream reuse one set of counters (``_split_pair``).
 Prefill shrinks (more than 1024 tokens) on Hopper go to the Gluon kernel of ``_lora_gluon`` under CUDA-graph capture, where it applies
 (one head, no permutation, 16-bit, aligned rows): it starts loading x before the segment lookup.
 
@@ -758,7 +758,7 @@ def launch_shrink(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
         stand_in = _NO_SPLIT.get(x.device)
         partials, arrivals = stand_in if stand_in is not None else _split_buffers(x.device, (), block_n)
     else:
-        partials, arrivals = _split_buffers(x.device, [(grid, options)], block_n)
+        partials, arrivals = _split_pair(x.device, grid[0] * grid[1] * block_s * block_n, grid[0] // split * grid[1])[:2]
     direct(head + (partials, arrivals) + tables + tail, grid)
 
 
@@ -771,19 +771,15 @@ def _shrink_grid(num_tokens: int, num_segments: int, heads: int, N: int, block_s
 
 _NO_SPLIT: dict = {}
 _stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
-# Eager split-K buffers per (device index, raw stream): (partials, arrival counters), grown on demand.
+# Eager split-K buffers per (device index, raw stream): (partials, arrival counters, their sizes), grown on
+# demand.
 _SPLIT_EAGER: dict = {}
 _SPLIT_EAGER_CAPACITY = 16
 
 
 def _split_buffers(device: torch.device, launches, block_n: int) -> tuple:
     """Float32 partials and zeroed arrival counters for split-K launches ``[(grid, blocks), ...]``, sized
-    for the largest; one-element stand-ins (cached per device) when none splits K.
-
-    The kernel sets each counter back to zero once its tile is written, so eager launches on one stream
-    (ordered one after another) share one pair per stream, grown when a launch needs more: no allocation and
-    no memset per call. Under CUDA-graph capture (a graph may be replayed beside another, or beside eager
-    work) and off the GPU they are allocated per call, stream-ordered by the caching allocator."""
+    for the largest; one-element stand-ins (cached per device) when none splits K."""
     cells = tiles = 0
     for grid, blocks in launches:
         split = blocks.get("SPLIT_K", 1)
@@ -791,25 +787,36 @@ def _split_buffers(device: torch.device, launches, block_n: int) -> tuple:
             tiles = max(tiles, grid[0] // split * grid[1])
             cells = max(cells, grid[0] * grid[1] * blocks["BLOCK_S"] * block_n)
     if tiles:
-        if device.type != "cuda" or _stream_capturing():
-            return (torch.empty(cells, dtype=torch.float32, device=device),
-                    torch.zeros(tiles, dtype=torch.int32, device=device))
-        key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
-        pair = _SPLIT_EAGER.get(key)
-        if pair is None or pair[0].numel() < cells or pair[1].numel() < tiles:
-            # Freed buffers go back to the allocator stream-ordered: launches still queued keep theirs.
-            if pair is not None:
-                cells, tiles = max(cells, pair[0].numel()), max(tiles, pair[1].numel())
-            elif len(_SPLIT_EAGER) >= _SPLIT_EAGER_CAPACITY:
-                _SPLIT_EAGER.pop(next(iter(_SPLIT_EAGER)))
-            pair = _SPLIT_EAGER[key] = (torch.empty(cells, dtype=torch.float32, device=device),
-                                        torch.zeros(tiles, dtype=torch.int32, device=device))
-        return pair
+        return _split_pair(device, cells, tiles)[:2]
     stand_in = _NO_SPLIT.get(device)
     if stand_in is None:
         stand_in = _NO_SPLIT[device] = (torch.empty(1, dtype=torch.float32, device=device),
                                         torch.zeros(1, dtype=torch.int32, device=device))
     return stand_in
+
+
+def _split_pair(device: torch.device, cells: int, tiles: int) -> tuple:
+    """``cells`` float32 partials and ``tiles`` zeroed arrival counters.
+
+    The kernel sets each counter back to zero once its tile is written, so eager launches on one stream
+    (ordered one after another) share one pair per stream, grown when a launch needs more: no allocation and
+    no memset per call. Under CUDA-graph capture (a graph may be replayed beside another, or beside eager
+    work) and off the GPU they are allocated per call, stream-ordered by the caching allocator."""
+    if device.type != "cuda" or _stream_capturing():
+        return (torch.empty(cells, dtype=torch.float32, device=device),
+                torch.zeros(tiles, dtype=torch.int32, device=device))
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+    entry = _SPLIT_EAGER.get(key)
+    if entry is not None and entry[2] >= cells and entry[3] >= tiles:
+        return entry
+    # Freed buffers go back to the allocator stream-ordered: launches still queued keep theirs.
+    if entry is not None:
+        cells, tiles = max(cells, entry[2]), max(tiles, entry[3])
+    elif len(_SPLIT_EAGER) >= _SPLIT_EAGER_CAPACITY:
+        _SPLIT_EAGER.pop(next(iter(_SPLIT_EAGER)))
+    entry = _SPLIT_EAGER[key] = (torch.empty(cells, dtype=torch.float32, device=device),
+                                 torch.zeros(tiles, dtype=torch.int32, device=device), cells, tiles)
+    return entry
 
 
 def _block_seg(num_segments: int) -> int:

@@ -376,7 +376,7 @@ def test_triton_launcher_reuses_launch_settings_per_key(monkeypatch):
     first = triton_path.varlen_attention_triton(q, k, v, cu, 21, 0.1, False)
     key = (96, 1, False, 0, torch.float32, torch.int32, True)  # unequal lengths: visited longest first
     assert list(triton_path._launches) == [key]
-    block_m, kwargs = triton_path._launches[key]
+    block_m, kwargs, _ = triton_path._launches[key]
     assert (block_m, kwargs["BLOCK_N"], kwargs["D0"], kwargs["D1"]) == (16, 16, 64, 32)
     again = triton_path.varlen_attention_triton(q, k, v, cu, 21, 0.1, False)
     explicit = triton_path.varlen_attention_triton(q, k, v, cu, 21, 0.1, False, config=(16, 16, 4, 1))

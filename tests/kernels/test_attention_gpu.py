@@ -155,6 +155,37 @@ def test_triton_launches_without_the_autotuner_after_its_first_pick(monkeypatch)
     assert_matches(again, q, k, v, offsets, False)
 
 
+@pytest.mark.parametrize("view", ["contiguous", "head_slice", "offset_rows"])
+def test_triton_direct_launch_uses_the_binary_triton_would_pick(view, monkeypatch):
+    """After a key's first call the kernel is launched straight from the kept binary (kernels/_launch.py).
+    Views that change Triton's specialization (strides that are not multiples of 16, base pointers off
+    16-byte alignment) get their own binary, the one JITFunction.run returns for the same arguments, and
+    the outputs match float64."""
+    from guardlint.kernels._launch import DirectLaunch
+
+    q, k, v, cu, offsets = make_batch([300, 0, 77, 1000], 4, 2, 80, torch.bfloat16, seed=9)
+    if view == "head_slice":  # q's token stride 5 * 80 (not 4 * 80): a wider buffer, sliced
+        wide = torch.randn(q.shape[0], 5, 80, device="cuda").to(q.dtype)
+        wide[:, :4] = q
+        q = wide[:, :4]
+    elif view == "offset_rows":  # q and k start 3 elements into their storage
+        q = torch.cat([q.new_zeros(3), q.flatten()])[3:].view(q.shape)
+        k = torch.cat([k.new_zeros(3), k.flatten()])[3:].view(k.shape)
+    seen = []
+    call = DirectLaunch.__call__
+    monkeypatch.setattr(DirectLaunch, "__call__",
+                        lambda self, args, grid: seen.append((self, args, grid)) or call(self, args, grid))
+    outs = [varlen_attention(q, k, v, cu, max_seqlen=1000, backend="triton") for _ in range(3)]
+    for out in outs:
+        assert_matches(out, q, k, v, offsets, False)
+    assert seen, "no launch went through a DirectLaunch"
+    for direct, args, grid in seen:
+        assert direct.enabled and direct.binaries
+        triton_pick = direct.fn.run(*args, grid=grid, warmup=True, **direct.options)
+        kept = direct.binaries[direct._signature(args)]
+        assert kept[0] is triton_pick.run and kept[1] == triton_pick.function
+
+
 def test_auto_without_a_table_runs_triton_on_cuda(tmp_path, monkeypatch):
     monkeypatch.setenv(dispatch.TABLE_ENV, str(tmp_path / "none.json"))
     dispatch.reset()

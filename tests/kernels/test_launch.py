@@ -29,6 +29,15 @@ def test_int_classes_are_at_least_as_fine_as_tritons(specialized):
         assert len(seen) == 1, f"class {cls} holds ints Triton specializes differently: {seen}"
 
 
+def test_floats_and_bools_have_their_own_classes():
+    scalars = [0.0, 1.0, 16.0, -2.5, 1e300, True, False] + INTS
+    triton_of = {}
+    for v in scalars:
+        triton_of.setdefault(_int_class(v), set()).add(specialize(BaseBackend, v, False, True, True))
+    assert all(len(seen) == 1 for seen in triton_of.values()), triton_of
+    assert _int_class(1.0) != _int_class(1) and _int_class(True) != _int_class(1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32, torch.int64])
 def test_tensor_signature_follows_dtype_and_alignment(dtype):
     base = torch.zeros(64, dtype=dtype)

@@ -415,15 +415,16 @@ def test_shrink_split_k_counters_return_to_zero_and_are_reused(monkeypatch):
     monkeypatch.setattr(lora._k._shrink, "interpret_blocks", {"BLOCK_S": 16, "BLOCK_K": 16, "SPLIT_K": 3})
     monkeypatch.setattr(lora._k._shrink, "chosen", {})
     shared = (torch.full((1 << 16,), float("nan")), torch.zeros(256, dtype=torch.int32))
-    allocate = lora._k._split_buffers
-    monkeypatch.setattr(lora._k, "_split_buffers", lambda *a: shared if allocate(*a)[1].numel() > 1 else allocate(*a))
+    used = []
+    monkeypatch.setattr(lora._k, "_split_pair",
+                        lambda device, cells, tiles: used.append(cells) or (*shared, cells, tiles))
     info, S = layout("mixed", 16, seed=3)
     for seed in (1, 2, 3):
         x, w = rand(S, 40, dtype=torch.float32, seed=seed), rand(SLOTS, 16, 40, dtype=torch.float32, seed=seed + 10)
         check(sgemm_lora_a(x, w, info), sgemm_lora_a_reference(x, w, info),
               sgemm_lora_a_reference(x.double(), w.double(), info))
         assert not shared[1].any(), f"counters left at {shared[1].nonzero().flatten().tolist()}"
-    assert torch.isfinite(shared[0][:16]).all(), "the launches did not use the shared partials"
+    assert len(used) == 3 and torch.isfinite(shared[0][:16]).all(), "the launches did not use the shared partials"
 
 
 def test_split_buffers_are_allocated_per_call_off_the_gpu():
@@ -433,6 +434,7 @@ def test_split_buffers_are_allocated_per_call_off_the_gpu():
         lora._k._split_buffers(torch.device("cpu"), launch, 16)
     assert first[1].data_ptr() != second[1].data_ptr() and not first[1].any()
     assert first[0].numel() == 6 * 16 * 16 and first[1].numel() == 2
+    assert len(lora._k._split_pair(torch.device("cpu"), 10, 3)) == 2
 
 
 def test_shrink_split_k_poisons_bad_slots_and_zeroes_rank_0(monkeypatch):
