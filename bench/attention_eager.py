@@ -35,6 +35,7 @@ try:
     from _attention_cases import Case, make_inputs, max_abs_error, passes, reference
     from _util import amortised_graph_us, bar_plot, env_meta, markdown_table, write_results
 
+    from guardlint.kernels import _attention_dispatch as dispatch
     from guardlint.kernels import _attention_flashinfer as fi
     from guardlint.kernels import _attention_triton as triton_path
     from guardlint.kernels import varlen_attention
@@ -91,14 +92,36 @@ def plot(rows: list, out_dir=None):
                     title="Varlen attention eager calls on an H200 (16 heads, bf16)")
 
 
+BACKENDS = ("triton", "gluon", "torch-varlen", "sdpa", "flashinfer-fa2", "flashinfer-fa3", "flashinfer-cudnn")
+DISPATCH_TABLE = Path(__file__).resolve().parent.parent / "kernels" / "attention_dispatch.json"
+
+
+def write_host_times(rows: list, gpu: str, table: Path = DISPATCH_TABLE) -> dict:
+    """Put each backend's host time per eager call (median over the cases) into the dispatch table's
+    ``host_us`` for this GPU: ``auto`` weighs it in eager calls (kernels/_attention_dispatch.RULE)."""
+    times = {name: round(statistics.median(r["host_us"] for r in rows if r["call"] == name), 1)
+             for name in BACKENDS if any(r["call"] == name for r in rows)}
+    data = json.loads(table.read_text())
+    data.setdefault("host_us", {})[gpu] = times
+    data["rule"] = dispatch.RULE
+    table.write_text(json.dumps(data, indent=1) + "\n")
+    return times
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="write bench/results/attention_eager.{json,md,png}")
     parser.add_argument("--plot", action="store_true", help="only draw bench/results/attention_eager.png from its JSON")
+    parser.add_argument("--dispatch", action="store_true",
+                        help="only write the host times of bench/results/attention_eager.json into "
+                             "kernels/attention_dispatch.json (--write does it too)")
     args = parser.parse_args()
-    if args.plot:
-        rows = json.loads((Path(__file__).resolve().parent / "results" / "attention_eager.json").read_text())["rows"]
-        print(plot(rows, Path(__file__).resolve().parent / "results"))
+    if args.plot or args.dispatch:
+        saved = json.loads((Path(__file__).resolve().parent / "results" / "attention_eager.json").read_text())
+        if args.plot:
+            print(plot(saved["rows"], Path(__file__).resolve().parent / "results"))
+        if args.dispatch:
+            print(write_host_times(saved["rows"], saved["meta"]["gpu"]))
         return 0
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -157,6 +180,7 @@ def main() -> int:
         table = markdown_table(rows, columns)
     if args.write:
         plot(rows)
+        print("host_us in the dispatch table:", write_host_times(rows, meta["gpu"]))
     print()
     print(table)
     return 0

@@ -26,11 +26,16 @@ How ``auto`` chooses (first match wins):
    flag mismatch, dtype mismatch (float16 and bfloat16 count as near), then sequence-length profile
    distance |log2(max_seqlen / max_entry)| + |log2(mean / mean_entry)| + 0.5 |log2(batch / batch_entry)|.
 4. Of that entry's measured backends, the fastest one that can run this call (head dim, dtype, device,
-   installed libraries); when none can, ``triton``.
+   installed libraries); when none can, ``triton``. In an eager call (not under CUDA-graph capture) a
+   backend's time is the larger of its table time and its host time per eager call on that GPU (the
+   table's host_us, measured by bench/attention_eager.py): a short batch is bound by the host, so a kernel
+   whose launch costs more host time than its device time saves is not taken there.
 """
 
 _table: Optional[list] = None
 _table_source: Optional[str] = None
+# GPU name -> backend -> host time per eager call (us), from the table's "host_us".
+_host: dict = {}
 _memo: dict = {}
 _MEMO_LIMIT = 4096
 # Caches elsewhere that hold choices made from the table (the attention module's per-call plans):
@@ -51,27 +56,45 @@ def table_path() -> Path:
 
 def load_table(path: Optional[Path] = None) -> list:
     """The table's entries (``[]`` when the file is missing or unreadable). Cached after the first read."""
-    global _table, _table_source
+    global _table, _table_source, _host
     path = Path(path) if path is not None else table_path()
     if _table is not None and _table_source == str(path):
         return _table
     entries: list = []
+    host: dict = {}
     try:
         data = json.loads(path.read_text())
         if isinstance(data, dict) and data.get("version") == TABLE_VERSION:
             entries = [e for e in data.get("entries", []) if _valid_entry(e)]
+            host = _valid_host(data.get("host_us"))
     except (OSError, ValueError):
         entries = []
-    _table, _table_source = entries, str(path)
+    _table, _table_source, _host = entries, str(path), host
     _forget_choices()
     return entries
 
 
+def _valid_host(raw) -> dict:
+    """``{gpu name: {backend: us}}`` with only finite positive times (anything else dropped)."""
+    if not isinstance(raw, dict):
+        return {}
+    return {str(gpu): {str(name): float(t) for name, t in times.items()
+                       if isinstance(t, (int, float)) and math.isfinite(t) and t > 0}
+            for gpu, times in raw.items() if isinstance(times, dict)}
+
+
+def host_times(device_name: str) -> dict:
+    """Host time per eager call of each backend on this GPU model, from the loaded table ({} when none)."""
+    load_table()
+    return _host.get(device_name, {})
+
+
 def reset() -> None:
     """Forget the loaded table and every memoised choice (tests, or after rewriting the table)."""
-    global _table, _table_source
+    global _table, _table_source, _host
     _table = None
     _table_source = None
+    _host = {}
     _forget_choices()
 
 
@@ -116,13 +139,15 @@ def nearest_entry(entries: list, *, device_name: str, capability: tuple, head_di
 
 def choose(*, device_type: str, device_name: str = "", capability: tuple = (), head_dim: int, dtype: str,
            causal: bool, batch: int, max_seqlen: int, total_tokens: int,
-           runnable: Callable[[str], bool], entries: Optional[list] = None, memo_extra: tuple = ()) -> str:
+           runnable: Callable[[str], bool], entries: Optional[list] = None, memo_extra: tuple = (),
+           eager: bool = False, host: Optional[dict] = None) -> str:
     """The backend ``auto`` runs for this call (see ``RULE``). ``runnable(name)`` says whether a backend
     can run this very call; the answer is memoised per call shape (plus ``memo_extra``: whatever else
-    ``runnable`` depends on)."""
+    ``runnable`` depends on). ``eager``: the call is not being captured into a CUDA graph, so each
+    backend's host time per call (``host``, default the table's for this GPU) bounds its time."""
     if device_type != "cuda":
         return "sdpa"
-    key = (device_name, head_dim, dtype, causal, batch, max_seqlen, total_tokens, memo_extra)
+    key = (device_name, head_dim, dtype, causal, batch, max_seqlen, total_tokens, memo_extra, eager)
     if entries is None:
         hit = _memo.get(key)
         if hit is not None:
@@ -135,7 +160,10 @@ def choose(*, device_type: str, device_name: str = "", capability: tuple = (), h
                           total_tokens=total_tokens)
     choice = "triton"
     if entry is not None:
-        ranked = sorted((t, name) for name, t in entry["times_us"].items()
+        if host is None:
+            host = _host.get(device_name, {}) if entries is None else {}
+        floor = host if eager else {}
+        ranked = sorted((max(t, floor.get(name, 0.0)), name) for name, t in entry["times_us"].items()
                         if isinstance(t, (int, float)) and math.isfinite(t) and t > 0)
         for _, name in ranked:
             if runnable(name):

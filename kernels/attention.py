@@ -234,10 +234,12 @@ def select_backend(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, m
                    softmax_scale: Optional[float] = None, causal: bool = False, backend: str = "auto") -> str:
     """The concrete backend a call with these inputs runs (``auto`` and ``flashinfer`` resolved)."""
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
-    return _resolve(backend, q, k, cu_seqlens, max_seqlen, scale, causal, "select_backend")
+    return _resolve(backend, q, k, cu_seqlens, max_seqlen, scale, causal, "select_backend",
+                    eager=not _capturing(q))
 
 
-def _resolve(backend: str, q, k, cu_seqlens, max_seqlen: int, scale: float, causal: bool, function: str) -> str:
+def _resolve(backend: str, q, k, cu_seqlens, max_seqlen: int, scale: float, causal: bool, function: str,
+             eager: bool = True) -> str:
     if backend == "auto" or backend == "flashinfer":
         if q.device.type != "cuda":
             if backend == "flashinfer":
@@ -255,7 +257,7 @@ def _resolve(backend: str, q, k, cu_seqlens, max_seqlen: int, scale: float, caus
             device_type="cuda", device_name=name, capability=capability, head_dim=q.shape[2],
             dtype=str(q.dtype).replace("torch.", ""), causal=causal, batch=max(cu_seqlens.shape[0] - 1, 1),
             max_seqlen=max(max_seqlen, 1), total_tokens=max(q.shape[0], 1), runnable=runnable,
-            memo_extra=(backend, q.shape[1] // k.shape[1], scale == q.shape[2] ** -0.5))
+            memo_extra=(backend, q.shape[1] // k.shape[1], scale == q.shape[2] ** -0.5), eager=eager)
         if only_fi and not choice.startswith("flashinfer-"):
             # Not in the table for this shape: FA3 on Hopper, else FA2, else cuDNN; a head dim none of them
             # runs (80, 96, ...) goes to our kernel rather than to padded copies.
@@ -391,6 +393,13 @@ def _run(name: str, q, k, v, cu_seqlens, sequence_lengths, max_seqlen: int, scal
 # Emptied with the dispatch table (``_attention_dispatch.reset()``); not used while torch.compile traces.
 _calls: dict = {}
 _MAX_CALLS = 4096
+_CHOOSING = ("auto", "flashinfer")
+_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+
+def _capturing(q: torch.Tensor) -> bool:
+    """Is this call being captured into a CUDA graph (on q's current stream)?"""
+    return q.is_cuda and _stream_capturing()
 _SCALE_TYPES = (type(None), float, int)
 dispatch.dependent_caches.append(_calls)
 
@@ -421,7 +430,7 @@ def _for_grad(backend: str, grad: Optional[str], function: str) -> str:
 
 
 def _plan_call(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend,
-               eager: bool, grad: Optional[str] = None) -> tuple:
+               eager: bool, grad: Optional[str] = None, capturing: bool = False) -> tuple:
     _check_inputs(function, q, k, v, cu_seqlens)
     _check_call(function, max_seqlen, softmax_scale, causal, backend)
     backend = _for_grad(backend, grad, function)
@@ -433,7 +442,8 @@ def _plan_call(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, ca
         # sized by max_seqlen would launch nothing and leave the output unwritten.
         raise GuardError("GL103", argument="max_seqlen", function=function,
                          expected=f"the longest sequence length (q has {q.shape[0]} tokens)", got="max_seqlen=0")
-    name = _resolve(backend, q, k, cu_seqlens, max_seqlen, scale, causal, function)
+    name = _resolve(backend, q, k, cu_seqlens, max_seqlen, scale, causal, function,
+                    eager=not (capturing or torch.compiler.is_compiling()))
     run = _runner(name, q, cu_seqlens, function)
     if run is _run_triton_backend and eager:
         run = _planned_triton(q, k, cu_seqlens, max_seqlen, scale, causal)
@@ -481,15 +491,18 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and type(cu_seqlens) is Tensor
             and type(max_seqlen) is int and type(causal) is bool and type(backend) is str
             and type(softmax_scale) in _SCALE_TYPES and not torch.compiler.is_compiling()):
+        # auto picks apart eager calls and calls captured into a CUDA graph (no host time per replay).
+        capturing = backend in _CHOOSING and _capturing(q)
         signature = (backend, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, cu_seqlens.dtype, q.device,
                      k.device, v.device, cu_seqlens.device, cu_seqlens.shape, max_seqlen, softmax_scale, causal,
-                     grad)
+                     grad, capturing)
         planned = _calls.get(signature)
     else:
         planned = None
+        capturing = backend in _CHOOSING and _capturing(q)
     if planned is None:
         planned = _plan_call(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend,
-                             signature is not None, grad)
+                             signature is not None, grad, capturing)
         if signature is not None:
             if len(_calls) >= _MAX_CALLS:
                 _calls.clear()
@@ -650,6 +663,7 @@ def cudnn_vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         out = fi.cudnn_prefill(q, k, v, o_off, qk_off, lengths, max_seqlen, scale, False, v_offsets=v_off)
     else:
         cu, lengths, max_tokens, plan = _token_view(q, fm, cu_seqlens, sequence_lengths, max_seqlen, function)
-        name = _resolve(backend or "auto", q, k, cu, max_tokens, scale, False, function)
+        name = _resolve(backend or "auto", q, k, cu, max_tokens, scale, False, function,
+                        eager=not _capturing(q))
         out = _run(name, q, k, v, cu, lengths, max_tokens, scale, False, plan, function)
     return out.view(*batch_shape, *out.shape[1:]) if reshaped else out

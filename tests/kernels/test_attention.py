@@ -254,6 +254,54 @@ def test_dispatch_nearest_case_by_head_dim_then_sequence_profile():
     assert _choose(192, 6, 8192, 16448, runnable=lambda n: n != "flashinfer-fa3") == "sdpa"
 
 
+def test_dispatch_weighs_host_time_in_eager_calls_only():
+    """A short batch bound by the host: in an eager call the backend whose launch costs more host time
+    than its device time saves loses; under CUDA-graph capture (no host time per replay) device time rules."""
+    entries = [_entry(128, 8, 256, 2048, {"triton": 17.0, "gluon": 12.0, "flashinfer-fa2": 16.0})]
+    host = {"triton": 26.0, "gluon": 90.0, "flashinfer-fa2": 37.0}
+    assert _choose(128, 8, 256, 2048, entries=entries, host=host, eager=False) == "gluon"
+    assert _choose(128, 8, 256, 2048, entries=entries, host=host, eager=True) == "triton"
+    # A long batch: the device time is larger than any host time, so eager calls keep the fastest kernel.
+    entries = [_entry(128, 6, 8192, 16448, {"triton": 1250.0, "gluon": 900.0})]
+    assert _choose(128, 6, 8192, 16448, entries=entries, host=host, eager=True) == "gluon"
+    # Backends without a measured host time are ranked by their table time alone.
+    assert _choose(128, 8, 256, 2048, entries=[_entry(128, 8, 256, 2048, {"sdpa": 20.0, "gluon": 12.0})],
+                   host=host, eager=True) == "sdpa"
+
+
+def test_dispatch_reads_host_times_from_the_table(tmp_path, monkeypatch):
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"version": dispatch.TABLE_VERSION, "entries": TABLE, "host_us": {
+        "NVIDIA H200": {"triton": 25.0, "gluon": "slow", "sdpa": -1, "torch-varlen": float("inf")},
+        "broken": [1, 2]}}))
+    monkeypatch.setenv(dispatch.TABLE_ENV, str(table))
+    dispatch.reset()
+    try:
+        assert dispatch.host_times("NVIDIA H200") == {"triton": 25.0}
+        assert dispatch.host_times("NVIDIA A100") == {} and dispatch.host_times("broken") == {}
+    finally:
+        dispatch.reset()
+    assert dispatch._host == {}
+
+
+def test_auto_plans_eager_and_captured_calls_apart(monkeypatch):
+    """The plan cache keys on whether the call is being captured into a CUDA graph: auto may choose
+    differently there, and the choice made for one must not be reused for the other."""
+    seen = []
+    monkeypatch.setattr(attention, "_resolve", lambda *a, eager=True: seen.append(eager) or "sdpa")
+    monkeypatch.setattr(attention, "_calls", {})
+    q, k, v, cu, offsets = make_batch([9, 0, 14], head_dim=80)
+    outs = []
+    for capturing in (False, True, False, True):
+        monkeypatch.setattr(attention, "_capturing", lambda q, c=capturing: c)
+        outs.append(varlen_attention(q, k, v, cu, max_seqlen=14, backend="auto"))
+    assert seen == [True, False], "one plan per capture state, each made with its own eager flag"
+    assert all(torch.equal(outs[0], o) for o in outs)
+    # A named backend has no choice to make: capture state is not probed or keyed.
+    monkeypatch.setattr(attention, "_capturing", lambda q: pytest.fail("probed for a named backend"))
+    varlen_attention(q, k, v, cu, max_seqlen=14, backend="sdpa")
+
+
 def test_dispatch_defaults_without_a_matching_table():
     assert _choose(80, 6, 8192, 16448, entries=[]) == "triton"
     assert _choose(80, 6, 8192, 16448, device_name="NVIDIA A100", capability=(8, 0)) == "triton"
@@ -289,6 +337,10 @@ def test_shipped_dispatch_table_comes_from_the_benchmark():
     for entry in data["entries"]:
         assert dispatch._valid_entry(entry)
         assert set(entry["times_us"]) <= set(attention.CONCRETE)
+    # Host times per eager call (bench/attention_eager.py): every one valid and for a backend that exists.
+    assert dispatch._valid_host(data.get("host_us")) == data.get("host_us", {})
+    for times in data.get("host_us", {}).values():
+        assert set(times) <= set(attention.CONCRETE)
 
 
 # -- per-call host work: checks and the backend choice once per call signature ---------------------
@@ -303,9 +355,9 @@ def counted_planning(monkeypatch):
         counts["checks"] += 1
         return real_check(*args)
 
-    def resolve(*args):
+    def resolve(*args, **kwargs):
         counts["resolves"] += 1
-        return real_resolve(*args)
+        return real_resolve(*args, **kwargs)
 
     monkeypatch.setattr(attention, "_check_inputs", check)
     monkeypatch.setattr(attention, "_resolve", resolve)
