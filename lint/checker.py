@@ -120,23 +120,38 @@ def _literal_equal(node: cst.BaseExpression, literal: str) -> bool:
         return text == literal.strip()
 
 
+def known_targets(rules: RuleSet) -> set[str]:
+    return {*rules.by_callee, *rules.by_instance, *REPLACE_FUNCTIONS}
+
+
+def callable_names(bindings: dict, known) -> set[str]:
+    """Names of ``bindings`` (a scope's) that may name a target: an instance made by a call, or an
+    import of a target."""
+    return {n for n, bs in bindings.items()
+            if any(b.kind == "call" or (b.kind == "import" and b.value in known) for b in bs)}
+
+
 class Checker:
-    def __init__(self, rules: RuleSet, collector: Collector, strict: bool = False):
+    def __init__(self, rules: RuleSet, collector: Collector, strict: bool = False,
+                 module_names: Optional[set[str]] = None):
+        """``module_names``: what ``callable_names`` gives for the module scope, when the caller keeps
+        it (a file checked in chunks would otherwise look through every module binding per chunk)."""
         self.rules = rules
         self.c = collector
         self.strict = strict
-        known = {*rules.by_callee, *rules.by_instance, *REPLACE_FUNCTIONS}
+        known = known_targets(rules)
         self.resolver = Resolver(collector.module, rules.by_instance, known)
         # Only calls whose last name is one of these can reach a contract; the rest are not resolved.
         names = {q.rsplit(".", 1)[-1] for q in known} | {"forward"}
         self._attr_names: set[str] = set()
-        for scope_bindings in self._all_bindings():
-            names.update(n for n, bs in scope_bindings.items()
-                         if any(b.kind == "call" or (b.kind == "import" and b.value in known) for b in bs))
+        for scope_bindings in self._all_bindings(collector.module if module_names is not None else None):
+            names.update(callable_names(scope_bindings, known))
+        if module_names is not None:
+            names.update(module_names)
         self._names = names
 
-    def _all_bindings(self):
-        seen = set()
+    def _all_bindings(self, skip: Optional[Scope] = None):
+        seen = set() if skip is None else {id(skip)}
         for _, scope, _, _, _ in self.c.sites:
             s: Optional[Scope] = scope
             while s is not None and id(s) not in seen:

@@ -19,18 +19,41 @@ if TYPE_CHECKING:
     from .checker import RawFinding
 
 
+_PARTS_AGREE = True  # checked at the end of this module
+_SPACE, _NAME, _COMMA, _EQUAL = cst.SimpleWhitespace, cst.Name, cst.Comma, cst.AssignEqual
+
+
 class EditBuilder:
     """Turns a finding's fix plan (``fixes.py``, on libcst nodes) into text edits of this file."""
 
-    def __init__(self, module: cst.Module, tree: Optional[ast.Module], data: bytes, resolver: Resolver):
+    def __init__(self, module: cst.Module, tree: Optional[ast.Module], data: bytes, resolver: Resolver, *,
+                 text: Optional[str] = None, layout: Optional[tuple[int, tuple[list[int], list[int]]]] = None):
+        """``text`` (``data`` decoded) and ``layout`` (what ``import_layout`` gives) may be passed when
+        the caller has them; with ``layout`` the tree is not needed. A file checked in chunks sets
+        ``module`` to the chunk whose findings are fixed (its default indentation and newline)."""
         self.module = module
         self.tree = tree
         self.data = data
         self.resolver = resolver
+        self.parsed = tree is not None or layout is not None
         self._text: Optional[str] = None
         self._starts: list[int] = []
         self._import_line: Optional[int] = None
         self._stmt_lines: tuple[list[int], list[int]] = ([], [])
+        # Renderings of the parts of calls (``_render_call``), for one module and indentation.
+        self._parts: dict[str, dict] = {}
+        self._parts_of: Optional[cst.Module] = None
+        if text is not None:
+            self._text = text
+            self._starts = [0, *(m.end() for m in LINE_BREAK.finditer(text))]
+        if layout is not None:
+            self._import_line, self._stmt_lines = layout
+
+    def release(self) -> None:
+        """Forget the module (and the renderings of its parts): a file checked in chunks is done with it."""
+        self.module = None
+        self._parts.clear()
+        self._parts_of = None
 
     @property
     def text(self) -> str:
@@ -78,7 +101,7 @@ class EditBuilder:
             return None, ""
         if isinstance(plan, fixes.NoFix):
             return None, plan.reason
-        if self.tree is None:
+        if not self.parsed:
             return None, "this Python does not parse the file, so a fixed file could not be checked"
         edit = self._call_edit(r.node, plan.new_call, call_range, r.indent)
         if edit is None:
@@ -94,8 +117,8 @@ class EditBuilder:
     def _call_edit(self, old: cst.Call, new: cst.Call, call_range, indent: str) -> Optional[Edit]:
         """The smallest edit that turns the call's text into the new call's (parentheses around the
         call are not part of its range). The old call's rendering must equal its source exactly."""
-        before = self._render(old.with_changes(lpar=(), rpar=()), indent)
-        after = self._render(new.with_changes(lpar=(), rpar=()), indent)
+        before = self._render_call(old, indent)
+        after = self._render_call(new, indent)
         if before is None or after is None:
             return None
         line, col, end_line, end_col = call_range
@@ -113,6 +136,58 @@ class EditBuilder:
         l1, c1 = _advance(line, col, before[: len(before) - end])
         return Edit(l0, c0, l1, c1, after[start: len(after) - end])
 
+    def _render_call(self, call: cst.Call, indent: str) -> Optional[str]:
+        """``_render`` of ``call`` without the parentheses around it, from renderings of its arguments
+        and their values that are kept while the module is: a fixed call shares all but its new arguments
+        with the call, and a derived value is shared by every call it is written into (rendering whole
+        calls was half of the check of a module of many fixable calls)."""
+        if not _PARTS_AGREE:
+            return self._render(call.with_changes(lpar=(), rpar=()), indent)
+        if self._parts_of is not self.module:
+            self._parts.clear()
+            self._parts_of = self.module
+        from libcst._nodes.internal import CodegenState
+
+        state = CodegenState(default_indent=self.module.default_indent,
+                             default_newline=self.module.default_newline, indent_tokens=[indent])
+        tokens = state.tokens
+        # id(node) -> (node, its code); the node is kept with it, so that its id is not reused meanwhile.
+        kept = self._parts.setdefault(indent, {})
+
+        def code(node: cst.CSTNode) -> str:
+            t = type(node)
+            # The nodes that most arguments are made of, as libcst writes them.
+            if t is _SPACE:
+                return node.value
+            if t is _NAME and not node.lpar:
+                return node.value
+            if (t is _COMMA or t is _EQUAL) and type(node.whitespace_before) is _SPACE \
+                    and type(node.whitespace_after) is _SPACE:
+                return node.whitespace_before.value + ("," if t is _COMMA else "=") + node.whitespace_after.value
+            node._codegen(state)
+            text = "".join(tokens)
+            tokens.clear()
+            return text
+
+        def value(node: cst.CSTNode) -> str:
+            if type(node) is _NAME and not node.lpar:
+                return node.value
+            got = kept.get(id(node))
+            if got is None or got[0] is not node:
+                got = kept[id(node)] = (node, code(node))
+            return got[1]
+
+        def arg(node: cst.Arg, default_comma: bool) -> str:
+            key = (id(node), default_comma)
+            got = kept.get(key)
+            if got is None or got[0] is not node:
+                got = kept[key] = (node, _arg_code(node, default_comma, code, value))
+            return got[1]
+
+        last = len(call.args) - 1
+        return "".join([code(call.func), code(call.whitespace_after_func), "(", code(call.whitespace_before_args),
+                        *(arg(a, i != last) for i, a in enumerate(call.args)), ")"])
+
     def _render(self, node: cst.CSTNode, indent: str) -> Optional[str]:
         """``node``'s code inside a block indented by ``indent`` (``Module.code_for_node`` renders
         at the left margin, which drops the indentation of continuation lines)."""
@@ -126,22 +201,7 @@ class EditBuilder:
         return "".join(state.tokens)
 
     def _import_layout(self) -> tuple[int, tuple[list[int], list[int]]]:
-        """The line new imports go before, and the top-level statements' first and last lines."""
-        body = self.tree.body
-        last_import = None
-        for stmt in body:
-            if isinstance(stmt, (ast.Import, ast.ImportFrom)):
-                last_import = stmt
-        if last_import is not None:
-            line = last_import.end_lineno + 1
-        elif body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                and isinstance(body[0].value.value, str):
-            line = body[0].end_lineno + 1
-        elif body:
-            line = _first_line(body[0])
-        else:
-            line = len(self._starts) + 1 if self.text is not None else 1
-        return line, ([_first_line(stmt) for stmt in body], [stmt.end_lineno for stmt in body])
+        return import_layout(self.tree.body, len(self._starts) + 1 if self.text is not None else 1)
 
     def _import_edit(self, imports, call_line: int, at_import: bool) -> Edit:
         """``from m import n`` lines after the last top-level import (after the docstring when there
@@ -162,6 +222,94 @@ class EditBuilder:
             last = len(self.text) - self._starts[-1] + 1
             return Edit(n_lines, last, n_lines, last, nl + text[: -len(nl)])
         return Edit(line, 1, line, 1, text)
+
+
+def _arg_code(arg: cst.Arg, default_comma: bool, code, value) -> str:
+    """``Arg._codegen`` (libcst): its parts rendered by ``code``, its value by ``value``."""
+    parts = [arg.star, code(arg.whitespace_after_star)]
+    if arg.keyword is not None:
+        parts.append(code(arg.keyword))
+    equal = arg.equal
+    if equal is cst.MaybeSentinel.DEFAULT and arg.keyword is not None:
+        parts.append(" = ")
+    elif isinstance(equal, cst.AssignEqual):
+        parts.append(code(equal))
+    parts.append(value(arg.value))
+    comma = arg.comma
+    if comma is cst.MaybeSentinel.DEFAULT and default_comma:
+        parts.append(", ")
+    elif isinstance(comma, cst.Comma):
+        parts.append(code(comma))
+    parts.append(code(arg.whitespace_after_arg))
+    return "".join(parts)
+
+
+def _parts_agree() -> bool:
+    """Whether ``EditBuilder._render_call`` renders calls as this libcst does (it copies libcst's code
+    generation of calls and arguments); if not, calls are rendered whole."""
+    from libcst._nodes.internal import CodegenState
+
+    def whole(node) -> str:
+        state = CodegenState(default_indent="    ", default_newline="\n", indent_tokens=["  "])
+        node._codegen(state)
+        return "".join(state.tokens)
+
+    builder = EditBuilder(cst.Module([]), None, b"", None)  # type: ignore[arg-type]
+    samples = ["f(a, *b, c=d, **e, g = h,)", "o.m (\n  x,  # c\n  y=1\n)", "f()", "g(x)(y, z)",
+               "(f)(\n    a,\n    b\n)", "f( (a) , b =(c),d= e ,)", "f(x\n, y)"]
+    try:
+        for text in samples:
+            call = cst.parse_expression(text)
+            extra = cst.Arg(value=cst.Name("n"), keyword=cst.Name("k"))
+            for c in (call, call.with_changes(args=[*call.args, extra])):
+                if builder._render_call(c, "  ") != whole(c.with_changes(lpar=(), rpar=())):
+                    return False
+    except Exception:
+        return False
+    return True
+
+
+class Layout:
+    """``import_layout`` of a module's body given as consecutive runs of statements (``add``)."""
+
+    def __init__(self):
+        self.docstring_end: Optional[int] = None  # the end line of a first statement that is a docstring
+        self.last_import_end: Optional[int] = None
+        self.firsts: list[int] = []
+        self.ends: list[int] = []
+
+    def add(self, body) -> None:
+        for stmt in body:
+            if not self.firsts and _is_docstring(stmt):
+                self.docstring_end = stmt.end_lineno
+            if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                self.last_import_end = stmt.end_lineno
+            self.firsts.append(_first_line(stmt))
+            self.ends.append(stmt.end_lineno)
+
+    def result(self, after_last_line: int) -> tuple[int, tuple[list[int], list[int]]]:
+        if self.last_import_end is not None:
+            line = self.last_import_end + 1
+        elif self.docstring_end is not None:
+            line = self.docstring_end + 1
+        elif self.firsts:
+            line = self.firsts[0]
+        else:
+            line = after_last_line
+        return line, (self.firsts, self.ends)
+
+
+def import_layout(body, after_last_line: int) -> tuple[int, tuple[list[int], list[int]]]:
+    """The line new imports go before (after the last top-level import, else after the docstring, else
+    before the first statement; ``after_last_line`` in an empty module), and the top-level statements'
+    first and last lines."""
+    layout = Layout()
+    layout.add(body)
+    return layout.result(after_last_line)
+
+
+def _is_docstring(stmt: ast.stmt) -> bool:
+    return isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)
 
 
 def _first_line(stmt: ast.stmt) -> int:
@@ -185,3 +333,6 @@ def _advance(line: int, col: int, text: str) -> tuple[int, int]:
     if not breaks:
         return line, col + len(text)
     return line + len(breaks), len(text) - breaks[-1].end() + 1
+
+
+_PARTS_AGREE = _parts_agree()

@@ -155,6 +155,13 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
     if len(data) > MAX_BYTES:
         return file_error(path, f"file too large to check ({len(data) / 1e6:.1f} MB; the limit is "
                                 f"{MAX_BYTES // (1024 * 1024)} MB)")
+    if not keep_module:
+        from . import chunks
+
+        if len(data) >= chunks.MIN_BYTES:  # a large file, in pieces: its trees would take gigabytes
+            result = chunks.check(data, path, rules, strict, module_name, is_package, prefilter, _pattern_visitor)
+            if result is not None:
+                return result
     tree = None
     syntax_error: Optional[SyntaxError] = None
     # As in syntax_check: the tree holds no cycles, so collector passes during the parse are pure

@@ -6,7 +6,7 @@ output format.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Optional, Union
 
 if TYPE_CHECKING:
@@ -29,7 +29,9 @@ class Edit:
     content: str
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # ``asdict`` without its deep copy (every field is an int or a string): 56k findings' edits.
+        return {"line": self.line, "column": self.column, "end_line": self.end_line,
+                "end_column": self.end_column, "content": self.content}
 
 
 @dataclass(frozen=True, order=True)

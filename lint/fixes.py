@@ -285,6 +285,20 @@ def _derive_into(contract: Contract, call: cst.Call, passed: dict, missing_in, s
     return Plan(new_call, imports, "; ".join(words))
 
 
+_NARROWED: dict = {}  # (id(contract), ids of derivations) -> (contract, derivations, the narrowed contract)
+
+
+def _with_derivations(contract: Contract, derivations: tuple) -> Contract:
+    """``contract`` with only ``derivations``: made once per contract and target, not per call."""
+    key = (id(contract), tuple(map(id, derivations)))
+    got = _NARROWED.get(key)
+    if got is None or got[0] is not contract or any(a is not b for a, b in zip(got[1], derivations)):
+        if len(_NARROWED) > 1024:
+            _NARROWED.clear()
+        got = _NARROWED[key] = (contract, derivations, dataclasses.replace(contract, derivations=derivations))
+    return got[2]
+
+
 def plan_call(contract: Contract, call: cst.Call, bound_values: dict, can_import: ImportCheck,
               qual: str = "", in_scope: Optional[Callable[[str], bool]] = None, per_layer: str = "") -> Outcome:
     """Fix for a ``call`` contract: derive what is missing from the call's own arguments. A name
@@ -298,7 +312,7 @@ def plan_call(contract: Contract, call: cst.Call, bound_values: dict, can_import
     derivations = tuple(d for d in contract.derivations if d.applies_to(qual or None))
     if not derivations:
         return NoFix("the engine offers no helper to write here")
-    contract = dataclasses.replace(contract, derivations=derivations)
+    contract = _with_derivations(contract, derivations)
     in_scope = in_scope or (lambda name: False)
 
     def missing_in(group):
@@ -311,6 +325,8 @@ def plan_call(contract: Contract, call: cst.Call, bound_values: dict, can_import
             return NoFix(f"{name} is not passed")
         if is_none(expr):
             return NoFix(f"{name} is None")
+        if isinstance(expr, cst.Name):  # its code, without parentheses
+            return expr.value
         problem = _source_problem(name, expr)
         return NoFix(problem) if problem else _code(expr.with_changes(lpar=(), rpar=()))
 
@@ -321,7 +337,6 @@ def plan_call(contract: Contract, call: cst.Call, bound_values: dict, can_import
         return NoFix(f"the call runs in {per_layer}: writing {first.target} here would add a host read per "
                      f"layer; build it once per model forward, before the block loop "
                      f"({first.template.split('(')[0]}(...)), and pass it down")
-    choice = choose_derivations(contract, missing_in, source_of)
     return _derive_into(contract, call, bound_values, missing_in, source_of, can_import)
 
 

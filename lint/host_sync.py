@@ -12,6 +12,7 @@ pre-filter's needles.
 # callers that pass no metadata instead (GL109).
 from __future__ import annotations
 
+import re
 from typing import Callable, Optional
 
 import libcst as cst
@@ -65,12 +66,12 @@ class PerLayerHostSync:
         self._inside_report = 0  # depth of calls nested in an already reported one
 
     def visit_Module(self, node: cst.Module) -> None:
-        self._helpers: dict[str, str] = {}
-        for stmt in node.body:
-            if isinstance(stmt, cst.FunctionDef):
-                what = _first_read(stmt.body)
-                if what:
-                    self._helpers[stmt.name.value] = what
+        self.begin_chunk(module_helpers(node.body, {}))
+
+    def begin_chunk(self, helpers: dict[str, str]) -> None:
+        """Before a walk of top-level statements without their module (``chunks.py``): ``helpers`` are
+        the module's helpers (``module_helpers`` of its whole body)."""
+        self._helpers = helpers
         self._fallback = 0
 
     def visit_If(self, node: cst.If) -> None:
@@ -177,6 +178,25 @@ class PerLayerHostSync:
             if name:
                 return f"{func.value}() of {name}"
         return None
+
+
+def module_helpers(body, helpers: dict[str, str], may_read: Optional[list[bool]] = None) -> dict[str, str]:
+    """``helpers`` updated with the module-level functions of ``body`` (top-level statements, in order)
+    that read the host: name -> what they read (the last such definition of a name wins). ``may_read``:
+    for each function of ``body`` in order, False when its text names no read (``READ_WORDS``)."""
+    defs = [stmt for stmt in body if isinstance(stmt, cst.FunctionDef)]
+    if may_read is None or len(may_read) != len(defs):
+        may_read = [True] * len(defs)
+    for stmt, maybe in zip(defs, may_read):
+        what = _first_read(stmt.body) if maybe else None
+        if what:
+            helpers[stmt.name.value] = what
+    return helpers
+
+
+# A host read (``_host_read``) is a call of one of these names: a function whose text has none of them as a
+# word reads nothing.
+READ_WORDS = re.compile(r"\b(?:" + "|".join((*SYNC_METHODS, *CASTS)) + r")\b")
 
 
 def _first_read(body: cst.CSTNode) -> Optional[str]:

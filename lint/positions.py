@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import re
+from array import array
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import libcst as cst
@@ -79,6 +80,65 @@ def positions_from_ast(module: cst.Module, tree: ast.AST, calls: Sequence[cst.Ca
                     p.end_lineno, column(lines, p.end_lineno, p.end_col_offset), a.lineno,
                     (a.lineno, column(lines, a.lineno, a.col_offset),
                      a.end_lineno, column(lines, a.end_lineno, a.end_col_offset))))
+    return out
+
+
+# A call of CPython's tree as ``positions_from_spans`` needs it, so that the tree need not be kept: its
+# dotted callee (or None) and, in an array (a 5 MB module has 28k calls), its (line, col_offset,
+# end_line, end_col_offset) then those of its arguments in source order.
+CallSpan = tuple[Optional[str], array]
+
+
+def call_spans(roots: Sequence[ast.AST]) -> list[CallSpan]:
+    """The calls under ``roots`` (consecutive top-level statements), in ``positions_from_ast``'s order."""
+    acalls = []
+    stack = list(roots)
+    call, AST = ast.Call, ast.AST
+    while stack:  # ast.walk's nodes, in another order (the sort gives them theirs)
+        node = stack.pop()
+        if type(node) is call:
+            acalls.append(node)
+        for name in node._fields:
+            value = getattr(node, name, None)
+            if type(value) is list:
+                stack.extend([v for v in value if isinstance(v, AST)])
+            elif isinstance(value, AST):
+                stack.append(value)
+    acalls.sort(key=lambda n: (n.lineno, n.col_offset, -n.end_lineno, -n.end_col_offset))
+    names: dict = {}
+    out = []
+    for a in acalls:
+        numbers = [a.lineno, a.col_offset, a.end_lineno, a.end_col_offset]
+        for n in sorted([*a.args, *a.keywords], key=lambda n: (n.lineno, n.col_offset)):
+            numbers += (n.lineno, n.col_offset, n.end_lineno, n.end_col_offset)
+        name = _ast_dotted(a.func)
+        out.append((names.setdefault(name, name), array("q", numbers)))
+    return out
+
+
+def positions_from_spans(spans: Sequence[CallSpan], calls: Sequence[cst.Call], raw: Sequence[RawFinding],
+                         lines: list[str]) -> Optional[list[Position]]:
+    """``positions_from_ast`` from ``call_spans`` of the statements that hold ``calls`` (``lines``: the
+    file's lines, decoded)."""
+    if len(spans) != len(calls):
+        return None
+    index = {id(n): i for i, n in enumerate(calls)}
+    out = []
+    for r in raw:
+        i = index.get(id(r.node))
+        if i is None:
+            return None
+        name, numbers = spans[i]
+        if name != dotted(r.node.func):
+            return None
+        a = numbers[:4]
+        p = a
+        if r.arg is not None:
+            if (len(numbers) - 4) // 4 != len(r.node.args):
+                return None
+            p = numbers[4 + 4 * r.arg: 8 + 4 * r.arg]
+        out.append((p[0], column(lines, p[0], p[1]), p[2], column(lines, p[2], p[3]), a[0],
+                    (a[0], column(lines, a[0], a[1]), a[2], column(lines, a[2], a[3]))))
     return out
 
 

@@ -25,7 +25,7 @@ import ast
 import bisect
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 from .patterns import (CASTS, LAYER_LOOP_NAME, PATTERNS, PER_LAYER_CLASS_SUFFIXES, SYNC_METHODS,
                        is_seqlen_name)
@@ -81,6 +81,12 @@ class TreeFilter:
 
     def may_report(self, tree: ast.AST, data: bytes) -> bool:
         """False only when no rule can report anything in the file whose tree is ``tree``."""
+        return self.may_report_bodies(lambda: (getattr(tree, "body", ()),), data)
+
+    def may_report_bodies(self, bodies: Callable[[], Iterable], data: bytes) -> bool:
+        """``may_report`` for a module given as consecutive runs of its top-level statements (a large
+        file checked in chunks, ``chunks.py``): each call of ``bodies()`` yields the runs in order, and
+        a pass over them is a pass over the module's body. Line numbers are the file's."""
         if self.opaque:
             return True
         # Only what the bytes mention can be in the tree, and only on the lines that mention it: the
@@ -95,7 +101,7 @@ class TreeFilter:
         words = [*names, *instances, *fields, *(("replace",) if fields else ())]
         scan = _Scan(names, fields, host_sync, _lines_of(data, words),
                      _lines_of(data, _READ_WORDS) if host_sync else [], instances)
-        if scan.block(getattr(tree, "body", ()), False, None):
+        if any(scan.block(body, False, None) for body in bodies()):
             return True
         if scan.replace_calls and any(
                 f.attr == "replace" if type(f) is ast.Attribute else f.id in scan.replace_names
@@ -105,14 +111,14 @@ class TreeFilter:
             # Calls of what the constructions were assigned to (``self.attn(...)``, ``attn.forward(...)``).
             calls = _Scan(set(), set(), False, _lines_of(data, scan.made), [], instances)
             calls.made_names = scan.made
-            if calls.block(getattr(tree, "body", ()), False, None):
+            if any(calls.block(body, False, None) for body in bodies()):
                 return True
         if scan.helpers:
             # A module-level helper that reads the host makes its callers suspects too (host_sync).
             helpers = scan.helpers
             scan = _Scan(set(), set(), False, [], _lines_of(data, helpers))
             scan.helper_names = helpers
-            return scan.block(getattr(tree, "body", ()), False, None)
+            return any(scan.block(body, False, None) for body in bodies())
         return False
 
 

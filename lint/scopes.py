@@ -41,6 +41,8 @@ class Collector:
         self.per_layer: dict[int, str] = {}
         self._layer_contexts: list[Optional[str]] = []
         self._classes: list[Optional[str]] = []
+        # Names bound in the module scope since the caller last emptied it (None: not kept).
+        self.module_bound: Optional[set[str]] = None
 
     def _next(self) -> int:
         self.seq += 1
@@ -53,6 +55,8 @@ class Collector:
         if name in s.global_names:
             s = self.module
         s.bindings.setdefault(name, []).append(Binding(self._next(), kind, value))
+        if s is self.module and self.module_bound is not None:
+            self.module_bound.add(name)
 
     # imports
     def visit_Import(self, node: cst.Import) -> None:

@@ -27,9 +27,21 @@ def parse_comment(text: str) -> frozenset[str]:
 
 
 def may_suppress(data: bytes) -> bool:
-    """Cheap test before tokenizing: no file without these words has a suppression."""
+    """Cheap test before tokenizing: no file without these words has a suppression, nor a UTF-8 file
+    whose text nowhere matches what a suppression comment must (a comment is part of the text; files
+    that import guardlint name it without suppressing anything)."""
     lower = data.lower()
-    return b"noqa" in lower or b"guardlint" in lower
+    if b"noqa" not in lower and b"guardlint" not in lower:
+        return False
+    first = data.find(b"\n")
+    second = data.find(b"\n", first + 1) if first >= 0 else -1
+    if b"coding" in (data if second < 0 else data[:second]):  # a PEP 263 cookie: maybe not UTF-8
+        return True
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return _GUARDLINT.search(text) is not None or _NOQA.search(text) is not None
 
 
 def suppressions(data: bytes) -> Optional[dict[int, frozenset[str]]]:
