@@ -17,7 +17,8 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from guardlint.guard import GuardError, describe, guard_lora
+from guardlint.guard import GuardError, _state as _guard_state, describe, guard_lora
+from guardlint.guard.metadata import capturing as _capturing, read_host as _read_host
 from guardlint.guard.validate import permutation_error
 
 from . import _lora_kernels as _k
@@ -110,7 +111,8 @@ def _check_meta(function: str, name: str, t, device: torch.device, min_len: int,
     return t.contiguous()
 
 
-# Batch infos that passed _check_batch: id -> (weak reference, field values, device, tokens, slots, _Batch).
+# Batch infos that passed _check_batch: id -> (weak reference, field values, device, tokens, slots, _Batch,
+# the permutation's version).
 # Every layer of a forward calls several kernels with one batch info; checking it once saves ~3 µs a call.
 _checked: dict = {}
 _CHECKED_CAPACITY = 8
@@ -125,7 +127,8 @@ def _check_batch(function: str, x: Tensor, batch_info, num_slots: int) -> _Batch
     if entry is not None and entry[0]() is batch_info and entry[3] == x.shape[0] and entry[4] == num_slots \
             and entry[2] == x.device:
         now = getattr(batch_info, "__dict__", None)
-        if now is not None and len(now) == len(entry[1]) and all(map(operator.is_, now.values(), entry[1])):
+        if now is not None and len(now) == len(entry[1]) and all(map(operator.is_, now.values(), entry[1])) \
+                and _version_of(entry[5].permutation) == entry[6]:
             return entry[5]
     batch = _check_batch_fields(function, x, batch_info, num_slots)
     fields = getattr(batch_info, "__dict__", None)
@@ -140,8 +143,15 @@ def _check_batch(function: str, x: Tensor, batch_info, num_slots: int) -> _Batch
             return batch
         if len(_checked) >= _CHECKED_CAPACITY:
             _checked.pop(next(iter(_checked)))
-        _checked[id(batch_info)] = (ref, tuple(fields.values()), x.device, x.shape[0], num_slots, batch)
+        _checked[id(batch_info)] = (ref, tuple(fields.values()), x.device, x.shape[0], num_slots, batch,
+                                    _version_of(batch.permutation))
     return batch
+
+
+def _version_of(t: Optional[Tensor]) -> int:
+    """A permutation's version counter (its values are checked, so an in-place update is checked again)."""
+    # Under torch.compile the counter is not a traceable value (nor are the values checked).
+    return -1 if t is None or _is_compiling() else t._version
 
 
 def _check_batch_fields(function: str, x: Tensor, batch_info, num_slots: int) -> _Batch:
@@ -175,10 +185,17 @@ def _check_batch_fields(function: str, x: Tensor, batch_info, num_slots: int) ->
         if permutation.shape[0] != x.shape[0]:
             raise _bad(function, "batch_info.permutation", f"{x.shape[0]} entries (one per token of x)",
                        permutation)
-        if permutation.device.type == "cpu" and not _is_compiling():
-            # Host values cost no device read: checked in every mode. On a GPU only strict mode reads them
-            # (the kernels skip out-of-range entries, never reading or writing through them).
-            _check_permutation_values(function, permutation.tolist())
+        if not _is_compiling():
+            if permutation.device.type == "cpu":
+                # Host values cost no device read: checked in every mode.
+                _check_permutation_values(function, permutation.tolist())
+            elif (permutation.device.type == "cuda" and _guard_state.current != _guard_state.OFF
+                  and not _capturing(permutation.device)):
+                # A duplicate or missing entry would leave rows unwritten: read once per permutation
+                # version (the layers of a forward share one read). Under CUDA-graph capture nothing can be
+                # read; the kernels then skip out-of-range entries, never reading or writing through them.
+                _check_permutation_values(function, _read_host(permutation, "batch_info.permutation",
+                                                               function))
     return _Batch(seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len)
 
 

@@ -232,3 +232,28 @@ def test_direct_launch_steps_aside_for_launch_hooks(how, monkeypatch):
             chain.remove(hook)
     assert hooked, "the launch hook did not see the call"
     check(out, x, A, info)
+
+
+@pytest.mark.parametrize("perm_kind", ["duplicate", "out_of_range", "negative"])
+def test_bad_permutation_on_the_gpu_is_gl204_in_derive_mode(perm_kind):
+    """Derive mode reads a device permutation once per version (no silent unwritten rows); the layers of a
+    forward share that read; under CUDA-graph capture nothing is read."""
+    from guardlint.guard import GuardError, mode, reset_stats, stats
+
+    info, S = batch([30, 2], [0, 1], [16, 16, 16, 16])
+    x = torch.randn(S, 64, device="cuda", dtype=torch.bfloat16)
+    A = torch.randn(SLOTS, 16, 64, device="cuda", dtype=torch.bfloat16)
+    good = torch.randperm(S, device="cuda").to(torch.int32)
+    info.permutation = good
+    reset_stats()
+    with mode("derive"):
+        outs = [sgemm_lora_a(x, A, info) for _ in range(3)]
+    assert stats().cache_misses <= 1, "the permutation was read more than once for one version"
+    for out in outs:
+        check(out, x, A, info)
+    bad = good.clone()
+    bad[3] = {"duplicate": int(bad[4]), "out_of_range": S + 7, "negative": -1}[perm_kind]
+    info.permutation = bad
+    with mode("derive"), pytest.raises(GuardError) as err:
+        sgemm_lora_a(x, A, info)
+    assert err.value.code == "GL204" and err.value.argument == "batch_info.permutation"

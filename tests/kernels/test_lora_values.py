@@ -44,6 +44,18 @@ def test_sgemm_lora_bad_permutation_is_gl204(perm, backend, guard_mode):
     assert err.value.code == "GL204" and err.value.argument == "batch_info.permutation"
 
 
+def test_permutation_updated_in_place_is_checked_again():
+    """A batch info whose permutation is rewritten in place (a reused buffer) is checked again: the
+    check-once cache keys on the permutation's version, not only on the field objects."""
+    x, w = _inputs()
+    info = _info(permutation=torch.tensor([5, 4, 3, 2, 1, 0]))
+    torch.testing.assert_close(sgemm_lora_a(x, w, info, backend="triton"), sgemm_lora_a_reference(x, w, info))
+    info.permutation[1] = 5  # now a duplicate, and token 4 is never written
+    with pytest.raises(GuardError) as err:
+        sgemm_lora_a(x, w, info, backend="triton")
+    assert err.value.code == "GL204" and err.value.argument == "batch_info.permutation"
+
+
 @pytest.mark.parametrize("rank", [-1, 5])
 def test_sgemm_lora_strict_rejects_ranks_outside_the_stored_rank(rank):
     x, w = _inputs()
