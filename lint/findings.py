@@ -79,10 +79,9 @@ class Finding:
         return self.fix is not None and self.fix.applies(unsafe_fixes)
 
     def to_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("path", "line", "column", "end_line", "end_column", "code", "name",
-                                           "message", "severity")}
-        d["fix"] = self.fix.to_dict() if self.fix is not None else None
-        return d
+        return {"path": self.path, "line": self.line, "column": self.column, "end_line": self.end_line,
+                "end_column": self.end_column, "code": self.code, "name": self.name, "message": self.message,
+                "severity": self.severity, "fix": self.fix.to_dict() if self.fix is not None else None}
 
 
 @dataclass
