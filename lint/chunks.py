@@ -29,7 +29,7 @@ import re
 import tokenize
 import unicodedata
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import libcst as cst
 
@@ -171,7 +171,8 @@ def _may_read(body, chunk: str, first_line: int) -> list[bool]:
     out = []
     for d in defs:
         start = min([d.lineno, *(x.lineno for x in d.decorator_list)]) - first_line
-        out.append(READ_WORDS.search("\n".join(lines[start:d.end_lineno - first_line + 1])) is not None)
+        end = (d.end_lineno or d.lineno) - first_line + 1
+        out.append(READ_WORDS.search("\n".join(lines[start:end])) is not None)
     return out
 
 
@@ -241,14 +242,14 @@ def _parse_cst(source: str) -> cst.Module:
     node_class = cst.CSTNode
     validate = node_class.__dict__.get("__post_init__")
     if validate is not None:
-        node_class.__post_init__ = _no_validation
+        node_class.__post_init__ = _no_validation  # type: ignore[method-assign]  # put back in finally
     try:
         return cst.parse_module(source)
     except Exception as e:  # a limit of libcst's parser: the whole-file check reports it
         raise _Unchunkable(str(e)) from None
     finally:
         if validate is not None:
-            node_class.__post_init__ = validate
+            node_class.__post_init__ = validate  # type: ignore[method-assign]
         if was_enabled:
             gc.enable()
 
@@ -398,7 +399,8 @@ class _Run:
         self.words = self.bound = self.defs = []
         helpers: dict = {}
         both, collect, patterns = Walker([collector, *visitors]), Walker([collector]), Walker(visitors)
-        builder = EditBuilder(None, None, self.data, Resolver(collector.module, {}, ()), text=self.text,
+        # The module is each chunk's, set before its findings are fixed.
+        builder = EditBuilder(cst.Module([]), None, self.data, Resolver(collector.module, {}, ()), text=self.text,
                               layout=self.layout.result(self.text.count("\n") + 2))
         lines = _Lines(self.text, builder._starts)
         table = suppress.suppressions(self.data) if suppress.may_suppress(self.data) else None
@@ -406,6 +408,8 @@ class _Run:
         out: list = [None] * len(self.bounds)
 
         def finish(c: _Chunk) -> list:
+            view = c.view
+            assert view is not None, "a chunk is finished once, after its walk"
             if c.walk_patterns:
                 sink[0] = c.pattern_raw
                 for v in visitors:
@@ -413,12 +417,13 @@ class _Run:
                 for stmt in c.module.body:
                     patterns.walk(stmt)
             raw = c.pattern_raw
-            raw.extend(Checker(rules, c.view, self.strict, module_names=module_names).run())
+            # A _View holds exactly what Checker reads of a Collector, for this chunk's calls.
+            raw.extend(Checker(rules, cast(Collector, view), self.strict, module_names=module_names).run())
             spans, self.spans[c.index] = self.spans[c.index], None
             if not raw:
-                _untie(c.view)
+                _untie(view)
                 return []
-            positions = positions_from_spans(spans, c.view.calls, raw, lines)
+            positions = positions_from_spans(spans, view.calls, raw, lines)
             if positions is None:
                 d = self.first_lines[c.index] - 1
                 positions = [(line + d, col, end_line + d, end_col, call_line + d, (cl + d, cc, cel + d, cec))
@@ -439,7 +444,7 @@ class _Run:
                 message = f"{r.message}; no safe fix: {why}" if why else key[3]
                 found.append(Finding(self.path, line, col, code, share(message), r.contract.name, r.severity,
                                      end_line, end_col, fix if fix is None else share_fix(fix)))
-            _untie(c.view)
+            _untie(view)
             return found
 
         # Findings of a large file repeat their texts, imports and fixes (two findings of one call share

@@ -254,7 +254,7 @@ def _parts_agree() -> bool:
         node._codegen(state)
         return "".join(state.tokens)
 
-    builder = EditBuilder(cst.Module([]), None, b"", None)  # type: ignore[arg-type]
+    builder = EditBuilder(cst.Module([]), None, b"", None)
     samples = ["f(a, *b, c=d, **e, g = h,)", "o.m (\n  x,  # c\n  y=1\n)", "f()", "g(x)(y, z)",
                "(f)(\n    a,\n    b\n)", "f( (a) , b =(c),d= e ,)", "f(x\n, y)"]
     try:

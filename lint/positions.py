@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import re
 from array import array
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 import libcst as cst
 
@@ -108,7 +108,7 @@ def call_spans(roots: Sequence[ast.AST]) -> list[CallSpan]:
     names: dict = {}
     out = []
     for a in acalls:
-        numbers = [a.lineno, a.col_offset, a.end_lineno, a.end_col_offset]
+        numbers: list = [a.lineno, a.col_offset, a.end_lineno, a.end_col_offset]
         for n in sorted([*a.args, *a.keywords], key=lambda n: (n.lineno, n.col_offset)):
             numbers += (n.lineno, n.col_offset, n.end_lineno, n.end_col_offset)
         name = _ast_dotted(a.func)
@@ -116,8 +116,16 @@ def call_spans(roots: Sequence[ast.AST]) -> list[CallSpan]:
     return out
 
 
+class Lines(Protocol):
+    """A file's lines by index (a list, or lines cut from the text when asked for)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> str: ...
+
+
 def positions_from_spans(spans: Sequence[CallSpan], calls: Sequence[cst.Call], raw: Sequence[RawFinding],
-                         lines: list[str]) -> Optional[list[Position]]:
+                         lines: Lines) -> Optional[list[Position]]:
     """``positions_from_ast`` from ``call_spans`` of the statements that hold ``calls`` (``lines``: the
     file's lines, decoded)."""
     if len(spans) != len(calls):
