@@ -89,7 +89,7 @@ def make_inputs(case: Case, device, dtype):
 
 
 def reference(case: Case, q, k, v, offsets):
-    from guardlint.kernels._attention_torch import reference_varlen_attention
+    from guardlint.kernels.attention.reference import reference_varlen_attention
 
     return reference_varlen_attention(q, k, v, offsets, case.head_dim ** -0.5, case.causal, heads_per_chunk=4)
 

@@ -22,7 +22,7 @@ from triton.compiler import ASTSource  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import env_meta, write_results  # noqa: E402
 
-from guardlint.kernels import _attention_triton as kernel  # noqa: E402
+from guardlint.kernels.attention import triton as kernel  # noqa: E402
 from guardlint.kernels._ptxas import sm90_resources  # noqa: E402
 
 REGISTERS_PER_SM = 65536

@@ -24,7 +24,7 @@ def warm(variants: list, head_dim: int) -> list:
     """Build FlashInfer's JIT modules on a tiny batch so the timed workers find them cached."""
     import torch
 
-    from guardlint.kernels import _attention_flashinfer as fi
+    from guardlint.kernels.attention import flashinfer as fi
 
     reason = fi.unavailable_reason(torch.device("cuda"))
     if reason:
@@ -51,8 +51,9 @@ def run(backend: str, cases: list, *, cuda: bool, warmup: int, iters: int) -> li
     import torch.nn.functional as F
 
     from _attention_cases import host_us, make_inputs, max_abs_error, passes, reference, row, time_us
-    from guardlint.kernels import attention, varlen_attention
-    from guardlint.kernels import _attention_flashinfer as fi
+    from guardlint.kernels import varlen_attention
+    from guardlint.kernels.attention import api as attention
+    from guardlint.kernels.attention import flashinfer as fi
 
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16

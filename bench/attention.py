@@ -11,7 +11,7 @@
 # that passed (FlashInfer ones too, now known not to fault) are timed again in this process, interleaved,
 # and those side-by-side medians are the reported times and ratios (the first ones stay as alone_us).
 # Writes bench/results/attention.{json,md,png} (attention_smoke.* for --cpu-smoke) and, with
-# --write-dispatch, kernels/attention_dispatch.json, the table ``backend="auto"`` reads. Prints a table last.
+# --write-dispatch, kernels/attention/attention_dispatch.json, the table ``backend="auto"`` reads. Prints a table last.
 from __future__ import annotations
 
 from _util import require
@@ -29,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-DISPATCH_OUT = ROOT / "kernels" / "attention_dispatch.json"
+DISPATCH_OUT = ROOT / "kernels" / "attention" / "attention_dispatch.json"
 START = time.time()
 
 # Backends this process times before the table exists; FlashInfer variants go to subprocesses, auto
@@ -95,8 +95,9 @@ def local_rows(cases, args, cuda: bool, warm_proc) -> list:
     import torch
 
     from _attention_cases import host_us, make_inputs, max_abs_error, passes, reference, row, time_us
-    from guardlint.kernels import attention, varlen_attention
-    from guardlint.kernels import _attention_triton as triton_path
+    from guardlint.kernels import varlen_attention
+    from guardlint.kernels.attention import api as attention
+    from guardlint.kernels.attention import triton as triton_path
 
     device = torch.device("cuda" if cuda else "cpu")
     checked = {}
@@ -165,7 +166,8 @@ def side_by_side(cases, args, cuda: bool, entries: list, rows: list) -> list:
     import torch
 
     from _attention_cases import host_us, make_inputs, max_abs_error, passes, reference, row, time_us
-    from guardlint.kernels import attention, varlen_attention
+    from guardlint.kernels import varlen_attention
+    from guardlint.kernels.attention import api as attention
     from guardlint.kernels.attention import CONCRETE
 
     device = torch.device("cuda" if cuda else "cpu")
@@ -353,7 +355,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer iterations and sweep points")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (interpreter, sdpa)")
     parser.add_argument("--write-dispatch", action="store_true",
-                        help="write kernels/attention_dispatch.json from the measured best per case")
+                        help="write kernels/attention/attention_dispatch.json from the measured best per case")
     parser.add_argument("--budget", type=float, default=420.0,
                         help="seconds for the whole run; subprocess timeouts shrink to fit (default 420)")
     parser.add_argument("--out", type=Path, help="also copy the result files and dispatch table into this folder")
@@ -413,7 +415,7 @@ def main() -> int:
     else:
         device_name, capability = "cpu", ()
     entries = dispatch_entries(cases, rows, device_name, capability)
-    from guardlint.kernels import _attention_dispatch as dispatch
+    from guardlint.kernels.attention import dispatch
 
     table = {"version": dispatch.TABLE_VERSION, "meta": meta, "rule": dispatch.RULE, "entries": entries}
     try:  # eager host times per backend come from bench/attention_eager.py: kept

@@ -35,9 +35,9 @@ try:
     from _attention_cases import Case, make_inputs, max_abs_error, passes, reference
     from _util import amortised_graph_us, bar_plot, env_meta, markdown_table, write_results
 
-    from guardlint.kernels import _attention_dispatch as dispatch
-    from guardlint.kernels import _attention_flashinfer as fi
-    from guardlint.kernels import _attention_triton as triton_path
+    from guardlint.kernels.attention import dispatch
+    from guardlint.kernels.attention import flashinfer as fi
+    from guardlint.kernels.attention import triton as triton_path
     from guardlint.kernels import varlen_attention
 except ImportError as e:
     sys.exit(f"bench/attention_eager.py needs guardlint with torch installed (make install; .venv/bin/python): {e}")
@@ -93,12 +93,12 @@ def plot(rows: list, out_dir=None):
 
 
 BACKENDS = ("triton", "gluon", "torch-varlen", "sdpa", "flashinfer-fa2", "flashinfer-fa3", "flashinfer-cudnn")
-DISPATCH_TABLE = Path(__file__).resolve().parent.parent / "kernels" / "attention_dispatch.json"
+DISPATCH_TABLE = Path(__file__).resolve().parent.parent / "kernels" / "attention" / "attention_dispatch.json"
 
 
 def write_host_times(rows: list, gpu: str, table: Path = DISPATCH_TABLE) -> dict:
     """Put each backend's host time per eager call (median over the cases) into the dispatch table's
-    ``host_us`` for this GPU: ``auto`` weighs it in eager calls (kernels/_attention_dispatch.RULE)."""
+    ``host_us`` for this GPU: ``auto`` weighs it in eager calls (kernels/attention/dispatch.py, RULE)."""
     times = {name: round(statistics.median(r["host_us"] for r in rows if r["call"] == name), 1)
              for name in BACKENDS if any(r["call"] == name for r in rows)}
     data = json.loads(table.read_text())
@@ -114,7 +114,7 @@ def main() -> int:
     parser.add_argument("--plot", action="store_true", help="only draw bench/results/attention_eager.png from its JSON")
     parser.add_argument("--dispatch", action="store_true",
                         help="only write the host times of bench/results/attention_eager.json into "
-                             "kernels/attention_dispatch.json (--write does it too)")
+                             "kernels/attention/attention_dispatch.json (--write does it too)")
     args = parser.parse_args()
     if args.plot or args.dispatch:
         saved = json.loads((Path(__file__).resolve().parent / "results" / "attention_eager.json").read_text())

@@ -62,9 +62,9 @@ class Launches:
 
 def fake_gpu(launches: Launches, table_path: Path) -> None:
     """Make this CPU process look like an H200 host to the attention code, with no-op launches."""
-    from guardlint.kernels import _attention_dispatch as dispatch
-    from guardlint.kernels import _attention_torch as torch_paths
-    from guardlint.kernels import _attention_triton as triton_path
+    from guardlint.kernels.attention import dispatch
+    from guardlint.kernels.attention import reference as torch_paths
+    from guardlint.kernels.attention import triton as triton_path
 
     torch_paths._probe_varlen_attn()  # imports torch's varlen module while tensors are still plain
     # A class attribute on torch.Tensor shadows the C getter: a plain lookup, so if anything this makes
@@ -86,7 +86,7 @@ def fake_gpu(launches: Launches, table_path: Path) -> None:
 
 
 def write_table(path: Path) -> None:
-    from guardlint.kernels import _attention_dispatch as dispatch
+    from guardlint.kernels.attention import dispatch
 
     entries = []
     for name, (lengths, head_dim, times) in CASES.items():
@@ -126,7 +126,7 @@ def with_triton_run(fn, launches: Launches, calls: int, repeats: int) -> tuple:
 
     from triton.backends.compiler import GPUTarget
 
-    from guardlint.kernels import _attention_triton as triton_path
+    from guardlint.kernels.attention import triton as triton_path
 
     class Utils:
         def load_binary(self, name, kernel, shared, device):
@@ -209,7 +209,7 @@ def main() -> int:
     write_table(table_path)
     fake_gpu(launches, table_path)
     from guardlint.kernels import attention
-    from guardlint.kernels import _attention_triton as triton_path
+    from guardlint.kernels.attention import triton as triton_path
 
     # Every row's callable first, then batches round-robin over the rows: a load change on this shared
     # machine hits all rows alike instead of whichever was running.

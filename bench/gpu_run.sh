@@ -41,5 +41,5 @@ for s in "$@"; do
     *) echo "unknown step $s"; rc=1 ;;
   esac
 done
-tar czf "$OUT/results.tgz" bench/results kernels/attention_dispatch.json "$LOGS"/*.log 2>/dev/null || tar czf "$OUT/results.tgz" bench/results
+tar czf "$OUT/results.tgz" bench/results kernels/attention/attention_dispatch.json "$LOGS"/*.log 2>/dev/null || tar czf "$OUT/results.tgz" bench/results
 exit $rc

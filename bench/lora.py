@@ -212,13 +212,13 @@ def kernels(case: Case, S: int, torch, lora):
 def on_triton(call):
     """``call()`` with the shrink on its Triton kernel where the Gluon one would run (prefill on Hopper): the
     side-by-side rows of this benchmark and of bench/lora_anatomy.py."""
-    from guardlint.kernels import _lora_kernels
+    from guardlint.kernels.lora import triton as lora_triton
 
-    saved, _lora_kernels.USE_GLUON = _lora_kernels.USE_GLUON, False
+    saved, lora_triton.USE_GLUON = lora_triton.USE_GLUON, False
     try:
         return call()
     finally:
-        _lora_kernels.USE_GLUON = saved
+        lora_triton.USE_GLUON = saved
 
 
 def errors(out, ref):
@@ -247,7 +247,7 @@ def main() -> int:
     import torch
 
     from _util import amortised_graph_us, cuda_time_us, env_meta, l2_flusher, write_results
-    from guardlint.kernels import _lora_kernels, lora
+    from guardlint.kernels.lora import api as lora, triton as lora_triton
 
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     if not cuda and not args.cpu_smoke:
@@ -306,18 +306,18 @@ def main() -> int:
     def launch_config(call):
         """Blocks, warps and stages of the launch ``call()`` makes (already tuned: read off the launch)."""
         seen = []
-        gluon_run, direct_call = _lora_kernels._gluon_shrink_run, _lora_kernels.DirectLaunch.__call__
-        _lora_kernels._gluon_shrink_run = lambda *a, **kw: seen.append(kw) or gluon_run(*a, **kw)
-        _lora_kernels.DirectLaunch.__call__ = lambda self, *a: seen.append(self.options) or direct_call(self, *a)
+        gluon_run, direct_call = lora_triton._gluon_shrink_run, lora_triton.DirectLaunch.__call__
+        lora_triton._gluon_shrink_run = lambda *a, **kw: seen.append(kw) or gluon_run(*a, **kw)
+        lora_triton.DirectLaunch.__call__ = lambda self, *a: seen.append(self.options) or direct_call(self, *a)
         try:
             call()
         finally:
-            _lora_kernels._gluon_shrink_run, _lora_kernels.DirectLaunch.__call__ = gluon_run, direct_call
+            lora_triton._gluon_shrink_run, lora_triton.DirectLaunch.__call__ = gluon_run, direct_call
         if not seen:
             return ""
         kw = seen[-1]
         if not kw:  # the Gluon shrink: its module's fixed blocks
-            g = _lora_kernels._gluon.load("_lora_gluon")
+            g = lora_triton._gluon.load("lora.gluon")
             return f"gluon S{g.BLOCK_S} K{g.BLOCK_K} w{g.WARPS} s{g.STAGES}"
         blocks = " ".join(f"{k[6:]}{v}" for k, v in kw.items() if k in ("BLOCK_S", "BLOCK_N", "BLOCK_K"))
         split = f" split{kw['SPLIT_K']}" if kw.get("SPLIT_K", 1) > 1 else ""

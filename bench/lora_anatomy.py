@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from guardlint.kernels import _lora_kernels as LK  # noqa: E402
+from guardlint.kernels.lora import triton as LK  # noqa: E402
 
 ROUNDS = 5
 # Adapter per token tile in the probes without a segment search.

@@ -33,7 +33,7 @@ try:
     from _util import amortised_graph_us, bar_plot, env_meta, markdown_table, write_results
     from lora import all_cases, build
 
-    from guardlint.kernels import _lora_kernels, lora
+    from guardlint.kernels.lora import api as lora, triton as lora_triton
 except ImportError as e:  # run inside the project's environment
     sys.exit(f"bench/lora_eager.py needs guardlint with torch installed (make install; .venv/bin/python): {e}")
 
@@ -81,15 +81,15 @@ ROUNDS = 15
 def _route(gluon_eager: bool, direct: bool):
     """The shrink's eager Gluon route on or off; the tuned configurations' direct launches on or off (off:
     every launch through JITFunction.run)."""
-    saved = _lora_kernels.GLUON_EAGER
-    _lora_kernels.GLUON_EAGER = gluon_eager
-    entries = [e for tuner in (_lora_kernels._shrink, _lora_kernels._expand) for e in tuner.chosen.values()]
+    saved = lora_triton.GLUON_EAGER
+    lora_triton.GLUON_EAGER = gluon_eager
+    entries = [e for tuner in (lora_triton._shrink, lora_triton._expand) for e in tuner.chosen.values()]
     for entry in entries:
         entry[3].enabled = direct
     try:
         yield
     finally:
-        _lora_kernels.GLUON_EAGER = saved
+        lora_triton.GLUON_EAGER = saved
         for entry in entries:
             entry[3].enabled = True
 
@@ -153,12 +153,12 @@ def main() -> int:
             with _route(gluon_eager, direct):
                 call()
                 seen = []
-                run = _lora_kernels._gluon_shrink_run
-                _lora_kernels._gluon_shrink_run = lambda *a, **kw: seen.append(1) or run(*a, **kw)
+                run = lora_triton._gluon_shrink_run
+                lora_triton._gluon_shrink_run = lambda *a, **kw: seen.append(1) or run(*a, **kw)
                 try:
                     call()
                 finally:
-                    _lora_kernels._gluon_shrink_run = run
+                    lora_triton._gluon_shrink_run = run
                 routed[(job, name)] = bool(seen)
                 graphs[(job, name)] = amortised_graph_us([call])
                 for _ in range(20):

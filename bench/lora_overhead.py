@@ -151,7 +151,7 @@ def main() -> int:
     install_stubs(torch)
     from _util import env_meta, write_results
     from guardlint.guard import guard_lora
-    from guardlint.kernels import lora
+    from guardlint.kernels.lora import api as lora
 
     entries = []
 

@@ -53,7 +53,7 @@ def main() -> int:
         return 2
     from _util import env_meta, write_results
 
-    from guardlint.kernels import _lora_kernels as K
+    from guardlint.kernels.lora import triton as K
     from guardlint.kernels import lora
 
     lb = _load_bench()

@@ -1,4 +1,4 @@
-"""What the Gluon kernels (``_attention_gluon``, ``_lora_gluon``) share, importing no Gluon itself.
+"""What the Gluon kernels (``attention.gluon``, ``lora.gluon``) share, importing no Gluon itself.
 
 - ``load``: a Gluon kernel module on first use, or None where this Triton's Gluon does not import it.
   Importing Gluon adds ~45 ms to an import, and a Triton without it must still serve every call from the
@@ -18,7 +18,8 @@ import torch
 
 @functools.lru_cache(maxsize=None)
 def load(name: str):
-    """``guardlint.kernels.<name>``, or None when it does not import (no Gluon, an older or partial Triton)."""
+    """``guardlint.kernels.<name>`` (``name`` a dotted path below it, as ``"lora.gluon"``), or None when it
+    does not import (no Gluon, an older or partial Triton)."""
     try:
         return importlib.import_module(f"{__package__}.{name}")
     except Exception:  # noqa: BLE001 - the Gluon path is simply unavailable; the Triton kernels serve the call

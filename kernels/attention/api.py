@@ -16,11 +16,11 @@ from guardlint.guard import GuardError, describe, guard_cudnn_vision, guard_varl
 from guardlint.guard._cache import MISS, IdentityCache
 from guardlint.guard.validate import plan_fits
 
-from . import _attention_dispatch as dispatch
-from . import _attention_flashinfer as fi
-from . import _attention_torch as torch_paths
-from . import _attention_triton as triton_path
-from . import _gluon as gluon_modules
+from .. import _gluon as gluon_modules
+from . import dispatch
+from . import flashinfer as fi
+from . import reference as torch_paths
+from . import triton as triton_path
 
 BACKENDS = ("auto", "triton", "gluon", "sdpa", "torch-varlen", "flashinfer", "flashinfer-fa2", "flashinfer-fa3",
             "flashinfer-cudnn")
@@ -57,8 +57,8 @@ def _run_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal):
 # -- the Gluon path (Hopper): imported on first use, absent when this Triton has no Gluon --------------
 
 def _gluon():
-    """``_attention_gluon``, or None when ``triton.experimental.gluon`` does not import (``_gluon.load``)."""
-    return gluon_modules.load("_attention_gluon")
+    """``attention.gluon``, or None when ``triton.experimental.gluon`` does not import (``_gluon.load``)."""
+    return gluon_modules.load("attention.gluon")
 
 
 @torch.compiler.assume_constant_result
@@ -390,7 +390,7 @@ def _run(name: str, q, k, v, cu_seqlens, sequence_lengths, max_seqlen: int, scal
 # Per call signature (backend, shapes, dtypes, devices, max_seqlen, scale, causal): the validated,
 # resolved (runner, scale). A hit skips validation and the backend choice, which depend on nothing else
 # (exact tensor types and scalar types are checked before the lookup, so 7.0 or True never hit 7 or 1).
-# Emptied with the dispatch table (``_attention_dispatch.reset()``); not used while torch.compile traces.
+# Emptied with the dispatch table (``dispatch.reset()``); not used while torch.compile traces.
 _calls: dict = {}
 _MAX_CALLS = 4096
 _CHOOSING = ("auto", "flashinfer")

@@ -13,7 +13,7 @@ the Triton kernel cannot get from its compiler on Hopper (every wgmma there is w
 
 Scope: bf16/fp16, head dims 64 and 128, non-causal, q/k/v with contiguous heads (``stride(1) == D``):
 the shapes where the Triton kernel is furthest from FlashAttention-3. Everything else stays on the
-Triton kernel. Same math and the same grid as ``_attention_triton`` (per sequence, longest first).
+Triton kernel. Same math and the same grid as ``attention.triton`` (per sequence, longest first).
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import _attention_triton as triton_path
-from ._gluon import compile_sm90, is_hopper, smem_layout, tensordesc
+from .._gluon import compile_sm90, is_hopper, smem_layout, tensordesc
+from . import triton as triton_path
 
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 ROWS_PER_WG = 64

@@ -2,7 +2,7 @@
 float64 reference.
 
 The SDPA loop and the reference walk the sequences on the host (one attention call per sequence), so
-they take the prefix sums as host ints (``attention._host_offsets``: the prepared copy, or one read).
+they take the prefix sums as host ints (``api._host_offsets``: the prepared copy, or one read).
 """
 from __future__ import annotations
 

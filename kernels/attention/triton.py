@@ -22,7 +22,7 @@ import triton.language as tl
 
 from guardlint.guard._cache import MISS, IdentityCache
 
-from ._launch import DirectLaunch
+from .._launch import DirectLaunch
 
 # Decided once, when the kernels are defined: that is when Triton picks the interpreter.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"

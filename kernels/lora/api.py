@@ -1,10 +1,10 @@
 """Segmented LoRA GEMMs: shrink (``sgemm_lora_a``), expand (``sgemm_lora_b``, ``qkv_lora_b``) and the four
 MLA absorbed ``kv_b_proj`` steps (``step_a_q``, ``step_b_q``, ``step_a_v``, ``step_b_v``).
 
-Each public function checks its inputs (GL205), then makes one Triton launch (see ``_lora_kernels``):
+Each public function checks its inputs (GL205), then makes one Triton launch (see ``lora.triton``):
 directly when eager, through a ``torch.library`` custom op (``guardlint::<name>``) when torch.compile or a
 dispatch mode is watching; each has an exact torch reference (``<name>_reference``) that is its
-definition. Math, shapes and the grid are in the docstrings below and in ``_lora_kernels``.
+definition. Math, shapes and the grid are in the docstrings below and in ``lora.triton``.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from guardlint.guard import GuardError, _state as _guard_state, describe, guard_
 from guardlint.guard.metadata import capturing as _capturing, read_host as _read_host
 from guardlint.guard.validate import permutation_error
 
-from . import _lora_kernels as _k
+from . import triton as _k
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _INTS = (torch.int32, torch.int64)

@@ -1,6 +1,6 @@
 """The LoRA shrink for prefill batches on Hopper (sm_90), in Gluon: x's first loads leave before the segment lookup.
 
-The Triton shrink (``_lora_kernels._lora_shrink_kernel``) finds its segment before its first load: the
+The Triton shrink (``lora.triton._lora_shrink_kernel``) finds its segment before its first load: the
 pipeliner puts the K loop's prologue after everything the loop depends on, and W's address depends on the
 slot. With one 32-token tile per SM and every program starting together, that lookup (two dependent
 round trips) sits once on the whole kernel's critical path. Here each program's token tile is fixed by the
@@ -27,8 +27,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._gluon import compile_sm90, is_hopper, smem_layout, tensordesc
-from ._lora_kernels import _pow2_clamp
+from .._gluon import compile_sm90, is_hopper, smem_layout, tensordesc
+from .triton import _pow2_clamp
 
 BLOCK_S = 32   # token rows per program: 128 programs for 4096 tokens, one per SM
 BLOCK_K = 256  # x columns per stage: 16 KB
@@ -46,7 +46,7 @@ _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrie
 def _row_adapters(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, row0, num_segments, num_tokens,
                   num_slots, max_rank, BM: gl.constexpr, BLOCK_SEG: gl.constexpr, WARPS_: gl.constexpr):
     """Per row of the tile: slot, rank, whether it takes a product (``todo``) and whether it is bad; the
-    same rules as the Triton kernels' packed lookup (``_lora_kernels._row_adapters``). The tables are
+    same rules as the Triton kernels' packed lookup (``lora.triton._row_adapters``). The tables are
     read as whole vectors, independent of each other, and each row picks its entries out of them in
     registers: one round trip to memory before W's address is known, not one per dependent lookup."""
     grid2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [WARPS_, 1], [1, 0])

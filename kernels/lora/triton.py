@@ -13,7 +13,7 @@ With more than one K slice (``SPLIT_K``, batches of up to 1024 tokens), each pro
 float32 partial and counts itself in on the tile's counter; the last to arrive sums the partials in slice order
 (a fixed order: the result does not depend on which program finishes first), writes the tile and sets the
 counter back to zero, so eager launches on one stream reuse one set of counters (``_split_pair``).
-Prefill shrinks (more than 1024 tokens) on Hopper go to the Gluon kernel of ``_lora_gluon`` under CUDA-graph capture, where it applies
+Prefill shrinks (more than 1024 tokens) on Hopper go to the Gluon kernel of ``lora.gluon`` under CUDA-graph capture, where it applies
 (one head, no permutation, 16-bit, aligned rows): it starts loading x before the segment lookup.
 
 Expand (``out[t, h, n] = (out[t, h, n] if accumulate else 0) + scaling[slot] * sum_{k<r} x[t, h, k]
@@ -74,12 +74,12 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from . import _gluon
-from ._launch import DirectLaunch
+from .. import _gluon
+from .._launch import DirectLaunch
 
 # Triton decides at decoration time whether a kernel is interpreted; read the switch the same way.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-# Prefill shrinks on Hopper take the Gluon kernel (``_lora_gluon``) where it applies, while a CUDA graph is
+# Prefill shrinks on Hopper take the Gluon kernel (``lora.gluon``) where it applies, while a CUDA graph is
 # being captured: it saves ~1 us of device time but builds TMA descriptors per launch (~20 us of host time),
 # which a graph replay never pays and an eager call always does. GUARDLINT_LORA_GLUON=0 keeps every call on
 # the Triton kernel; =1 takes the Gluon kernel for eager calls too.
@@ -685,8 +685,8 @@ _expand = _Tuned(_lora_expand_kernel, _EXPAND_CONFIGS, ["N", "max_rank", "size_c
 
 
 def _gluon_shrink_run(*args, **kwargs) -> None:
-    """The Gluon prefill shrink's launch (``_lora_gluon.launch``), loaded on first use."""
-    _gluon.load("_lora_gluon").launch(*args, **kwargs)
+    """The Gluon prefill shrink's launch (``lora.gluon.launch``), loaded on first use."""
+    _gluon.load("lora.gluon").launch(*args, **kwargs)
 
 
 # Interpreter segment scans: one chunk covers the test batches; one column group per token tile, so each
@@ -722,7 +722,7 @@ def launch_shrink(x: torch.Tensor, x_strides, w: torch.Tensor, w_strides, out: t
     if num_tokens == 0 or N == 0:
         return
     size_class = _size_class(num_tokens, num_segments)
-    gluon_shrink = _gluon.load("_lora_gluon") if (
+    gluon_shrink = _gluon.load("lora.gluon") if (
         USE_GLUON and size_class == 2 and (GLUON_EAGER or _capturing(x))) else None
     if gluon_shrink is not None and gluon_shrink.supports(x, x_strides, w, w_strides, out_strides, permutation,
                                                           heads, N):

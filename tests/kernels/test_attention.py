@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from guardlint.guard import GuardError, clear_cache, prepare_varlen_metadata, reset_stats, stats
-from guardlint.kernels import _attention_dispatch as dispatch
-from guardlint.kernels import _attention_flashinfer as fi
-from guardlint.kernels import _attention_triton as triton_path
-from guardlint.kernels import attention
 from guardlint.kernels import cudnn_vision_attention, varlen_attention
-from guardlint.kernels._attention_torch import reference_varlen_attention, sdpa_varlen
+from guardlint.kernels.attention import api as attention
+from guardlint.kernels.attention import dispatch
+from guardlint.kernels.attention import flashinfer as fi
+from guardlint.kernels.attention import triton as triton_path
+from guardlint.kernels.attention.reference import reference_varlen_attention, sdpa_varlen
 
 # Per dtype: (atol, rtol) of the kernel against float64 on inputs already rounded to that dtype; the
 # output rounding dominates (bfloat16 keeps 8 bits).
@@ -747,7 +747,7 @@ def test_flashinfer_cudnn_call_matches_its_signature(monkeypatch):
 def test_gluon_backend_resolution_traces_under_torch_compile():
     """Resolving the Gluon backend imports its module lazily; under torch.compile(fullgraph=True) that
     runs once at trace time instead of being traced (Dynamo cannot trace an import)."""
-    from guardlint.kernels import attention as attention_module
+    from guardlint.kernels.attention import api as attention_module
 
     q = torch.randn(10, 2, 128)
     expected = attention_module._runnable("gluon", q, q, 1.0, False)

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from guardlint.guard import GuardError
-from guardlint.kernels import _attention_gluon as gluon_path
-from guardlint.kernels import attention, varlen_attention
+from guardlint.kernels import varlen_attention
+from guardlint.kernels.attention import api as attention
+from guardlint.kernels.attention import gluon as gluon_path
 
 SHARED_MEMORY_PER_BLOCK = 227 * 1024
 
@@ -28,7 +29,7 @@ def resources():
     """ptxas resources per (head_dim, dtype), compiled in a fresh process: this one runs Triton's
     interpreter (TRITON_INTERPRET=1 before the kernels were defined), which cannot compile for a GPU."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from guardlint.kernels import _attention_gluon as g; "
+    code = ("import json; from guardlint.kernels.attention import gluon as g; "
             f"print(json.dumps([g.hopper_resources(d, t) for d, t in {COMPILED!r}]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -119,7 +120,7 @@ def test_backend_gluon_without_a_gpu_is_a_coded_error():
 
 def test_a_table_that_ranks_gluon_first_only_routes_calls_it_can_run():
     """The dispatch table may rank gluon fastest; a call gluon cannot take goes to the next backend."""
-    from guardlint.kernels import _attention_dispatch as dispatch
+    from guardlint.kernels.attention import dispatch
 
     entry = {"device": "NVIDIA H200", "capability": [9, 0], "head_dim": 128, "dtype": "bfloat16", "causal": False,
              "batch": 6, "max_seqlen": 8192, "total_tokens": 16448,

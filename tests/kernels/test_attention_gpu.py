@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from guardlint.guard import GuardError, prepare_varlen_metadata
-from guardlint.kernels import _attention_dispatch as dispatch
-from guardlint.kernels import _attention_triton as triton_path
 from guardlint.kernels import varlen_attention
-from guardlint.kernels._attention_torch import reference_varlen_attention
+from guardlint.kernels.attention import dispatch
+from guardlint.kernels.attention import triton as triton_path
+from guardlint.kernels.attention.reference import reference_varlen_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -89,7 +89,7 @@ hopper_only = pytest.mark.skipif(not _hopper(), reason="the Gluon kernel runs on
 
 @pytest.fixture
 def poisoned_gluon_output(monkeypatch):
-    from guardlint.kernels import _attention_gluon as gluon_path
+    from guardlint.kernels.attention import gluon as gluon_path
 
     monkeypatch.setattr(gluon_path, "new_output", lambda q: torch.full(q.shape, float("nan"), dtype=q.dtype,
                                                                        device=q.device))
@@ -114,7 +114,7 @@ def test_gluon_equal_lengths_int64_offsets_and_a_scale(poisoned_gluon_output):
 
 @hopper_only
 def test_gluon_reads_a_fused_qkv_buffer_and_hands_other_layouts_to_triton():
-    from guardlint.kernels import _attention_gluon as gluon_path
+    from guardlint.kernels.attention import gluon as gluon_path
 
     q0, k0, v0, cu, offsets = make_batch([300, 0, 77, 1000], 8, 8, 128, torch.bfloat16, seed=9)
     qkv = torch.cat([q0, k0, v0], dim=1)  # (T, 3H, D): row stride 3*H*D, heads contiguous
@@ -210,8 +210,8 @@ def test_cu_seqlens_on_the_host_is_refused_before_launch():
 ISOLATED = textwrap.dedent("""
     import json, torch
     from guardlint.kernels import varlen_attention, cudnn_vision_attention
-    from guardlint.kernels import _attention_flashinfer as fi
-    from guardlint.kernels._attention_torch import reference_varlen_attention
+    from guardlint.kernels.attention import flashinfer as fi
+    from guardlint.kernels.attention.reference import reference_varlen_attention
     backend, head_dim, drop_in = {backend!r}, {head_dim}, {drop_in}
     variant = backend.split("-", 1)[1]
     if not fi.supports(variant, head_dim, torch.bfloat16, torch.device("cuda")):

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from guardlint.guard import GuardError, mode, prepare_varlen_metadata
-from guardlint.kernels._attention_torch import reference_varlen_attention
+from guardlint.kernels.attention.reference import reference_varlen_attention
 from guardlint.kernels.attention import cudnn_vision_attention, varlen_attention
 
 LENGTHS = st.lists(st.integers(0, 5), min_size=1, max_size=3).filter(lambda xs: sum(xs) > 0)

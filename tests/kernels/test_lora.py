@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from guardlint.kernels import lora
+from guardlint.kernels.lora import api as lora
 from guardlint.kernels.lora import (LoRABatchInfo, qkv_lora_b, qkv_lora_b_reference, sgemm_lora_a,
                                     sgemm_lora_a_reference, sgemm_lora_b, sgemm_lora_b_reference, step_a_q,
                                     step_a_q_reference, step_a_v, step_a_v_reference, step_b_q,

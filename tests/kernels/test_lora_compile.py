@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent(r'''
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from guardlint.kernels import _lora_kernels as K
+    from guardlint.kernels.lora import triton as K
 
     TARGET = GPUTarget("cuda", 90, 32)
     CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -209,7 +209,7 @@ def test_lora_shrink_split_k_hands_partials_over_through_l2(compiled):
 
 GLUON_SCRIPT = textwrap.dedent(r'''
     import json
-    from guardlint.kernels import _lora_gluon as G
+    from guardlint.kernels.lora import gluon as G
     out = [G.hopper_resources(n) for n in (16, 48, 64)] + [G.hopper_resources(16, "fp16")]
     print("RESULT " + json.dumps(out))
 ''')
@@ -220,7 +220,7 @@ def test_gluon_prefill_shrink_compiles_for_sm90_without_spills():
     of a block, no spills, for every stack width it takes (16 to 64 columns) and both 16-bit dtypes."""
     from guardlint.kernels import _gluon
 
-    if _gluon.load("_lora_gluon") is None:
+    if _gluon.load("lora.gluon") is None:
         pytest.skip("this Triton has no Gluon")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", GLUON_SCRIPT], capture_output=True, text=True, env=env, timeout=300)

@@ -10,8 +10,8 @@ import triton.runtime.interpreter as interpreter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from guardlint.guard import GuardError
-from guardlint.kernels import _lora_kernels
-from guardlint.kernels import lora
+from guardlint.kernels.lora import api as lora
+from guardlint.kernels.lora import triton as lora_triton
 from guardlint.kernels.lora import (qkv_lora_b, sgemm_lora_a, sgemm_lora_a_reference, sgemm_lora_b,
                                     sgemm_lora_b_reference, step_a_q, step_a_v, step_b_q, step_b_v)
 from test_lora import SLOTS, check, layout, rand
@@ -149,10 +149,10 @@ def test_one_launch_and_no_host_read_per_call(launches, monkeypatch):
 def test_find_tile_scans_batches_longer_than_one_chunk_and_expand_splits_columns(monkeypatch):
     """decode: 9 one-token segments and the tail scanned 4 at a time: three chunks carry the tile count.
     Expand columns in two groups: 3 column tiles of 16, so one group loops twice and one once."""
-    monkeypatch.setattr(_lora_kernels, "_INTERPRET_BLOCK_SEG", 4)
-    monkeypatch.setattr(_lora_kernels, "_INTERPRET_GROUPS", 2)
-    monkeypatch.setattr(_lora_kernels._shrink, "chosen", {})
-    monkeypatch.setattr(_lora_kernels._expand, "chosen", {})
+    monkeypatch.setattr(lora_triton, "_INTERPRET_BLOCK_SEG", 4)
+    monkeypatch.setattr(lora_triton, "_INTERPRET_GROUPS", 2)
+    monkeypatch.setattr(lora_triton._shrink, "chosen", {})
+    monkeypatch.setattr(lora_triton._expand, "chosen", {})
     for name in ("decode", "graph_padded_permuted"):
         info, S = layout(name, 16)
         x, a = rand(S, 40, dtype=torch.float32, seed=1), rand(SLOTS, 16, 40, dtype=torch.float32, seed=2)
@@ -169,7 +169,7 @@ def test_find_tile_scans_batches_longer_than_one_chunk_and_expand_splits_columns
 class FakeAutotuner:
     def __init__(self):
         self.runs = 0
-        self.best_config = _lora_kernels._SHRINK_CONFIGS[1]
+        self.best_config = lora_triton._SHRINK_CONFIGS[1]
 
     def run(self, *args, grid, warmup, **meta):
         self.runs += 1
@@ -179,19 +179,19 @@ class FakeAutotuner:
 def test_autotuning_runs_once_per_launch_key(monkeypatch):
     """GPU path with a stand-in autotuner and kernel: the first call of a key tunes (and launches once),
     later calls look the options up and launch the kernel directly with the tuned config."""
-    tuner = _lora_kernels._Tuned(_lora_kernels._lora_shrink_kernel, _lora_kernels._SHRINK_CONFIGS, ["K"],
-                                 _lora_kernels._prune_shrink, {"BLOCK_S": 16, "BLOCK_K": 16})
+    tuner = lora_triton._Tuned(lora_triton._lora_shrink_kernel, lora_triton._SHRINK_CONFIGS, ["K"],
+                               lora_triton._prune_shrink, {"BLOCK_S": 16, "BLOCK_K": 16})
     fake = FakeAutotuner()
     tuner.autotuner = fake
     direct = []
-    monkeypatch.setattr(_lora_kernels, "INTERPRET", False)
-    monkeypatch.setattr(_lora_kernels, "_shrink", tuner)
-    monkeypatch.setattr(_lora_kernels.DirectLaunch, "__call__",
+    monkeypatch.setattr(lora_triton, "INTERPRET", False)
+    monkeypatch.setattr(lora_triton, "_shrink", tuner)
+    monkeypatch.setattr(lora_triton.DirectLaunch, "__call__",
                         lambda self, args, grid: direct.append((grid, self.options)))
     x, w, out = torch.zeros(100, 64), torch.zeros(2, 16, 64), torch.zeros(100, 16)
     seg = torch.tensor([0, 60, 100], dtype=torch.int32)
     for _ in range(3):
-        _lora_kernels.launch_shrink(x, (64, 0, 1), w, (1024, 0, 64, 1), out, (16, 0, 1), seg, seg, seg, None, 2, 100,
+        lora_triton.launch_shrink(x, (64, 0, 1), w, (1024, 0, 64, 1), out, (16, 0, 1), seg, seg, seg, None, 2, 100,
                                     1, 64, 16, 16)
     assert fake.runs == 1 and len(direct) == 2
     cfg = fake.best_config
@@ -203,15 +203,15 @@ def test_autotuning_runs_once_per_launch_key(monkeypatch):
 
 
 def test_first_launch_under_graph_capture_uses_a_fitting_config_and_tunes_later(monkeypatch):
-    tuner = _lora_kernels._Tuned(_lora_kernels._lora_shrink_kernel, _lora_kernels._SHRINK_CONFIGS, ["K"],
-                                 _lora_kernels._prune_shrink, {"BLOCK_S": 16, "BLOCK_K": 16})
+    tuner = lora_triton._Tuned(lora_triton._lora_shrink_kernel, lora_triton._SHRINK_CONFIGS, ["K"],
+                               lora_triton._prune_shrink, {"BLOCK_S": 16, "BLOCK_K": 16})
     tuner.autotuner = FakeAutotuner()
     launched = []
-    names = _lora_kernels._lora_shrink_kernel.arg_names
+    names = lora_triton._lora_shrink_kernel.arg_names
     monkeypatch.setattr(tuner, "kernel", type("K", (), {"arg_names": names,
                                                         "run": lambda self, *a, grid, warmup, **kw:
                                                         launched.append((grid, kw))})())
-    monkeypatch.setattr(_lora_kernels, "INTERPRET", False)
+    monkeypatch.setattr(lora_triton, "INTERPRET", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     # The pruning sees the launch's arguments by name: a decode-sized batch with K = 64 (too short to split).
@@ -220,13 +220,13 @@ def test_first_launch_under_graph_capture_uses_a_fitting_config_and_tunes_later(
     tuner.first_launch("key", args, {"BLOCK_N": 16}, lambda blocks: (blocks["BLOCK_S"], 1))
     assert tuner.autotuner.runs == 0 and tuner.chosen == {}
     (grid, kw), = launched
-    assert grid == (_lora_kernels._SHRINK_CONFIGS[0].kwargs["BLOCK_S"], 1) and "num_warps" in kw
+    assert grid == (lora_triton._SHRINK_CONFIGS[0].kwargs["BLOCK_S"], 1) and "num_warps" in kw
 
 
 def test_tuning_an_in_place_launch_restores_its_output_once_and_launches_once_more(monkeypatch):
     """Trials of an accumulating launch add into the caller's output back to back (no copy around each
     one): it is saved before them and put back after, and the chosen config then updates it once."""
-    names = _lora_kernels._lora_expand_kernel.arg_names
+    names = lora_triton._lora_expand_kernel.arg_names
     out = torch.arange(6.0)
     launched = []
 
@@ -239,12 +239,12 @@ def test_tuning_an_in_place_launch_restores_its_output_once_and_launches_once_mo
         launched.append((grid, kw))
         out.add_(1)
 
-    tuner = _lora_kernels._Tuned(_lora_kernels._lora_expand_kernel, _lora_kernels._EXPAND_CONFIGS, ["N"],
-                                 _lora_kernels._prune_expand, {"BLOCK_S": 16, "BLOCK_N": 16, "STAGES": 2})
+    tuner = lora_triton._Tuned(lora_triton._lora_expand_kernel, lora_triton._EXPAND_CONFIGS, ["N"],
+                               lora_triton._prune_expand, {"BLOCK_S": 16, "BLOCK_N": 16, "STAGES": 2})
     tuner.autotuner = Trials()
-    tuner.autotuner.best_config = _lora_kernels._EXPAND_CONFIGS[0]
+    tuner.autotuner.best_config = lora_triton._EXPAND_CONFIGS[0]
     monkeypatch.setattr(tuner, "kernel", type("K", (), {"arg_names": names, "run": kernel_run})())
-    monkeypatch.setattr(_lora_kernels, "INTERPRET", False)
+    monkeypatch.setattr(lora_triton, "INTERPRET", False)
     values = {"x_ptr": torch.zeros(8, 16), "size_class": 2}
     args = tuple(values.get(name) for name in names[:names.index("size_class") + 1])
     meta = {"BLOCK_K": 16, "K_CHUNKS": 1}
@@ -295,7 +295,7 @@ def test_split_k_is_tried_only_where_token_tiles_are_few_and_k_is_long(monkeypat
     """Split configs are kept for up to 1024 tokens when every slice gets two K steps; a prefill-sized
     batch, or a short K (the MLA steps), tunes over single-pass configs only; 16-token tiles only for
     decode-shaped batches (8 tokens a segment or fewer)."""
-    K_ = _lora_kernels
+    K_ = lora_triton
     assert [K_._size_class(t, s) for t, s in ((64, 64), (128, 8), (512, 4), (4096, 8), (4096, 1024))] == [3, 0, 1, 2, 5]
     x = torch.empty(0, dtype=torch.bfloat16)
 
@@ -321,7 +321,7 @@ def test_split_k_is_tried_only_where_token_tiles_are_few_and_k_is_long(monkeypat
 def test_expand_grid_halves_its_programs_from_rank_64(monkeypatch):
     """Column groups split N until about EXPAND_PROGRAMS programs exist, half as many from rank 64 on; never
     more groups than column tiles, and the heads multiply the programs."""
-    K_ = _lora_kernels
+    K_ = lora_triton
     monkeypatch.setattr(K_, "INTERPRET", False)
     # 4096 tokens in 32-row tiles plus 8 segment tiles: 136 tiles, 4096 columns in 32 tiles of 128.
     assert K_._expand_grid(4096, 8, 1, 4096, 32, 128, 16) == (136 * 4, 1)
@@ -336,7 +336,7 @@ def test_expand_grid_halves_its_programs_from_rank_64(monkeypatch):
 
 def test_expand_tries_64_row_tiles_on_prefill_batches_only():
     """Classes 0-1 (up to 1024 tokens) have too few 64-row tiles for the GPU; decode classes take 16 rows."""
-    K_ = _lora_kernels
+    K_ = lora_triton
     x = torch.empty(0, dtype=torch.bfloat16)
 
     def rows(size_class):
@@ -348,8 +348,8 @@ def test_expand_tries_64_row_tiles_on_prefill_batches_only():
 def test_tuning_keeps_the_listed_order_unless_a_later_config_wins_clearly():
     """Trial times swing by 10-30% between tunings: the earliest config within the margin (25%) of the fastest
     is chosen, a later one only when it is clearly faster; without trial times, the tuner's pick stands."""
-    a, b, c = _lora_kernels._SHRINK_CONFIGS[:3]
-    pick = _lora_kernels._preferred
+    a, b, c = lora_triton._SHRINK_CONFIGS[:3]
+    pick = lora_triton._preferred
     assert pick([a, b, c], {a: [26.5, 21.0, 23.0], b: [21.6, 21.0, 22.0], c: [28.0, 27.0, 29.0]}, b) is a
     assert pick([a, b, c], {a: [27.5, 26.0, 28.0], b: [21.6, 21.0, 22.0], c: [28.0, 27.0, 29.0]}, b) is b
     assert pick([c, b, a], {a: [27.5, 26.0, 28.0], b: [21.6, 21.0, 22.0], c: [26.0, 27.0, 29.0]}, b) is c
@@ -361,7 +361,7 @@ def test_gluon_shrink_takes_only_calls_it_fits():
     """The Gluon prefill shrink takes one head of 16-bit x without permutation, rows TMA can address (16-byte
     aligned strides, W's slots stacked as one matrix), stacks of at most 16 columns; anything else stays on
     the Triton kernel."""
-    G = _lora_kernels._gluon.load("_lora_gluon")
+    G = lora_triton._gluon.load("lora.gluon")
     if G is None:
         pytest.skip("this Triton has no Gluon")
     x, w = torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(4, 16, 64, dtype=torch.bfloat16)
@@ -390,7 +390,7 @@ def test_prefill_shrinks_route_to_gluon_where_it_fits(monkeypatch):
     """Size class 2 (more than 1024 tokens, more than 8 a segment) and ``supports`` while a CUDA graph is
     captured: the Gluon launch; an eager call (its TMA descriptors cost ~20 us of host time per call), a
     smaller batch, or GUARDLINT_LORA_GLUON=0 (USE_GLUON), the Triton kernel."""
-    K_ = _lora_kernels
+    K_ = lora_triton
     gluon, triton_calls = [], []
     capturing = [True]
     monkeypatch.setattr(K_, "_capturing", lambda x: capturing[0])

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from guardlint.kernels import _gluon, _lora_kernels
+from guardlint.kernels import _gluon
+from guardlint.kernels.lora import triton as lora_triton
 from guardlint.kernels.lora import sgemm_lora_a, sgemm_lora_a_reference
 from test_lora import make_batch
 
@@ -48,12 +49,12 @@ LAYOUTS = {
 
 @pytest.fixture
 def gluon_calls(monkeypatch):
-    if _gluon.load("_lora_gluon") is None or not _gluon.is_hopper(torch.device("cuda")):
+    if _gluon.load("lora.gluon") is None or not _gluon.is_hopper(torch.device("cuda")):
         pytest.skip("the Gluon shrink needs Triton's Gluon and a Hopper GPU")
     calls = []
-    monkeypatch.setattr(_lora_kernels, "GLUON_EAGER", True)  # eager calls here, to check the kernel itself
-    run = _lora_kernels._gluon_shrink_run
-    monkeypatch.setattr(_lora_kernels, "_gluon_shrink_run", lambda *a, **kw: calls.append(1) or run(*a, **kw))
+    monkeypatch.setattr(lora_triton, "GLUON_EAGER", True)  # eager calls here, to check the kernel itself
+    run = lora_triton._gluon_shrink_run
+    monkeypatch.setattr(lora_triton, "_gluon_shrink_run", lambda *a, **kw: calls.append(1) or run(*a, **kw))
     return calls
 
 
@@ -72,7 +73,7 @@ def test_gluon_shrink_matches_reference(name, dtype, gluon_calls, monkeypatch):
     lens, slots, ranks, kw = LAYOUTS[name]
     slots = slots or [i % SLOTS for i in range(len(lens))]
     info, S = batch(lens, slots, ranks, **kw)
-    assert _lora_kernels._size_class(S, info.num_segments) == 2
+    assert lora_triton._size_class(S, info.num_segments) == 2
     g = torch.Generator(device="cuda").manual_seed(0)
     K = 1000  # not a multiple of the 256-wide K step: TMA zero-fills the last one
     x = torch.randn(S, K, generator=g, device="cuda").to(dtype)
@@ -81,7 +82,7 @@ def test_gluon_shrink_matches_reference(name, dtype, gluon_calls, monkeypatch):
     assert gluon_calls, "the call did not take the Gluon shrink"
     check(out, x, w, info)
     # The Triton kernel on the same call agrees.
-    monkeypatch.setattr(_lora_kernels, "USE_GLUON", False)
+    monkeypatch.setattr(lora_triton, "USE_GLUON", False)
     torch.testing.assert_close(sgemm_lora_a(x, w, info), out, rtol=1.6e-2, atol=3e-2, equal_nan=True)
 
 
@@ -89,7 +90,7 @@ def test_gluon_shrink_matches_reference(name, dtype, gluon_calls, monkeypatch):
 def test_gluon_shrink_stacks_and_ranks(stack_num, R, gluon_calls, monkeypatch):
     """q/k/v stacks (48 columns in a 64-wide tile) and larger ranks; slot 1's rank ends inside a stack. The
     routing sends only 16-column stacks here (wider ones measured faster on Triton); the kernel takes up to 64."""
-    monkeypatch.setattr(_gluon.load("_lora_gluon"), "MAX_N", _gluon.load("_lora_gluon").KERNEL_MAX_N)
+    monkeypatch.setattr(_gluon.load("lora.gluon"), "MAX_N", _gluon.load("lora.gluon").KERNEL_MAX_N)
     lens = random_lens(3, 1800)
     info, S = batch(lens, [i % SLOTS for i in range(len(lens))], [R, R // 2 + 1, 0, R])
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -135,8 +136,8 @@ def test_expand_tuning_call_updates_its_output_once(R, monkeypatch):
     so both the selecting and the full-rank paths run)."""
     from guardlint.kernels.lora import sgemm_lora_b, sgemm_lora_b_reference
 
-    monkeypatch.setattr(_lora_kernels._expand, "chosen", {})
-    monkeypatch.setattr(_lora_kernels._expand.autotuner, "cache", {})
+    monkeypatch.setattr(lora_triton._expand, "chosen", {})
+    monkeypatch.setattr(lora_triton._expand.autotuner, "cache", {})
     lens = random_lens(3, 2000)
     info, S = batch(lens, [i % SLOTS for i in range(len(lens))], [R, R // 2, 0, R], extra_rows=40)
     g = torch.Generator().manual_seed(4)
@@ -145,7 +146,7 @@ def test_expand_tuning_call_updates_its_output_once(R, monkeypatch):
     base = torch.randn(S, 1024, generator=g).to("cuda", torch.bfloat16)
     want = sgemm_lora_b_reference(x.double(), w.double(), info, base.double())
     out = sgemm_lora_b(x, w, info, base.clone())
-    assert _lora_kernels._expand.chosen, "the call did not tune"
+    assert lora_triton._expand.chosen, "the call did not tune"
     torch.testing.assert_close(out.double(), want, rtol=1.6e-2, atol=3e-1)
     again = sgemm_lora_b(x, w, info, base.clone())
     assert torch.equal(again, out)
@@ -154,8 +155,8 @@ def test_expand_tuning_call_updates_its_output_once(R, monkeypatch):
 def _recorded_direct_launches(monkeypatch):
     """Every DirectLaunch call: (the launcher, its args, its grid)."""
     seen = []
-    call = _lora_kernels.DirectLaunch.__call__
-    monkeypatch.setattr(_lora_kernels.DirectLaunch, "__call__",
+    call = lora_triton.DirectLaunch.__call__
+    monkeypatch.setattr(lora_triton.DirectLaunch, "__call__",
                         lambda self, args, grid: seen.append((self, args, grid)) or call(self, args, grid))
     return seen
 

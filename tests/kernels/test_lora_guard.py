@@ -10,8 +10,8 @@ import torch
 
 from guardlint.contracts import LORA_FIELDS
 from guardlint.guard import GuardError, mode
-from guardlint.kernels import _lora_kernels
-from guardlint.kernels import lora
+from guardlint.kernels.lora import api as lora
+from guardlint.kernels.lora import triton as lora_triton
 from guardlint.kernels.lora import (LoRABatchInfo, qkv_lora_b, sgemm_lora_a, sgemm_lora_a_reference, sgemm_lora_b,
                                     sgemm_lora_b_reference, step_a_q, step_a_q_reference, step_a_v, step_b_q,
                                     step_b_v)
@@ -189,7 +189,7 @@ def test_bad_input_message_names_shapes_not_contents():
 
 
 def test_triton_without_driver_or_interpreter_is_gl301(monkeypatch):
-    monkeypatch.setattr(_lora_kernels, "INTERPRET", False)
+    monkeypatch.setattr(lora_triton, "INTERPRET", False)
     x, w, info = shrink_inputs()
     with pytest.raises(GuardError) as err:
         sgemm_lora_a(x, w, info, backend="triton")

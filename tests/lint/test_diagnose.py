@@ -237,7 +237,7 @@ def test_diagnose_host_read_in_user_code_is_a_hint_not_a_diagnosis():
     "/usr/lib/python3.12/importlib/__init__.py",
     "<guardlint wrapper of varlen_attention>",
     "/srv/venv/lib/python3.12/site-packages/guardlint/guard/ready.py",
-    "/home/u/guardlint/kernels/attention.py",
+    "/home/u/guardlint/kernels/attention/api.py",
     r"C:\Users\me\AppData\Local\Programs\Python\Python312\Lib\threading.py",
     r"C:\proj\.venv\Lib\site-packages\torch\nn\modules\module.py",
 ])
