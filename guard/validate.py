@@ -153,7 +153,11 @@ def check_varlen(function: Optional[str], *, q: Any, cu_seqlens: Any = None, seq
                  max_seqlen: Any = None, metadata: Any = None, layout: str = "tokens") -> None:
     """Validate what a varlen attention call will use. ``metadata`` is a ``VarlenMetadata`` (prepared:
     its host offsets were validated when it was built) or, for the cuDNN path, any object with
-    ``packed_indptrs``. Raises GuardError GL103 / GL107; returns quietly when reads are not allowed."""
+    ``packed_indptrs``. Raises GuardError GL103 / GL107; returns quietly when reads are not allowed.
+
+    In three steps: the prepared metadata against q (no read); every tensor that needs its values read in
+    one packed host read; then the offsets each source implies, checked against each other, and the
+    lengths and max_seqlen against them."""
     _state.counters.checks += 1
     shape = getattr(q, "shape", None)
     T = int(shape[0]) if shape is not None and len(shape) else None
@@ -164,57 +168,21 @@ def check_varlen(function: Optional[str], *, q: Any, cu_seqlens: Any = None, seq
     prepared = metadata if isinstance(metadata, VarlenMetadata) else None
     offsets: Optional[tuple] = None
     if prepared is not None:
-        if T is not None and prepared.total_tokens != T:
-            raise GuardError("GL103", argument="metadata", function=function,
-                             expected=f"metadata prepared for q's token count T={T}",
-                             got=f"metadata for {prepared.total_tokens} tokens (a stale plan?)")
-        if device is not None and prepared.device != device:
-            raise GuardError("GL103", argument="metadata", function=function,
-                             expected=f"metadata on {device} (q's device)", got=f"metadata on {prepared.device}")
-        if layout == "cudnn" and (prepared.layout != "cudnn" or prepared.elements_per_token != HD):
-            raise GuardError("GL107", argument="forward_metadata", function=function,
-                             expected=f"metadata prepared with layout=\"cudnn\" for H*D={HD}",
-                             got=f"layout {prepared.layout!r} with H*D={prepared.elements_per_token}")
+        _check_prepared(prepared, function, T, HD, device, layout)
         offsets = prepared.host_cu_seqlens
         if max_seqlen is prepared.max_seqlen or max_seqlen is prepared.flashinfer_max_seqlen:
             max_seqlen = None
-    # Everything that needs values goes into one read.
-    pending: list = []
-    names: list = []
-    if isinstance(cu_seqlens, torch.Tensor) and not (prepared is not None and cu_seqlens is prepared.cu_seqlens):
-        check_index_tensor(cu_seqlens, "cu_seqlens", function)
-        _int_tensor(cu_seqlens, "cu_seqlens", function, "GL103", device)
-        pending.append(cu_seqlens)
-        names.append("cu_seqlens")
-    packed = getattr(metadata, "packed_indptrs", None) if prepared is None and metadata is not None else None
-    if prepared is None and metadata is not None:
-        if packed is None:
-            raise GuardError("GL107", argument="forward_metadata", function=function,
-                             expected="a VarlenMetadata or an object with packed_indptrs",
-                             got=f"{type(metadata).__name__} without packed_indptrs")
-        check_index_tensor(packed, "forward_metadata.packed_indptrs", function, code="GL107", min_numel=3)
-        _int_tensor(packed, "forward_metadata.packed_indptrs", function, "GL107", device)
-        pending.append(packed)
-        names.append("packed_indptrs")
-    if sequence_lengths is not None and not (prepared is not None and (
-            sequence_lengths is prepared.sequence_lengths
-            or sequence_lengths is prepared.seq_lens)):
-        _int_tensor(sequence_lengths, "sequence_lengths", function, "GL103", device)
-        pending.append(sequence_lengths)
-        names.append("sequence_lengths")
+    pending, names = _to_read(function, device, prepared, metadata, cu_seqlens, sequence_lengths)
     if max_seqlen is not None:
         _python_int(max_seqlen, "max_seqlen", function, "GL103")
-    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
-        host_cu = host_sequence(cu_seqlens, "cu_seqlens", function)
-    else:
-        host_cu = None
+    host_cu = host_sequence(cu_seqlens, "cu_seqlens", function) \
+        if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor) else None
     hosts = read_together(pending, names) if pending else []
     if hosts is None:
         _skipped()
         return
     got = dict(zip(names, hosts))
-    if "cu_seqlens" in got:
-        host_cu = got["cu_seqlens"]
+    host_cu = got.get("cu_seqlens", host_cu)
     if host_cu is not None:
         # Without q there is no token count to tell element offsets from token offsets by.
         from_cu = token_offsets(host_cu, layout=layout if T is not None else "tokens", total_tokens=T,
@@ -226,40 +194,12 @@ def check_varlen(function: Optional[str], *, q: Any, cu_seqlens: Any = None, seq
                              got=f"different offsets (first difference at index {bad})")
         offsets = from_cu
     if "packed_indptrs" in got and T is not None:
-        values = got["packed_indptrs"]
-        from_packed = token_offsets(values, layout="cudnn", total_tokens=T, elements_per_token=HD,
-                                    argument="forward_metadata.packed_indptrs", function=function)
-        if len(values) == len(from_packed) and HD != 1:
-            raise GuardError("GL107", argument="forward_metadata.packed_indptrs", function=function,
-                             expected="packed element indptrs [qk | v | o] of shape (3(Bp+1),)",
-                             got=f"token offsets of shape ({len(values)},)")
-        if offsets is not None:
-            # The packed form may be padded with zero-length sequences; the live part must match.
-            live = from_packed[:len(offsets)]
-            tail = from_packed[len(offsets):]
-            if live != offsets or any(v != offsets[-1] for v in tail):
-                raise GuardError("GL103", argument="forward_metadata.packed_indptrs", function=function,
-                                 expected="element offsets of the same sequences as cu_seqlens",
-                                 got="different sequences")
-        else:
-            offsets = from_packed
+        offsets = _packed_offsets(got["packed_indptrs"], offsets, function, T, HD)
     if offsets is None:
         return
     lengths = _lengths(offsets)
     if "sequence_lengths" in got:
-        given = got["sequence_lengths"]
-        n_live = len(lengths)
-        if len(given) < n_live or (len(given) > n_live and layout != "cudnn"):
-            raise GuardError("GL103", argument="sequence_lengths", function=function,
-                             expected=f"{n_live} lengths (one per sequence of cu_seqlens)",
-                             got=describe(sequence_lengths))
-        bad = _first_difference(given[:n_live], lengths)
-        if bad is None and any(given[n_live:]):
-            bad = n_live + next(i for i, v in enumerate(given[n_live:]) if v)
-        if bad is not None:
-            raise GuardError("GL103", argument="sequence_lengths", function=function,
-                             expected="cu_seqlens[1:] - cu_seqlens[:-1] (zero-padded for a bucketed batch)",
-                             got=f"a different length at index {bad}")
+        _check_sequence_lengths(got["sequence_lengths"], sequence_lengths, lengths, layout, function)
     if max_seqlen is not None and lengths and max_seqlen < max(lengths):
         raise GuardError("GL103", argument="max_seqlen", function=function,
                          expected="at least the longest sequence of cu_seqlens",
@@ -267,6 +207,88 @@ def check_varlen(function: Optional[str], *, q: Any, cu_seqlens: Any = None, seq
                          detail="A short max_seqlen makes the kernel skip the tail of longer sequences.",
                          fix="Pass the true longest length (int((cu_seqlens[1:] - cu_seqlens[:-1]).max()), once "
                              "per batch), or omit max_seqlen and let the guard derive it.")
+
+
+def _check_prepared(prepared: VarlenMetadata, function: Optional[str], T: Optional[int], HD: int, device: Any,
+                    layout: str) -> None:
+    """Prepared metadata made for q: its token count, its device and, for the cuDNN path, its layout."""
+    if T is not None and prepared.total_tokens != T:
+        raise GuardError("GL103", argument="metadata", function=function,
+                         expected=f"metadata prepared for q's token count T={T}",
+                         got=f"metadata for {prepared.total_tokens} tokens (a stale plan?)")
+    if device is not None and prepared.device != device:
+        raise GuardError("GL103", argument="metadata", function=function,
+                         expected=f"metadata on {device} (q's device)", got=f"metadata on {prepared.device}")
+    if layout == "cudnn" and (prepared.layout != "cudnn" or prepared.elements_per_token != HD):
+        raise GuardError("GL107", argument="forward_metadata", function=function,
+                         expected=f"metadata prepared with layout=\"cudnn\" for H*D={HD}",
+                         got=f"layout {prepared.layout!r} with H*D={prepared.elements_per_token}")
+
+
+def _to_read(function: Optional[str], device: Any, prepared: Optional[VarlenMetadata], metadata: Any,
+             cu_seqlens: Any, sequence_lengths: Any) -> tuple:
+    """(tensors whose values the check needs, their names): each checked for kind and device first. What the
+    prepared metadata holds was validated when it was built, so it is not read again."""
+    pending: list = []
+    names: list = []
+    if isinstance(cu_seqlens, torch.Tensor) and not (prepared is not None and cu_seqlens is prepared.cu_seqlens):
+        check_index_tensor(cu_seqlens, "cu_seqlens", function)
+        _int_tensor(cu_seqlens, "cu_seqlens", function, "GL103", device)
+        pending.append(cu_seqlens)
+        names.append("cu_seqlens")
+    if prepared is None and metadata is not None:
+        packed = getattr(metadata, "packed_indptrs", None)
+        if packed is None:
+            raise GuardError("GL107", argument="forward_metadata", function=function,
+                             expected="a VarlenMetadata or an object with packed_indptrs",
+                             got=f"{type(metadata).__name__} without packed_indptrs")
+        check_index_tensor(packed, "forward_metadata.packed_indptrs", function, code="GL107", min_numel=3)
+        _int_tensor(packed, "forward_metadata.packed_indptrs", function, "GL107", device)
+        pending.append(packed)
+        names.append("packed_indptrs")
+    if sequence_lengths is not None and not (prepared is not None and (
+            sequence_lengths is prepared.sequence_lengths or sequence_lengths is prepared.seq_lens)):
+        _int_tensor(sequence_lengths, "sequence_lengths", function, "GL103", device)
+        pending.append(sequence_lengths)
+        names.append("sequence_lengths")
+    return pending, names
+
+
+def _packed_offsets(values: tuple, offsets: Optional[tuple], function: Optional[str], T: int, HD: int) -> tuple:
+    """The token offsets of cuDNN packed element indptrs ``[qk | v | o]``, checked against ``offsets`` (from
+    cu_seqlens or the metadata) when there are some: the packed form may be padded with zero-length
+    sequences, its live part must match."""
+    from_packed = token_offsets(values, layout="cudnn", total_tokens=T, elements_per_token=HD,
+                                argument="forward_metadata.packed_indptrs", function=function)
+    if len(values) == len(from_packed) and HD != 1:
+        raise GuardError("GL107", argument="forward_metadata.packed_indptrs", function=function,
+                         expected="packed element indptrs [qk | v | o] of shape (3(Bp+1),)",
+                         got=f"token offsets of shape ({len(values)},)")
+    if offsets is None:
+        return from_packed
+    live, tail = from_packed[:len(offsets)], from_packed[len(offsets):]
+    if live != offsets or any(v != offsets[-1] for v in tail):
+        raise GuardError("GL103", argument="forward_metadata.packed_indptrs", function=function,
+                         expected="element offsets of the same sequences as cu_seqlens",
+                         got="different sequences")
+    return offsets
+
+
+def _check_sequence_lengths(given: tuple, sequence_lengths: Any, lengths: list, layout: str,
+                            function: Optional[str]) -> None:
+    """``sequence_lengths`` (read: ``given``) equal to the lengths of the offsets, zero-padded only in the
+    cuDNN layout (a bucketed batch)."""
+    n_live = len(lengths)
+    if len(given) < n_live or (len(given) > n_live and layout != "cudnn"):
+        raise GuardError("GL103", argument="sequence_lengths", function=function,
+                         expected=f"{n_live} lengths (one per sequence of cu_seqlens)", got=describe(sequence_lengths))
+    bad = _first_difference(given[:n_live], lengths)
+    if bad is None and any(given[n_live:]):
+        bad = n_live + next(i for i, v in enumerate(given[n_live:]) if v)
+    if bad is not None:
+        raise GuardError("GL103", argument="sequence_lengths", function=function,
+                         expected="cu_seqlens[1:] - cu_seqlens[:-1] (zero-padded for a bucketed batch)",
+                         got=f"a different length at index {bad}")
 
 
 # -- segmented LoRA ---------------------------------------------------------------------------------
