@@ -551,6 +551,42 @@ def _op_batch(batch: _Batch) -> tuple:
             batch.num_segments)
 
 
+class _Spec(NamedTuple):
+    """What every public LoRA function checks the same way: its name, its activation parameter and that
+    tensor's rank, its weight-stack parameter."""
+
+    function: str
+    x: str
+    ndim: int
+    weights: str
+
+
+_SPECS = {spec.function: spec for spec in (
+    _Spec("sgemm_lora_a", "x", 2, "weights"), _Spec("sgemm_lora_b", "x", 2, "weights"),
+    _Spec("qkv_lora_b", "x", 2, "weights"), _Spec("step_a_q", "q_nope", 3, "lora_b"),
+    _Spec("step_b_q", "lora_q", 3, "lora_a"), _Spec("step_a_v", "attn_latent", 3, "lora_a"),
+    _Spec("step_b_v", "lora_v", 3, "lora_b"))}
+
+
+def _begin(spec: _Spec, x, weights, backend: Optional[str], base_output=None) -> str:
+    """The checks every public function starts with, in this order: the activation, the backend that runs
+    the call (any of x, the weights and an output updated in place requiring grad counts), the weight
+    stack against x. Returns the backend."""
+    fn = spec.function
+    _check_data(fn, spec.x, x, spec.ndim)
+    backend = _resolve_backend(fn, backend, x, (spec.x, x), (spec.weights, weights), ("base_output", base_output))
+    _check_weights(fn, spec.weights, weights, x)
+    return backend
+
+
+def _end(spec: _Spec, x: Tensor, weights: Tensor, batch_info, base_output: Optional[Tensor], shape: tuple) -> _Batch:
+    """The checks every public function ends with, after its own shape checks: the output it updates in
+    place (when given) against ``shape``, then the batch info against x and the weight stack."""
+    if base_output is not None:
+        _check_output(spec.function, base_output, shape, x)
+    return _check_batch(spec.function, x, batch_info, weights.shape[0])
+
+
 def _check_int(function: str, name: str, value, lo: int, hi: Optional[int] = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):
         raise _bad(function, name, f"a Python int in [{lo}, {hi if hi is not None else 'inf'}]", value)
@@ -589,14 +625,13 @@ def sgemm_lora_a(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, stack_nu
         other columns 0; rows of no live segment are 0.
     """
     fn = "sgemm_lora_a"
-    _check_data(fn, "x", x, 2)
-    backend = _resolve_backend(fn, backend, x, ("x", x), ("weights", weights))
-    _check_weights(fn, "weights", weights, x)
+    spec = _SPECS[fn]
+    backend = _begin(spec, x, weights, backend)
     _check_int(fn, "stack_num", stack_num, 1)
     if weights.shape[2] != x.shape[1] or weights.shape[1] % stack_num:
         raise _bad(fn, "weights", f"(num_slots, stack_num * R, K={x.shape[1]}) with stack_num={stack_num}", weights)
     _rank_of(fn, "weights", weights.shape[1] // stack_num, weights, "weights.shape[1] // stack_num")
-    batch = _check_batch(fn, x, batch_info, weights.shape[0])
+    batch = _end(spec, x, weights, batch_info, None, ())
     if backend == "torch":
         return sgemm_lora_a_reference(x, weights, batch_info, stack_num)
     return _launch(_sgemm_lora_a_op, _sgemm_lora_a_launch, None, x, weights, *_op_batch(batch), stack_num)
@@ -628,16 +663,13 @@ def sgemm_lora_b(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, base_out
         ``base_output`` (or a fresh ``(S, N)`` tensor, zeros plus the LoRA delta).
     """
     fn = "sgemm_lora_b"
-    _check_data(fn, "x", x, 2)
-    backend = _resolve_backend(fn, backend, x, ("x", x), ("weights", weights))
-    _check_weights(fn, "weights", weights, x)
+    spec = _SPECS[fn]
+    backend = _begin(spec, x, weights, backend, base_output)
     if weights.shape[2] != x.shape[1]:
         raise _bad(fn, "weights", f"(num_slots, N, R={x.shape[1]}) (R = x.shape[1])", weights)
     _rank_of(fn, "x", x.shape[1], x, "x.shape[1]")
     shape = (x.shape[0], weights.shape[1])
-    if base_output is not None:
-        _check_output(fn, base_output, shape, x)
-    batch = _check_batch(fn, x, batch_info, weights.shape[0])
+    batch = _end(spec, x, weights, batch_info, base_output, shape)
     if backend == "torch":
         return sgemm_lora_b_reference(x, weights, batch_info, base_output)
     out = base_output if base_output is not None else _new_output(shape, x.dtype, x.device)
@@ -697,9 +729,8 @@ def qkv_lora_b(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, output_off
         ``base_output`` or a fresh ``(S, N_q + 2 N_kv)`` tensor.
     """
     fn = "qkv_lora_b"
-    _check_data(fn, "x", x, 2)
-    backend = _resolve_backend(fn, backend, x, ("x", x), ("weights", weights), ("base_output", base_output))
-    _check_weights(fn, "weights", weights, x)
+    spec = _SPECS[fn]
+    backend = _begin(spec, x, weights, backend, base_output)
     R = weights.shape[2]
     if x.shape[1] != 3 * R:
         raise _bad(fn, "x", f"(S, 3 * R = {3 * R}) (R = weights.shape[2])", x)
@@ -707,9 +738,7 @@ def qkv_lora_b(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, output_off
     n_total = weights.shape[1]
     starts, offsets = _slice_starts(fn, output_offset, n_total, x)
     shape = (x.shape[0], n_total)
-    if base_output is not None:
-        _check_output(fn, base_output, shape, x)
-    batch = _check_batch(fn, x, batch_info, weights.shape[0])
+    batch = _end(spec, x, weights, batch_info, base_output, shape)
     if backend == "torch":
         return qkv_lora_b_reference(x, weights, batch_info, starts if starts is not None else offsets, base_output)
     accumulate = base_output is not None
@@ -751,15 +780,14 @@ def step_a_q(q_nope: Tensor, lora_b: Tensor, batch_info: LoRABatchInfo, *, qk_no
         ``(S, H, R)``, columns ``>= r`` zero; input of :func:`step_b_q`.
     """
     fn = "step_a_q"
-    _check_data(fn, "q_nope", q_nope, 3)
-    backend = _resolve_backend(fn, backend, q_nope, ("q_nope", q_nope), ("lora_b", lora_b))
-    _check_weights(fn, "lora_b", lora_b, q_nope)
+    spec = _SPECS[fn]
+    backend = _begin(spec, q_nope, lora_b, backend)
     S, H, qk = q_nope.shape
     _mla_dims(fn, "lora_b", lora_b, H, qk_nope_head_dim, v_head_dim)
     if qk != qk_nope_head_dim:
         raise _bad(fn, "q_nope", f"(S, H, qk_nope_head_dim={qk_nope_head_dim})", q_nope)
     R = _rank_of(fn, "lora_b", lora_b.shape[2], lora_b, "lora_b.shape[2]")
-    batch = _check_batch(fn, q_nope, batch_info, lora_b.shape[0])
+    batch = _end(spec, q_nope, lora_b, batch_info, None, ())
     if backend == "torch":
         return step_a_q_reference(q_nope, lora_b, batch_info, qk_nope_head_dim=qk_nope_head_dim,
                                   v_head_dim=v_head_dim)
@@ -795,18 +823,14 @@ def step_b_q(lora_q: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, base_out
         ``base_output`` or a fresh ``(S, H, kv_lora_rank)`` tensor.
     """
     fn = "step_b_q"
-    _check_data(fn, "lora_q", lora_q, 3)
-    backend = _resolve_backend(fn, backend, lora_q, ("lora_q", lora_q), ("lora_a", lora_a),
-                               ("base_output", base_output))
-    _check_weights(fn, "lora_a", lora_a, lora_q)
+    spec = _SPECS[fn]
+    backend = _begin(spec, lora_q, lora_a, backend, base_output)
     S, H, R = lora_q.shape
     if lora_a.shape[1] != R:
         raise _bad(fn, "lora_a", f"(num_slots, R={R}, kv_lora_rank) (R = lora_q.shape[2])", lora_a)
     _rank_of(fn, "lora_q", R, lora_q, "lora_q.shape[2]")
     shape = (S, H, lora_a.shape[2])
-    if base_output is not None:
-        _check_output(fn, base_output, shape, lora_q)
-    batch = _check_batch(fn, lora_q, batch_info, lora_a.shape[0])
+    batch = _end(spec, lora_q, lora_a, batch_info, base_output, shape)
     if backend == "torch":
         return step_b_q_reference(lora_q, lora_a, batch_info, base_output)
     out = base_output if base_output is not None else _new_output(shape, lora_q.dtype, lora_q.device)
@@ -840,14 +864,13 @@ def step_a_v(attn_latent: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, *,
         ``(S, H, R)``, columns ``>= r`` zero; input of :func:`step_b_v`.
     """
     fn = "step_a_v"
-    _check_data(fn, "attn_latent", attn_latent, 3)
-    backend = _resolve_backend(fn, backend, attn_latent, ("attn_latent", attn_latent), ("lora_a", lora_a))
-    _check_weights(fn, "lora_a", lora_a, attn_latent)
+    spec = _SPECS[fn]
+    backend = _begin(spec, attn_latent, lora_a, backend)
     if lora_a.shape[2] != attn_latent.shape[2]:
         raise _bad(fn, "lora_a", f"(num_slots, R, kv_lora_rank={attn_latent.shape[2]}) (attn_latent.shape[2])",
                    lora_a)
     R = _rank_of(fn, "lora_a", lora_a.shape[1], lora_a, "lora_a.shape[1]")
-    batch = _check_batch(fn, attn_latent, batch_info, lora_a.shape[0])
+    batch = _end(spec, attn_latent, lora_a, batch_info, None, ())
     if backend == "torch":
         return step_a_v_reference(attn_latent, lora_a, batch_info)
     a0, a1, a2 = lora_a.stride()
@@ -884,10 +907,8 @@ def step_b_v(lora_v: Tensor, lora_b: Tensor, batch_info: LoRABatchInfo, base_out
         ``base_output`` or a fresh ``(S, H, v_head_dim)`` tensor.
     """
     fn = "step_b_v"
-    _check_data(fn, "lora_v", lora_v, 3)
-    backend = _resolve_backend(fn, backend, lora_v, ("lora_v", lora_v), ("lora_b", lora_b),
-                               ("base_output", base_output))
-    _check_weights(fn, "lora_b", lora_b, lora_v)
+    spec = _SPECS[fn]
+    backend = _begin(spec, lora_v, lora_b, backend, base_output)
     S, H, R = lora_v.shape
     _mla_dims(fn, "lora_b", lora_b, H, qk_nope_head_dim, v_head_dim)
     if lora_b.shape[2] != R:
@@ -895,9 +916,7 @@ def step_b_v(lora_v: Tensor, lora_b: Tensor, batch_info: LoRABatchInfo, base_out
                    lora_b)
     _rank_of(fn, "lora_v", R, lora_v, "lora_v.shape[2]")
     shape = (S, H, v_head_dim)
-    if base_output is not None:
-        _check_output(fn, base_output, shape, lora_v)
-    batch = _check_batch(fn, lora_v, batch_info, lora_b.shape[0])
+    batch = _end(spec, lora_v, lora_b, batch_info, base_output, shape)
     if backend == "torch":
         return step_b_v_reference(lora_v, lora_b, batch_info, base_output, qk_nope_head_dim=qk_nope_head_dim,
                                   v_head_dim=v_head_dim)

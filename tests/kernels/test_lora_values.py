@@ -110,6 +110,21 @@ def test_lora_grad_is_a_graph_or_a_coded_error():
         assert not sgemm_lora_b(y, wb, _info(), backend="triton").requires_grad
 
 
+def test_lora_expand_into_an_output_that_requires_grad_keeps_the_graph():
+    """An expand updates base_output in place: when base_output requires grad (the base projection's output
+    during training), None runs the differentiable reference and 'triton' is a coded error, as for x and
+    the weights; every public function checks the same three tensors."""
+    y, wb = torch.randn(S, R), torch.randn(2, 8, R)
+    base = torch.randn(S, 8, requires_grad=True)
+    with pytest.raises(GuardError) as err:
+        sgemm_lora_b(y, wb, _info(), base.clone(), backend="triton")
+    assert err.value.code == "GL205" and err.value.argument == "base_output"
+    out = sgemm_lora_b(y, wb, _info(), base.clone())
+    assert out.requires_grad and out.grad_fn is not None
+    out.sum().backward()
+    torch.testing.assert_close(base.grad, torch.ones_like(base))
+
+
 def test_guard_lora_bundled_kernels_derive_no_max_len():
     x, w = _inputs()
     reset_stats()
