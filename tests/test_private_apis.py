@@ -93,3 +93,34 @@ def test_compiled_kernel_launch_attributes():
     source = inspect.getsource(JITFunction.run)
     for needed in ("kernel.run(", "kernel.function", "kernel.packed_metadata"):
         assert needed in source, f"triton {triton.__version__}: JITFunction.run no longer uses {needed}"
+
+
+def test_triton_autotuner_attributes_the_kernels_read():
+    """attention.triton reads the autotuner's ``best_config`` and ``cache``; lora.triton its
+    ``configs_timings`` (with getattr defaults: a rename degrades to re-tuning, never to an error)."""
+    import inspect
+
+    from triton.runtime.autotuner import Autotuner
+
+    source = inspect.getsource(Autotuner)
+    for name in ("self.best_config", "self.configs_timings", "self.cache"):
+        assert name in source, f"triton {triton.__version__}: the autotuner has no {name}"
+
+
+def test_libcst_codegen_state_renders_a_node_like_the_module():
+    """lint/edits.py and lint/positions.py render single nodes with libcst's internal CodegenState (a
+    whole-module render per fix would be far slower): the same text as libcst's public code_for_node."""
+    import libcst as cst
+    from libcst._nodes.internal import CodegenState
+
+    module = cst.parse_module("out = f(a,  b=(c),\n      **kw)  # note\n")
+    call = module.body[0].body[0].value
+    state = CodegenState(default_indent="    ", default_newline="\n")
+    call._codegen(state)
+    assert "".join(state.tokens) == module.code_for_node(call) == "f(a,  b=(c),\n      **kw)"
+    # The indentation a nested node inherits is passed in, as lint/edits.py does for a call inside a block.
+    nested = CodegenState(default_indent="    ", default_newline="\n", indent_tokens=["    "])
+    call._codegen(nested)
+    assert "".join(nested.tokens) == "f(a,  b=(c),\n          **kw)"
+    # lint/chunks.py turns per-node validation off while parsing a chunk, when libcst defines it here.
+    assert "__post_init__" in cst.CSTNode.__dict__ or not hasattr(cst.CSTNode, "__post_init__")
