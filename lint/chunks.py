@@ -254,18 +254,51 @@ def _parse_cst(source: str) -> cst.Module:
             gc.enable()
 
 
-def check(data: bytes, path: str, rules: RuleSet, strict: bool, module_name: Optional[str], is_package: bool,
-          prefilter: bool, pattern_visitor: Callable) -> Optional[FileResult]:
-    """``engine.check_source``'s result for a large file, checked in chunks; None when the file must be
-    checked whole (see the module's docstring). ``pattern_visitor(contract, report)`` makes a pattern
-    rule's visitor."""
+def _text(data: bytes) -> Optional[str]:
+    """A large file's text when it can be split into chunks (plain UTF-8, ``\\n`` line breaks), else None."""
     if len(data) < MIN_BYTES or b"\r" in data or data.startswith(b"\xef\xbb\xbf"):
         return None
     try:
         if tokenize.detect_encoding(io.BytesIO(data).readline)[0] != "utf-8":
             return None
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except (SyntaxError, UnicodeDecodeError, LookupError):
+        return None
+
+
+def parses(data: bytes) -> bool:
+    """True when a large file parses, found chunk by chunk: CPython's whole tree of a 5 MB module is
+    ~600 MB. False when that takes a whole-file parse to know (a small file, one that cannot be split, a
+    chunk that does not parse on its own, a syntax error: the whole parse then reports it where it is).
+
+    Each chunk ends where a line starts a top-level statement and parses on its own, so it closes every
+    bracket, string and block it opens: the chunks one after another parse as the file does."""
+    text = _text(data)
+    if text is None:
+        return False
+    starts = _starts(text)
+    if len(starts) < 2:
+        return False
+    was_enabled = gc.isenabled()
+    gc.disable()  # the trees are dropped at once and hold no cycles
+    try:
+        for start, end in zip(starts, [*starts[1:], len(text)]):
+            ast.parse(text[start:end])
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    finally:
+        if was_enabled:
+            gc.enable()
+    return True
+
+
+def check(data: bytes, path: str, rules: RuleSet, strict: bool, module_name: Optional[str], is_package: bool,
+          prefilter: bool, pattern_visitor: Callable) -> Optional[FileResult]:
+    """``engine.check_source``'s result for a large file, checked in chunks; None when the file must be
+    checked whole (see the module's docstring). ``pattern_visitor(contract, report)`` makes a pattern
+    rule's visitor."""
+    text = _text(data)
+    if text is None:
         return None
     starts = _starts(text)
     if len(starts) < 2 or "__future__" in text[starts[1]:] or "barry_as_FLUFL" in text:

@@ -97,11 +97,21 @@ def _pattern_visitor(contract: Contract, report: Callable):
     return getattr(importlib.import_module(f"guardlint.lint.{module}"), cls)(contract, report)
 
 
+_LARGE_FILE = 512 * 1024
+
+
 def syntax_check(data: bytes, path: str) -> FileResult:
     """GL000 for a file that no rule can match but that does not parse either (files are only fully
     checked when the pre-filter finds a target name in them; syntax errors are reported everywhere)."""
     if len(data) > MAX_BYTES:
         return FileResult(path, [])
+    # A large file is parsed a chunk at a time (its whole tree takes ~120 bytes a byte). From chunks'
+    # default MIN_BYTES on: importing that module loads libcst, which a small file here never needs.
+    if len(data) >= _LARGE_FILE:
+        from . import chunks
+
+        if chunks.parses(data):
+            return FileResult(path, [])
     # The tree is dropped at once and holds no cycles: the collector passes that its allocations
     # would trigger are pure cost (~15% of this function on the sglang tree).
     was_enabled = gc.isenabled()

@@ -138,3 +138,34 @@ def test_chunked_check_of_the_benchmark_module(monkeypatch):
     assert chunked == whole and len(whole) == 600
     whole, chunked = _both_ways(monkeypatch, lambda: fixed_source(source, "large.py", unsafe_fixes=True), 4096)
     assert chunked == whole != source
+
+
+def test_large_file_without_targets_is_syntax_checked_in_chunks(monkeypatch):
+    """A large file no rule can match is only syntax-checked, a chunk at a time (CPython's whole tree of
+    a 5 MB module is ~600 MB): no finding when it parses; its syntax error reported where it is (the
+    whole-file parse decides whenever a chunk fails); a chunk boundary inside a string is no error."""
+    from guardlint.lint import chunks, engine
+
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 4096)
+    source = _large_source(3000).replace("cudnn_vision_attention", "some_other_function")
+    assert len(source) >= engine._LARGE_FILE
+    parsed = []
+    real_parse = chunks.ast.parse
+    monkeypatch.setattr(chunks.ast, "parse", lambda text, *a, **kw: parsed.append(len(text)) or real_parse(text))
+    assert chunks.parses(source.encode())
+    assert len(parsed) > 100 and max(parsed) < 8192, "not parsed a chunk at a time"
+    assert engine.syntax_check(source.encode(), "big.py").findings == []
+
+    lines = source.split("\n")
+    broken_line = len(lines) // 2
+    lines[broken_line - 1] = "    return out *"  # inside a function in the middle of the file
+    bad = "\n".join(lines).encode()
+    assert not chunks.parses(bad)
+    (finding,) = engine.syntax_check(bad, "big.py").findings
+    assert finding.code == "GL000" and finding.line == broken_line
+
+    # "def" at the start of a line inside a triple-quoted string: a chunk that does not parse alone, a file
+    # that does.
+    quoted = source + 'NOTE = """\n' + "def not_code(:\n" * 2000 + '"""\n' + source
+    assert not chunks.parses(quoted.encode())
+    assert engine.syntax_check(quoted.encode(), "big.py").findings == []
