@@ -314,7 +314,10 @@ def check_lora(function: Optional[str], *, seg_indptr: Any, num_segments: Any = 
     """Validate LoRA batch info over its live segments (entries past ``num_segments`` are CUDA-graph
     padding and ignored): prefix sums, slots, ranks (0 <= rank <= ``max_rank``), seg_lens, max_len and
     ``permutation`` (a permutation of ``range(tokens)``), all in one host read. Raises GuardError GL204
-    (inconsistent) or GL203 (max_len == 0 with tokens)."""
+    (inconsistent) or GL203 (max_len == 0 with tokens).
+
+    In two steps: kinds, devices and sizes of what is given, collected for one packed read; then the values
+    (``_check_lora_values``)."""
     _state.counters.checks += 1
     if seg_indptr is None:
         return
@@ -357,43 +360,17 @@ def check_lora(function: Optional[str], *, seg_indptr: Any, num_segments: Any = 
     if hosts is None:
         _skipped()
         return
-    got = dict(zip(names, hosts))
-    live = got["seg_indptr"][:num_segments + 1]
-    arg = prefix + "seg_indptr"
-    if live[0] != 0:
-        raise GuardError("GL204", argument=arg, function=function, expected="prefix sums starting at 0",
-                         got="a nonzero first entry")
-    for i in range(1, len(live)):
-        if live[i] < live[i - 1]:
-            raise GuardError("GL204", argument=arg, function=function,
-                             expected="non-decreasing prefix sums over the live segments",
-                             got=f"a decrease at index {i}")
-    if tokens is not None and live[-1] != tokens:
-        raise GuardError("GL204", argument=arg, function=function,
-                         expected=f"seg_indptr[num_segments] == x's token count {tokens}",
-                         got="a different total (stale num_segments or seg_indptr?)")
-    lengths = _lengths(live)
+    _check_lora_values(dict(zip(names, hosts)), function, num_segments, max_len, tokens, num_slots, max_rank,
+                       prefix)
+
+
+def _check_lora_values(got: dict, function: Optional[str], num_segments: int, max_len: Optional[int],
+                       tokens: Optional[int], num_slots: Optional[int], max_rank: Optional[int], prefix: str) -> None:
+    """The read values of a LoRA batch info (``got``: field name -> host values) over its live segments."""
+    lengths = _live_lengths(got["seg_indptr"][:num_segments + 1], tokens, function, prefix)
     if "weight_indices" in got:
-        wi = got["weight_indices"][:num_segments]
-        if num_slots is not None:
-            bad = next((i for i, w in enumerate(wi) if not 0 <= w < num_slots), None)
-            if bad is not None:
-                raise GuardError("GL204", argument=prefix + "weight_indices", function=function,
-                                 expected=f"slots in [0, {num_slots}) (weights.shape[0])",
-                                 got=f"an out-of-range slot at segment {bad}")
-        if "lora_ranks" in got:
-            ranks = got["lora_ranks"]
-            for i, w in enumerate(wi):
-                if not 0 <= w < len(ranks):
-                    raise GuardError("GL204", argument=prefix + "weight_indices", function=function,
-                                     expected=f"slots in [0, {len(ranks)}) (lora_ranks.shape[0])",
-                                     got=f"an out-of-range slot at segment {i}")
-                if ranks[w] < 0 or (max_rank is not None and ranks[w] > max_rank):
-                    bound = f"in [0, {max_rank}] (the stored rank)" if max_rank is not None else ">= 0"
-                    raise GuardError("GL204", argument=prefix + "lora_ranks", function=function,
-                                     expected=f"ranks {bound}",
-                                     got=f"a {'negative' if ranks[w] < 0 else 'larger'} rank for the adapter of "
-                                         f"segment {i}")
+        _check_slots(got["weight_indices"][:num_segments], got.get("lora_ranks"), num_slots, max_rank, function,
+                     prefix)
     if "permutation" in got:
         problem = permutation_error(got["permutation"])
         if problem is not None:
@@ -407,10 +384,52 @@ def check_lora(function: Optional[str], *, seg_indptr: Any, num_segments: Any = 
                              expected="seg_indptr[1:] - seg_indptr[:-1] over the live segments",
                              got=f"a different length at segment {bad}")
     if max_len is not None:
-        if max_len == 0 and live[-1] > 0:
+        if max_len == 0 and sum(lengths) > 0:
             raise GuardError("GL203", argument=prefix + "max_len", function=function,
                              expected="the longest segment length (> 0: tokens are present)", got="max_len=0")
         if lengths and max_len < max(lengths):
             raise GuardError("GL204", argument=prefix + "max_len", function=function,
                              expected="at least the longest live segment",
                              got=f"max_len={max_len}, shorter than segment {_argmax(lengths)}")
+
+
+def _live_lengths(live: Sequence[int], tokens: Optional[int], function: Optional[str], prefix: str) -> list:
+    """The lengths of the live segments: prefix sums from 0, never decreasing, ending at the token count."""
+    arg = prefix + "seg_indptr"
+    if live[0] != 0:
+        raise GuardError("GL204", argument=arg, function=function, expected="prefix sums starting at 0",
+                         got="a nonzero first entry")
+    for i in range(1, len(live)):
+        if live[i] < live[i - 1]:
+            raise GuardError("GL204", argument=arg, function=function,
+                             expected="non-decreasing prefix sums over the live segments",
+                             got=f"a decrease at index {i}")
+    if tokens is not None and live[-1] != tokens:
+        raise GuardError("GL204", argument=arg, function=function,
+                         expected=f"seg_indptr[num_segments] == x's token count {tokens}",
+                         got="a different total (stale num_segments or seg_indptr?)")
+    return _lengths(live)
+
+
+def _check_slots(wi: Sequence[int], ranks: Optional[Sequence[int]], num_slots: Optional[int],
+                 max_rank: Optional[int], function: Optional[str], prefix: str) -> None:
+    """The live segments' slots in the weight stack and in ``lora_ranks``, and their ranks in [0, max_rank]."""
+    if num_slots is not None:
+        bad = next((i for i, w in enumerate(wi) if not 0 <= w < num_slots), None)
+        if bad is not None:
+            raise GuardError("GL204", argument=prefix + "weight_indices", function=function,
+                             expected=f"slots in [0, {num_slots}) (weights.shape[0])",
+                             got=f"an out-of-range slot at segment {bad}")
+    if ranks is None:
+        return
+    for i, w in enumerate(wi):
+        if not 0 <= w < len(ranks):
+            raise GuardError("GL204", argument=prefix + "weight_indices", function=function,
+                             expected=f"slots in [0, {len(ranks)}) (lora_ranks.shape[0])",
+                             got=f"an out-of-range slot at segment {i}")
+        if ranks[w] < 0 or (max_rank is not None and ranks[w] > max_rank):
+            bound = f"in [0, {max_rank}] (the stored rank)" if max_rank is not None else ">= 0"
+            raise GuardError("GL204", argument=prefix + "lora_ranks", function=function,
+                             expected=f"ranks {bound}",
+                             got=f"a {'negative' if ranks[w] < 0 else 'larger'} rank for the adapter of "
+                                 f"segment {i}")
