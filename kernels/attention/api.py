@@ -225,7 +225,9 @@ def _why_not(name: str, q: torch.Tensor) -> str:
     if name == "gluon":
         if _gluon() is None:
             return "this Triton has no Gluon (triton.experimental.gluon)"
-        return (f"the Gluon kernel takes a Hopper GPU (sm_90), head dims {list(_gluon().HEAD_DIMS)}, float16/"
+        g = _gluon()
+        dims = list(g.HEAD_DIMS) + (list(g.SPLIT_HEAD_DIMS) if g.SPLIT_ENABLED else [])
+        return (f"the Gluon kernel takes a Hopper GPU (sm_90), head dims {dims}, float16/"
                 "bfloat16, non-causal, q/k/v with contiguous heads")
     return ""
 

@@ -17,6 +17,8 @@ Triton kernel. Same math and the same grid as ``attention.triton`` (per sequence
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -31,6 +33,10 @@ BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 ROWS_PER_WG = 64
 BLOCK_N = 128  # keys per K/V tile
 HEAD_DIMS = (64, 128)
+# Head dims run in two power-of-two parts (``attention.gluon_split``): compiled and checked on the CPU, routed
+# only with GUARDLINT_GLUON_SPLIT=1 until a GPU run has checked their numbers.
+SPLIT_HEAD_DIMS = (80, 96)
+SPLIT_ENABLED = os.environ.get("GUARDLINT_GLUON_SPLIT", "0") not in ("", "0")
 # Registers per thread of each consumer warpgroup (setmaxnreg); the producer warp keeps 24.
 CONSUMER_REGS = 240
 
@@ -226,7 +232,8 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, po
     ``pointers=False`` leaves out the base-address check (tensors without storage: torch.compile's fakes)."""
     if causal or q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if q.shape[2] not in HEAD_DIMS or q.shape[0] >= 2 ** 31 or not is_hopper(q.device):
+    if (q.shape[2] not in HEAD_DIMS and not (SPLIT_ENABLED and q.shape[2] in SPLIT_HEAD_DIMS)) \
+            or q.shape[0] >= 2 ** 31 or not is_hopper(q.device):
         return False
     for t in (q, k, v):
         if t.stride(2) != 1 or t.stride(1) != t.shape[2] or (t.stride(0) * t.element_size()) % 16 \
@@ -258,6 +265,10 @@ def varlen_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            max_seqlen: int, softmax_scale: float) -> torch.Tensor:
     """Launch on validated inputs that ``supports`` accepted; a new contiguous output like q."""
     total_tokens, num_heads, head_dim = q.shape
+    if head_dim in SPLIT_HEAD_DIMS:
+        from .gluon_split import varlen_attention_gluon_split
+
+        return varlen_attention_gluon_split(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
     batch = cu_seqlens.shape[0] - 1
     out = new_output(q)
     if total_tokens == 0 or batch <= 0 or max_seqlen <= 0:

@@ -47,6 +47,32 @@ def test_compiles_for_hopper_without_spills(resources, head_dim, dtype):
     assert res["wgmma_waits"] == [0, 1]
 
 
+SPLIT_COMPILED = [(80, "bf16"), (96, "bf16"), (80, "fp16")]
+
+
+@pytest.fixture(scope="module")
+def split_resources():
+    """As ``resources``, for the split kernel (attention.gluon_split)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json; from guardlint.kernels.attention import gluon_split as g; "
+            f"print(json.dumps([g.hopper_resources(d, t) for d, t in {SPLIT_COMPILED!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {(r["head_dim"], r["dtype"]): r for r in json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+@pytest.mark.parametrize("head_dim,dtype", SPLIT_COMPILED)
+def test_split_head_dims_compile_for_hopper_without_spills(split_resources, head_dim, dtype):
+    """80 = 64 + 16 and 96 = 64 + 32 (Gluon's tiles are powers of two): within the register and shared-memory
+    budget, the producer's and consumers' register split as for the other head dims, and S_j waited on
+    while both parts of P_{j-1} V_{j-1} stay in flight (two groups outstanding)."""
+    res = split_resources[(head_dim, dtype)]
+    assert res["spill_bytes"] == 0 and res["shared_bytes"] <= SHARED_MEMORY_PER_BLOCK
+    assert gluon_path.CONSUMER_REGS in res["partition_registers"] and 24 in res["partition_registers"]
+    assert res["wgmma_waits"] == [0, 2]
+    assert sum(res["parts"]) == head_dim and all(p & (p - 1) == 0 for p in res["parts"])
+
+
 @pytest.mark.parametrize("head_dim", gluon_path.HEAD_DIMS)
 def test_the_kv_ring_fits_shared_memory(head_dim):
     stages = gluon_path.stages_for(head_dim)
@@ -82,12 +108,16 @@ def packed(tokens=64, heads=4, head_dim=128, **kw):
     ({}, True),
     ({"dtype": torch.float16}, True),
     ({"dtype": torch.float32}, False),                                      # wgmma here is 16-bit only
-    ({"head_dim": 80}, False),                                              # Triton's kernel runs 80 natively
+    ({"head_dim": 80}, False),                                              # split parts: not verified yet
+    ({"head_dim": 80, "split": True}, True),                                # ... unless GUARDLINT_GLUON_SPLIT=1
+    ({"head_dim": 96, "split": True}, True),
+    ({"head_dim": 112, "split": True}, False),                              # no parts for 112
     ({"ptr": (1 << 20) + 8}, False),                                        # TMA needs 16-byte aligned bases
     ({"device": torch.device("cpu")}, False),
 ])
 def test_supports(monkeypatch, change, expected):
     monkeypatch.setattr(gluon_path, "is_hopper", lambda device: True)
+    monkeypatch.setattr(gluon_path, "SPLIT_ENABLED", change.pop("split", False))
     head_dim = change.pop("head_dim", 128)
     q = packed(head_dim=head_dim, **change)
     kv = packed(heads=2, head_dim=head_dim, **change)

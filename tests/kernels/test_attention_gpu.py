@@ -106,6 +106,24 @@ def test_gluon_matches_float64(head_dim, dtype, poisoned_gluon_output):
 
 
 @hopper_only
+@pytest.mark.parametrize("head_dim", [80, 96])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gluon_split_head_dims_match_float64(head_dim, dtype, poisoned_gluon_output, monkeypatch):
+    """Head dims 80 and 96 in two power-of-two parts (attention.gluon_split), switched on as
+    GUARDLINT_GLUON_SPLIT=1 does: the same batches as the power-of-two head dims, NaN-poisoned output."""
+    from guardlint.kernels.attention import gluon as gluon_path
+
+    monkeypatch.setattr(gluon_path, "SPLIT_ENABLED", True)
+    q, k, v, cu, offsets = make_batch(LENGTHS + [2048, 130], 8, 2, head_dim, dtype, seed=head_dim)
+    assert gluon_path.supports(q, k, v, False)
+    out = varlen_attention(q, k, v, cu, backend="gluon")
+    assert_matches(out, q, k, v, offsets, False)
+    q, k, v, cu, offsets = make_batch([256] * 6, 16, 16, head_dim, dtype, seed=3)
+    out = varlen_attention(q, k, v, cu.long(), backend="gluon", softmax_scale=0.05)
+    assert_matches(out, q, k, v, offsets, False, scale=0.05)
+
+
+@hopper_only
 def test_gluon_equal_lengths_int64_offsets_and_a_scale(poisoned_gluon_output):
     q, k, v, cu, offsets = make_batch([256] * 6, 16, 16, 128, torch.bfloat16, seed=3)
     out = varlen_attention(q, k, v, cu.long(), backend="gluon", softmax_scale=0.05)

@@ -1,0 +1,284 @@
+"""The warp-specialized Hopper kernel of ``attention.gluon`` for head dims that are not a power of two
+(80, 96: Qwen2-VL's and Qwen2.5-VL's vision towers), in two power-of-two parts of the head dim.
+
+Gluon's tiles, register tensors and shared-memory buffers must have power-of-two sides, so a head of 80
+is carried as a 64-wide and a 16-wide part (96: 64 + 32), read by two TMA descriptors each for q, k and v
+(boxes of 128 and 32 bytes). ``S = Q K^T`` is a chain of two wgmmas (K = 64, then 16) into one accumulator;
+``O`` is two accumulators (N = 64 and N = 16) that ``P V`` fills with two wgmmas each step. Everything
+else (the ping-pong of two consumer warpgroups, the producer warp's K/V ring, the in-warpgroup pipelining
+of S_j with P_{j-1} V_{j-1}) is ``attention.gluon``'s.
+
+Status: compiled for sm_90a and checked for spills and shared memory on the CPU
+(``hopper_resources``); not yet run on a GPU, so ``attention.gluon.supports`` does not route any call
+here unless ``GUARDLINT_GLUON_SPLIT=1`` (``attention.gluon.SPLIT_ENABLED``: the GPU tests and the benchmark
+that verify it turn it on).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .._gluon import compile_sm90, smem_layout, tensordesc
+from . import gluon as gluon_path
+from . import triton as triton_path
+from .gluon import BLOCK_M, BLOCK_N, CONSUMER_REGS, ROWS_PER_WG, _pass_turn, _wait_turn
+
+# head dim -> (first part, second part), both powers of two (attention.gluon.SPLIT_HEAD_DIMS).
+PARTS = {80: (64, 16), 96: (64, 32)}
+
+
+def stages_for(head_dim: int) -> int:
+    """K/V ring depth that fits shared memory, as ``attention.gluon.stages_for``."""
+    per_stage = 2 * BLOCK_N * head_dim * 2
+    q_bytes = BLOCK_M * head_dim * 2
+    return max(2, min(4, (226 * 1024 - q_bytes) // per_stage))
+
+
+# Partitions share one signature: (descs, bufs, bars, place, WG, ROWS, BLOCK_N, D0, D1, STAGES). descs and
+# bufs hold each of q, k, v as (first part, second part).
+
+
+@gluon.jit
+def _producer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+              D0: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr):
+    q_desc, q_desc1, k_desc, k_desc1, v_desc, v_desc1 = descs
+    q_smem, q_smem1, k_smem, k_smem1, v_smem, v_smem1 = bufs
+    q_bars, k_bars, v_bars, free_bars, turn_bars = bars
+    o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale = place
+    for w in gl.static_range(2):
+        mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes + q_desc1.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + w * ROWS, q_col], q_bars.index(w), q_smem.index(w))
+        tma.async_copy_global_to_shared(q_desc1, [q_row + w * ROWS, q_col + D0], q_bars.index(w), q_smem1.index(w))
+    for j in range(n_tiles):
+        s = j % STAGES
+        mbarrier.wait(free_bars.index(s), ((j // STAGES) & 1) ^ 1)
+        row = kv_row + j * BLOCK_N
+        mbarrier.expect(k_bars.index(s), k_desc.block_type.nbytes + k_desc1.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_bars.index(s), k_smem.index(s))
+        tma.async_copy_global_to_shared(k_desc1, [row, kv_col + D0], k_bars.index(s), k_smem1.index(s))
+        mbarrier.expect(v_bars.index(s), v_desc.block_type.nbytes + v_desc1.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_bars.index(s), v_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc1, [row, kv_col + D0], v_bars.index(s), v_smem1.index(s))
+
+
+@gluon.jit
+def _scores(q, q1, k_tile, k_tile1, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """Issue S = Q0 K0^T + Q1 K1^T: two chained asynchronous wgmmas (two groups)."""
+    s_tok = warpgroup_mma(q, k_tile.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+    return warpgroup_mma(q1, k_tile1.permute((1, 0)), s_tok, is_async=True)
+
+
+@gluon.jit
+def _kv_step(j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_bars, turn_bars, acc, acc1, m_i,
+             l_i, p_op, p_op1, seq_len, qk_scale, WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, o_layout1: gl.constexpr,
+             p_layout: gl.constexpr, p_layout1: gl.constexpr, MASK: gl.constexpr):
+    """Issue S_j and O += P_{j-1} V_{j-1} (both parts); softmax of S_j while the PV products run."""
+    s = j % STAGES
+    prev = (j - 1) % STAGES
+    mbarrier.wait(k_bars.index(s), (j // STAGES) & 1)
+    mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
+    _wait_turn(turn_bars, j, WG)
+    s_tok = _scores(q, q1, k_smem.index(s), k_smem1.index(s), ROWS, BLOCK_N, s_layout)
+    acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+    acc1 = warpgroup_mma(p_op1, v_smem1.index(prev), acc1, is_async=True)
+    _pass_turn(turn_bars, WG)
+    # Groups retire in order: two outstanding = both S wgmmas done, both PV wgmmas maybe still running.
+    scores, _, _ = warpgroup_mma_wait(2, deps=[s_tok, k_smem.index(s), k_smem1.index(s)])
+    if MASK:
+        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        scores = gl.where((offs_n < seq_len)[None, :], scores, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
+    p = gl.exp2(scores * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc, acc1, _, _, _, _ = warpgroup_mma_wait(0, deps=[acc, acc1, p_op, p_op1, v_smem.index(prev),
+                                                        v_smem1.index(prev)])
+    mbarrier.arrive(free_bars.index(prev), count=1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    acc1 = acc1 * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout1))[:, None]
+    p16 = p.to(q.dtype)
+    return acc, acc1, m_new, l_i, gl.convert_layout(p16, p_layout), gl.convert_layout(p16, p_layout1)
+
+
+@gluon.jit
+def _store(o_ptr, acc, l_i, q_row, stride_ot, col, rows_left, WG: gl.constexpr, ROWS: gl.constexpr,
+           WIDTH: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr):
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    out = acc * gl.convert_layout(1.0 / l_i, row_o)[:, None]
+    rows = gl.arange(0, ROWS, layout=row_o)
+    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, o_layout))
+    ptrs = o_ptr + (q_row + WG * ROWS + rows).to(gl.int64)[:, None] * stride_ot + col + cols[None, :]
+    gl.store(ptrs, out.to(dtype), mask=(rows < rows_left - WG * ROWS)[:, None])
+
+
+@gluon.jit
+def _consumer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+              D0: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr):
+    q_smem, q_smem1, k_smem, k_smem1, v_smem, v_smem1 = bufs
+    q_bars, k_bars, v_bars, free_bars, turn_bars = bars
+    o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale = place
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D0, 16])
+    o_layout1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, D1, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_layout1: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout1, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    acc = gl.zeros([ROWS, D0], gl.float32, o_layout)
+    acc1 = gl.zeros([ROWS, D1], gl.float32, o_layout1)
+
+    mbarrier.wait(q_bars.index(WG), 0)
+    q = q_smem.index(WG)
+    q1 = q_smem1.index(WG)
+
+    # Tile 0: S_0, its softmax, P_0 (the first tile always holds key 0, so every row max is finite).
+    mbarrier.wait(k_bars.index(0), 0)
+    _wait_turn(turn_bars, 0, WG)
+    s_tok = _scores(q, q1, k_smem.index(0), k_smem1.index(0), ROWS, BLOCK_N, s_layout)
+    _pass_turn(turn_bars, WG)
+    scores, _, _, _, _ = warpgroup_mma_wait(0, deps=[s_tok, q, q1, k_smem.index(0), k_smem1.index(0)])
+    offs_n = gl.arange(0, BLOCK_N, layout=col_s)
+    scores = gl.where((offs_n < seq_len)[None, :], scores, float("-inf"))
+    m_i = gl.max(scores, 1) * qk_scale
+    p = gl.exp2(scores * qk_scale - m_i[:, None])
+    l_i = gl.sum(p, 1)
+    p16 = p.to(dtype)
+    p_op = gl.convert_layout(p16, p_layout)
+    p_op1 = gl.convert_layout(p16, p_layout1)
+
+    # Full key tiles need no mask; the last tile (maybe partial: keys past the sequence end) does.
+    for j in range(1, n_tiles - 1):
+        acc, acc1, m_i, l_i, p_op, p_op1 = _kv_step(
+            j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_bars, turn_bars, acc, acc1, m_i, l_i,
+            p_op, p_op1, seq_len, qk_scale, WG, ROWS, BLOCK_N, STAGES, s_layout, o_layout, o_layout1, p_layout,
+            p_layout1, False)
+    if n_tiles > 1:
+        acc, acc1, m_i, l_i, p_op, p_op1 = _kv_step(
+            n_tiles - 1, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_bars, turn_bars, acc, acc1,
+            m_i, l_i, p_op, p_op1, seq_len, qk_scale, WG, ROWS, BLOCK_N, STAGES, s_layout, o_layout, o_layout1,
+            p_layout, p_layout1, True)
+
+    last = (n_tiles - 1) % STAGES
+    mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // STAGES) & 1)
+    _wait_turn(turn_bars, n_tiles, WG)
+    acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+    acc1 = warpgroup_mma(p_op1, v_smem1.index(last), acc1, is_async=True)
+    _pass_turn(turn_bars, WG)
+    acc, acc1, _, _, _, _ = warpgroup_mma_wait(0, deps=[acc, acc1, p_op, p_op1, v_smem.index(last),
+                                                        v_smem1.index(last)])
+    _store(o_ptr, acc, l_i, q_row, stride_ot, q_col, rows_left, WG, ROWS, D0, o_layout, dtype)
+    _store(o_ptr, acc1, l_i, q_row, stride_ot, q_col + D0, rows_left, WG, ROWS, D1, o_layout1, dtype)
+
+
+@gluon.jit
+def _varlen_attention_fwd_ws_split(q_desc, q_desc1, k_desc, k_desc1, v_desc, v_desc1, o_ptr, cu_seqlens, seq_order,
+                                   stride_ot, total_tokens, qk_scale, GROUP: gl.constexpr, D0: gl.constexpr,
+                                   D1: gl.constexpr, SORTED: gl.constexpr, ROWS: gl.constexpr,
+                                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    pid_m = gl.program_id(0)
+    head = gl.program_id(1)
+    seq = gl.program_id(2)
+    if SORTED:
+        seq = gl.minimum(gl.maximum(gl.load(seq_order + seq), 0), gl.num_programs(2) - 1)
+    # Clamped so that any cu_seqlens content stays inside q/k/v/o (TMA coordinates are 32-bit).
+    seq_start = gl.load(cu_seqlens + seq)
+    seq_end = gl.load(cu_seqlens + seq + 1)
+    seq_start = gl.minimum(gl.maximum(seq_start, 0), total_tokens).to(gl.int32)
+    seq_end = gl.minimum(gl.maximum(seq_end, seq_start), total_tokens).to(gl.int32)
+    seq_len = seq_end - seq_start
+    if pid_m * (2 * ROWS) >= seq_len:
+        return
+    q_row = seq_start + pid_m * (2 * ROWS)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    q_smem1 = gl.allocate_shared_memory(q_desc1.dtype, [2] + q_desc1.block_type.shape, q_desc1.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    k_smem1 = gl.allocate_shared_memory(k_desc1.dtype, [STAGES] + k_desc1.block_type.shape, k_desc1.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    v_smem1 = gl.allocate_shared_memory(v_desc1.dtype, [STAGES] + v_desc1.block_type.shape, v_desc1.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(turn_bars.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+        mbarrier.init(free_bars.index(i), count=2)  # released by both consumers
+
+    descs = (q_desc, q_desc1, k_desc, k_desc1, v_desc, v_desc1)
+    bufs = (q_smem, q_smem1, k_smem, k_smem1, v_smem, v_smem1)
+    bars = (q_bars, k_bars, v_bars, free_bars, turn_bars)
+    place = (o_ptr, q_row, seq_start, stride_ot, head * (D0 + D1), (head // GROUP) * (D0 + D1),
+             seq_len - pid_m * (2 * ROWS), seq_len, (seq_len + BLOCK_N - 1) // BLOCK_N, qk_scale)
+    # Constexprs go in the call itself: a tuple held in a variable turns them into runtime values.
+    gl.warp_specialize([
+        (_consumer, (descs, bufs, bars, place, 0, ROWS, BLOCK_N, D0, D1, STAGES)),
+        (_consumer, (descs, bufs, bars, place, 1, ROWS, BLOCK_N, D0, D1, STAGES)),
+        (_producer, (descs, bufs, bars, place, 0, ROWS, BLOCK_N, D0, D1, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+def _descriptors(t: torch.Tensor, rows: int, parts: tuple) -> tuple:
+    """TMA descriptors over (tokens, heads * D), tiles of ``rows`` tokens x each part of one head (the
+    second part's tiles start D0 columns into the head: the kernel adds that to its column)."""
+    total, heads, head_dim = t.shape
+    return tuple(TensorDescriptor(t, [total, heads * head_dim], [t.stride(0), 1], [rows, width],
+                                  smem_layout(rows, width, t.dtype)) for width in parts)
+
+
+def varlen_attention_gluon_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                                 max_seqlen: int, softmax_scale: float) -> torch.Tensor:
+    """Launch on validated inputs (``attention.gluon.supports``) whose head dim is in ``PARTS``."""
+    total_tokens, num_heads, head_dim = q.shape
+    d0, d1 = PARTS[head_dim]
+    batch = cu_seqlens.shape[0] - 1
+    out = gluon_path.new_output(q)
+    if total_tokens == 0 or batch <= 0 or max_seqlen <= 0:
+        return out
+    by_length = triton_path.longest_first(batch, total_tokens, max_seqlen)
+    order = triton_path.sequence_order(cu_seqlens) if by_length else cu_seqlens
+    grid = (triton.cdiv(max_seqlen, BLOCK_M), num_heads, batch)
+    qd, kd, vd = (_descriptors(q, ROWS_PER_WG, (d0, d1)), _descriptors(k, BLOCK_N, (d0, d1)),
+                  _descriptors(v, BLOCK_N, (d0, d1)))
+    _varlen_attention_fwd_ws_split[grid](
+        qd[0], qd[1], kd[0], kd[1], vd[0], vd[1], out, cu_seqlens, order, out.stride(0), total_tokens,
+        softmax_scale * triton_path.LOG2E, GROUP=num_heads // k.shape[1], D0=d0, D1=d1, SORTED=by_length,
+        ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N, STAGES=stages_for(head_dim), CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+    return out
+
+
+def hopper_resources(head_dim: int, dtype: str = "bf16") -> dict:
+    """``attention.gluon.hopper_resources`` for this kernel: compiled for sm_90a without a GPU."""
+    import re
+
+    d0, d1 = PARTS[head_dim]
+    fn = _varlen_attention_fwd_ws_split
+    signature = {name: "constexpr" for name in fn.arg_names}
+    for name, rows in (("q_desc", ROWS_PER_WG), ("k_desc", BLOCK_N), ("v_desc", BLOCK_N)):
+        signature[name] = tensordesc(dtype, rows, d0)
+        signature[name + "1"] = tensordesc(dtype, rows, d1)
+    signature.update(o_ptr="*" + dtype, cu_seqlens="*i32", seq_order="*i32", stride_ot="i32", total_tokens="i32",
+                     qk_scale="fp32")
+    constants = dict(GROUP=1, D0=d0, D1=d1, SORTED=True, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N,
+                     STAGES=stages_for(head_dim), CONSUMER_REGS=CONSUMER_REGS)
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("o_ptr", "cu_seqlens", "seq_order",
+                                                                          "stride_ot")}
+    res = compile_sm90(fn, signature, constants, 4, attrs)
+    ptx = res.pop("ptx")
+    return {"head_dim": head_dim, "dtype": dtype, "parts": [d0, d1], **res,
+            "partition_registers": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                                      ptx)}),
+            "wgmma_waits": sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)})}
