@@ -36,6 +36,10 @@ for s in "$@"; do
     anatomy) step anatomy python3 bench/lora_anatomy.py --write ;;
     tests-rev) step tests-rev python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/guard/test_guard_vit.py tests/kernels/test_attention_gpu.py ;;
     guard) step guard python3 bench/guard_sync.py --write ;;
+    # The Gluon kernel for D=80/96 in two parts (attention.gluon_split), switched on: its GPU tests, then the
+    # D=80 cases side by side with the other backends (results printed, nothing written).
+    attention-split) GUARDLINT_GLUON_SPLIT=1 step attention-split-tests python3 -m pytest -q -m gpu -p no:cacheprovider -k split tests/kernels/test_attention_gpu.py
+                     GUARDLINT_GLUON_SPLIT=1 STEP_TIMEOUT=300 step attention-split python3 bench/attention.py --cases 6img-d80,64x256-d80 --no-flashinfer --budget 240 ;;
     attention-quick) step attention-quick python3 bench/attention.py --quick --no-flashinfer --budget 200 --write ;;
     attention) STEP_TIMEOUT=$(( ${ATTN_BUDGET:-420} + 40 )) step attention python3 bench/attention.py --write-dispatch --write --budget "${ATTN_BUDGET:-420}" ;;
     *) echo "unknown step $s"; rc=1 ;;
