@@ -131,9 +131,7 @@ def _consumer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BL
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
     mbarrier.wait(q_bars.index(WG), 0)
@@ -170,36 +168,37 @@ def _consumer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BL
     _pass_turn(turn_bars, WG)
     acc, _, _ = warpgroup_mma_wait(0, deps=[acc, p_op, v_smem.index(last)])
 
+    _store(o_ptr, acc, l_i, q_row, stride_ot, q_col, rows_left, WG, ROWS, HEAD_DIM, o_layout, dtype)
+
+
+@gluon.jit
+def _store(o_ptr, acc, l_i, q_row, stride_ot, col, rows_left, WG: gl.constexpr, ROWS: gl.constexpr,
+           WIDTH: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr):
+    """A consumer's ``WIDTH`` output columns from ``col`` on: ``acc / l``, its rows inside the sequence."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     out = acc * gl.convert_layout(1.0 / l_i, row_o)[:, None]
     rows = gl.arange(0, ROWS, layout=row_o)
-    cols = gl.arange(0, HEAD_DIM, layout=col_o)
-    ptrs = o_ptr + (q_row + WG * ROWS + rows).to(gl.int64)[:, None] * stride_ot + q_col + cols[None, :]
+    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, o_layout))
+    ptrs = o_ptr + (q_row + WG * ROWS + rows).to(gl.int64)[:, None] * stride_ot + col + cols[None, :]
     gl.store(ptrs, out.to(dtype), mask=(rows < rows_left - WG * ROWS)[:, None])
 
 
 @gluon.jit
-def _varlen_attention_fwd_ws(q_desc, k_desc, v_desc, o_ptr, cu_seqlens, seq_order, stride_ot, total_tokens,
-                             qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, SORTED: gl.constexpr,
-                             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr):
-    pid_m = gl.program_id(0)
-    head = gl.program_id(1)
-    seq = gl.program_id(2)
+def _sequence(cu_seqlens, seq_order, seq, total_tokens, SORTED: gl.constexpr):
+    """(start, length) of the program's sequence (longest first when SORTED), clamped so that any cu_seqlens
+    content stays inside q/k/v/o (TMA coordinates are 32-bit)."""
     if SORTED:
         seq = gl.minimum(gl.maximum(gl.load(seq_order + seq), 0), gl.num_programs(2) - 1)
-    # Clamped so that any cu_seqlens content stays inside q/k/v/o (TMA coordinates are 32-bit).
     seq_start = gl.load(cu_seqlens + seq)
     seq_end = gl.load(cu_seqlens + seq + 1)
     seq_start = gl.minimum(gl.maximum(seq_start, 0), total_tokens).to(gl.int32)
     seq_end = gl.minimum(gl.maximum(seq_end, seq_start), total_tokens).to(gl.int32)
-    seq_len = seq_end - seq_start
-    if pid_m * (2 * ROWS) >= seq_len:
-        return
-    q_row = seq_start + pid_m * (2 * ROWS)
+    return seq_start, seq_end - seq_start
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+
+@gluon.jit
+def _barriers(STAGES: gl.constexpr):
+    """(Q ready per consumer, K ready, V ready, stage free, ping-pong turns), initialised."""
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -212,10 +211,28 @@ def _varlen_attention_fwd_ws(q_desc, k_desc, v_desc, o_ptr, cu_seqlens, seq_orde
         mbarrier.init(k_bars.index(i), count=1)
         mbarrier.init(v_bars.index(i), count=1)
         mbarrier.init(free_bars.index(i), count=2)  # released by both consumers
+    return q_bars, k_bars, v_bars, free_bars, turn_bars
 
+
+@gluon.jit
+def _varlen_attention_fwd_ws(q_desc, k_desc, v_desc, o_ptr, cu_seqlens, seq_order, stride_ot, total_tokens,
+                             qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, SORTED: gl.constexpr,
+                             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr):
+    pid_m = gl.program_id(0)
+    head = gl.program_id(1)
+    seq = gl.program_id(2)
+    seq_start, seq_len = _sequence(cu_seqlens, seq_order, seq, total_tokens, SORTED)
+    if pid_m * (2 * ROWS) >= seq_len:
+        return
+    q_row = seq_start + pid_m * (2 * ROWS)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    bars = _barriers(STAGES)
     descs = (q_desc, k_desc, v_desc)
     bufs = (q_smem, k_smem, v_smem)
-    bars = (q_bars, k_bars, v_bars, free_bars, turn_bars)
     place = (o_ptr, q_row, seq_start, stride_ot, head * HEAD_DIM, (head // GROUP) * HEAD_DIM,
              seq_len - pid_m * (2 * ROWS), seq_len, (seq_len + BLOCK_N - 1) // BLOCK_N, qk_scale)
     # Constexprs go in the call itself: a tuple held in a variable turns them into runtime values.
@@ -288,20 +305,28 @@ def hopper_resources(head_dim: int, dtype: str = "bf16") -> dict:
     """Compile the kernel for sm_90a without a GPU and read its resources: registers per thread at launch
     (setmaxnreg then moves them between partitions), spill bytes, shared memory, the per-partition register
     counts and the wgmma wait depths. Call it in a process without TRITON_INTERPRET (the tests spawn one)."""
+    descs = dict(q_desc=tensordesc(dtype, ROWS_PER_WG, head_dim), k_desc=tensordesc(dtype, BLOCK_N, head_dim),
+                 v_desc=tensordesc(dtype, BLOCK_N, head_dim))
+    res = compiled_resources(_varlen_attention_fwd_ws, descs, dtype,
+                             dict(HEAD_DIM=head_dim, STAGES=stages_for(head_dim)))
+    return {"head_dim": head_dim, "dtype": dtype, **res}
+
+
+def compiled_resources(fn, descs: dict, dtype: str, constants: dict) -> dict:
+    """``hopper_resources`` of an attention kernel of this module's signature (``attention.gluon_split``'s
+    too): ``descs`` its descriptor arguments' types, ``constants`` its own constexprs."""
     import re
 
-    fn = _varlen_attention_fwd_ws
     signature = {name: "constexpr" for name in fn.arg_names}
-    signature.update(q_desc=tensordesc(dtype, ROWS_PER_WG, head_dim), k_desc=tensordesc(dtype, BLOCK_N, head_dim),
-                     v_desc=tensordesc(dtype, BLOCK_N, head_dim), o_ptr="*" + dtype, cu_seqlens="*i32",
-                     seq_order="*i32", stride_ot="i32", total_tokens="i32", qk_scale="fp32")
-    constants = dict(GROUP=1, HEAD_DIM=head_dim, SORTED=True, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N,
-                     STAGES=stages_for(head_dim), CONSUMER_REGS=CONSUMER_REGS)
+    signature.update(descs, o_ptr="*" + dtype, cu_seqlens="*i32", seq_order="*i32", stride_ot="i32",
+                     total_tokens="i32", qk_scale="fp32")
+    constants = dict(GROUP=1, SORTED=True, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N, CONSUMER_REGS=CONSUMER_REGS,
+                     **constants)
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("o_ptr", "cu_seqlens", "seq_order",
                                                                           "stride_ot")}
     res = compile_sm90(fn, signature, constants, 4, attrs)
     ptx = res.pop("ptx")
-    return {"head_dim": head_dim, "dtype": dtype, **res,
+    return {**res,
             "partition_registers": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                                       ptx)}),
             "wgmma_waits": sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)})}

@@ -22,20 +22,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .._gluon import compile_sm90, smem_layout, tensordesc
+from .._gluon import smem_layout, tensordesc
 from . import gluon as gluon_path
 from . import triton as triton_path
-from .gluon import BLOCK_M, BLOCK_N, CONSUMER_REGS, ROWS_PER_WG, _pass_turn, _wait_turn
+from .gluon import (BLOCK_M, BLOCK_N, CONSUMER_REGS, ROWS_PER_WG, _barriers, _pass_turn, _sequence, _store,
+                    _wait_turn, compiled_resources, stages_for)
 
 # head dim -> (first part, second part), both powers of two (attention.gluon.SPLIT_HEAD_DIMS).
 PARTS = {80: (64, 16), 96: (64, 32)}
-
-
-def stages_for(head_dim: int) -> int:
-    """K/V ring depth that fits shared memory, as ``attention.gluon.stages_for``."""
-    per_stage = 2 * BLOCK_N * head_dim * 2
-    q_bytes = BLOCK_M * head_dim * 2
-    return max(2, min(4, (226 * 1024 - q_bytes) // per_stage))
 
 
 # Partitions share one signature: (descs, bufs, bars, place, WG, ROWS, BLOCK_N, D0, D1, STAGES). descs and
@@ -104,17 +98,6 @@ def _kv_step(j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_ba
     acc1 = acc1 * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout1))[:, None]
     p16 = p.to(q.dtype)
     return acc, acc1, m_new, l_i, gl.convert_layout(p16, p_layout), gl.convert_layout(p16, p_layout1)
-
-
-@gluon.jit
-def _store(o_ptr, acc, l_i, q_row, stride_ot, col, rows_left, WG: gl.constexpr, ROWS: gl.constexpr,
-           WIDTH: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr):
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    out = acc * gl.convert_layout(1.0 / l_i, row_o)[:, None]
-    rows = gl.arange(0, ROWS, layout=row_o)
-    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, o_layout))
-    ptrs = o_ptr + (q_row + WG * ROWS + rows).to(gl.int64)[:, None] * stride_ot + col + cols[None, :]
-    gl.store(ptrs, out.to(dtype), mask=(rows < rows_left - WG * ROWS)[:, None])
 
 
 @gluon.jit
@@ -187,14 +170,7 @@ def _varlen_attention_fwd_ws_split(q_desc, q_desc1, k_desc, k_desc1, v_desc, v_d
     pid_m = gl.program_id(0)
     head = gl.program_id(1)
     seq = gl.program_id(2)
-    if SORTED:
-        seq = gl.minimum(gl.maximum(gl.load(seq_order + seq), 0), gl.num_programs(2) - 1)
-    # Clamped so that any cu_seqlens content stays inside q/k/v/o (TMA coordinates are 32-bit).
-    seq_start = gl.load(cu_seqlens + seq)
-    seq_end = gl.load(cu_seqlens + seq + 1)
-    seq_start = gl.minimum(gl.maximum(seq_start, 0), total_tokens).to(gl.int32)
-    seq_end = gl.minimum(gl.maximum(seq_end, seq_start), total_tokens).to(gl.int32)
-    seq_len = seq_end - seq_start
+    seq_start, seq_len = _sequence(cu_seqlens, seq_order, seq, total_tokens, SORTED)
     if pid_m * (2 * ROWS) >= seq_len:
         return
     q_row = seq_start + pid_m * (2 * ROWS)
@@ -205,22 +181,9 @@ def _varlen_attention_fwd_ws_split(q_desc, q_desc1, k_desc, k_desc1, v_desc, v_d
     k_smem1 = gl.allocate_shared_memory(k_desc1.dtype, [STAGES] + k_desc1.block_type.shape, k_desc1.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     v_smem1 = gl.allocate_shared_memory(v_desc1.dtype, [STAGES] + v_desc1.block_type.shape, v_desc1.layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_bars.index(i), count=1)
-        mbarrier.init(turn_bars.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
-        mbarrier.init(free_bars.index(i), count=2)  # released by both consumers
-
+    bars = _barriers(STAGES)
     descs = (q_desc, q_desc1, k_desc, k_desc1, v_desc, v_desc1)
     bufs = (q_smem, q_smem1, k_smem, k_smem1, v_smem, v_smem1)
-    bars = (q_bars, k_bars, v_bars, free_bars, turn_bars)
     place = (o_ptr, q_row, seq_start, stride_ot, head * (D0 + D1), (head // GROUP) * (D0 + D1),
              seq_len - pid_m * (2 * ROWS), seq_len, (seq_len + BLOCK_N - 1) // BLOCK_N, qk_scale)
     # Constexprs go in the call itself: a tuple held in a variable turns them into runtime values.
@@ -262,23 +225,11 @@ def varlen_attention_gluon_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 def hopper_resources(head_dim: int, dtype: str = "bf16") -> dict:
     """``attention.gluon.hopper_resources`` for this kernel: compiled for sm_90a without a GPU."""
-    import re
-
     d0, d1 = PARTS[head_dim]
-    fn = _varlen_attention_fwd_ws_split
-    signature = {name: "constexpr" for name in fn.arg_names}
+    descs = {}
     for name, rows in (("q_desc", ROWS_PER_WG), ("k_desc", BLOCK_N), ("v_desc", BLOCK_N)):
-        signature[name] = tensordesc(dtype, rows, d0)
-        signature[name + "1"] = tensordesc(dtype, rows, d1)
-    signature.update(o_ptr="*" + dtype, cu_seqlens="*i32", seq_order="*i32", stride_ot="i32", total_tokens="i32",
-                     qk_scale="fp32")
-    constants = dict(GROUP=1, D0=d0, D1=d1, SORTED=True, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N,
-                     STAGES=stages_for(head_dim), CONSUMER_REGS=CONSUMER_REGS)
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("o_ptr", "cu_seqlens", "seq_order",
-                                                                          "stride_ot")}
-    res = compile_sm90(fn, signature, constants, 4, attrs)
-    ptx = res.pop("ptx")
-    return {"head_dim": head_dim, "dtype": dtype, "parts": [d0, d1], **res,
-            "partition_registers": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
-                                                                      ptx)}),
-            "wgmma_waits": sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)})}
+        descs[name] = tensordesc(dtype, rows, d0)
+        descs[name + "1"] = tensordesc(dtype, rows, d1)
+    res = compiled_resources(_varlen_attention_fwd_ws_split, descs, dtype,
+                             dict(D0=d0, D1=d1, STAGES=stages_for(head_dim)))
+    return {"head_dim": head_dim, "dtype": dtype, "parts": [d0, d1], **res}
