@@ -22,23 +22,26 @@ SHARED_MEMORY_PER_BLOCK = 227 * 1024
 
 
 COMPILED = [(64, "bf16"), (128, "bf16"), (128, "fp16")]
+SPLIT_COMPILED = [(80, "bf16"), (96, "bf16"), (80, "fp16")]
 
 
 @pytest.fixture(scope="module")
 def resources():
-    """ptxas resources per (head_dim, dtype), compiled in a fresh process: this one runs Triton's
-    interpreter (TRITON_INTERPRET=1 before the kernels were defined), which cannot compile for a GPU."""
+    """ptxas resources per (module, head_dim, dtype) of both kernels (``gluon``, ``gluon_split``), compiled
+    in a fresh process: this one runs Triton's interpreter (TRITON_INTERPRET=1 before the kernels were
+    defined), which cannot compile for a GPU."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from guardlint.kernels.attention import gluon as g; "
-            f"print(json.dumps([g.hopper_resources(d, t) for d, t in {COMPILED!r}]))")
+    code = ("import json; from guardlint.kernels.attention import gluon, gluon_split; "
+            f"print(json.dumps([dict(m.hopper_resources(d, t), module=m.__name__.rsplit('.', 1)[1]) "
+            f"for m, configs in ((gluon, {COMPILED!r}), (gluon_split, {SPLIT_COMPILED!r})) for d, t in configs]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return {(r["head_dim"], r["dtype"]): r for r in json.loads(done.stdout.strip().splitlines()[-1])}
+    return {(r["module"], r["head_dim"], r["dtype"]): r for r in json.loads(done.stdout.strip().splitlines()[-1])}
 
 
 @pytest.mark.parametrize("head_dim,dtype", COMPILED)
 def test_compiles_for_hopper_without_spills(resources, head_dim, dtype):
-    res = resources[(head_dim, dtype)]
+    res = resources[("gluon", head_dim, dtype)]
     assert res["spill_bytes"] == 0
     assert res["shared_bytes"] <= SHARED_MEMORY_PER_BLOCK
     # setmaxnreg: the producer warp gives registers up, the consumer warpgroups take them.
@@ -47,26 +50,12 @@ def test_compiles_for_hopper_without_spills(resources, head_dim, dtype):
     assert res["wgmma_waits"] == [0, 1]
 
 
-SPLIT_COMPILED = [(80, "bf16"), (96, "bf16"), (80, "fp16")]
-
-
-@pytest.fixture(scope="module")
-def split_resources():
-    """As ``resources``, for the split kernel (attention.gluon_split)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from guardlint.kernels.attention import gluon_split as g; "
-            f"print(json.dumps([g.hopper_resources(d, t) for d, t in {SPLIT_COMPILED!r}]))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {(r["head_dim"], r["dtype"]): r for r in json.loads(done.stdout.strip().splitlines()[-1])}
-
-
 @pytest.mark.parametrize("head_dim,dtype", SPLIT_COMPILED)
-def test_split_head_dims_compile_for_hopper_without_spills(split_resources, head_dim, dtype):
+def test_split_head_dims_compile_for_hopper_without_spills(resources, head_dim, dtype):
     """80 = 64 + 16 and 96 = 64 + 32 (Gluon's tiles are powers of two): within the register and shared-memory
     budget, the producer's and consumers' register split as for the other head dims, and S_j waited on
     while both parts of P_{j-1} V_{j-1} stay in flight (two groups outstanding)."""
-    res = split_resources[(head_dim, dtype)]
+    res = resources[("gluon_split", head_dim, dtype)]
     assert res["spill_bytes"] == 0 and res["shared_bytes"] <= SHARED_MEMORY_PER_BLOCK
     assert gluon_path.CONSUMER_REGS in res["partition_registers"] and 24 in res["partition_registers"]
     assert res["wgmma_waits"] == [0, 2]
