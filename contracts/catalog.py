@@ -291,7 +291,9 @@ GL101 = Contract(
         Target(OUR_CUDNN, "function"),
         # vLLM's FlashInfer (cuDNN) path asserts sequence_lengths whenever cu_seqlens is given (its
         # issue 42787); calls without cu_seqlens take the fixed-length path.
-        Target(VLLM_MM, "instance", params=VLLM_MM_PARAMS, when_passed=("cu_seqlens",)),
+        Target(VLLM_MM, "instance", params=VLLM_MM_PARAMS, when_passed=("cu_seqlens",),
+               message="MMEncoderAttention on the FlashInfer cuDNN encoder backend asserts sequence_lengths "
+                       "is not None"),
     ),
     params=VISION_PARAMS,
     require=(("forward_metadata",), ("sequence_lengths",)),
@@ -398,7 +400,7 @@ GL104 = Contract(
     kind="pattern",
     severity="warning",
     diagnosis=Diagnosis(
-        message="host sync in a per-layer forward: compute max_seqlen once per model forward",
+        message="host sync in a per-layer forward: read the lengths once per model forward",
         what_it_means=(
             ".item(), .tolist(), int(t), bool(t), float(t), int(t.max()) or an if/while test of "
             "cu_seqlens-like tensors copies a value from the GPU and "
@@ -410,7 +412,8 @@ GL104 = Contract(
             "cu_seqlens/seq_lens/seg_lens in its own forward, or a loop over layers does it per iteration."
         ),
         solutions=(
-            "Compute it once in the model's forward (or prepare_varlen_metadata) and pass it down.",
+            "Compute it once in the model's forward (or prepare_varlen_metadata) and pass it down; a bounds "
+            "check of the offsets belongs there too, once per batch.",
             "Keep the lengths on the host when they come from the host (image grids are host data).",
         ),
         fix_safety="No automatic fix: moving the computation out of the layer changes the call graph "

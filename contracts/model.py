@@ -108,12 +108,15 @@ class Target:
     (a backend picked by configuration) are candidates of every class in it.
 
     ``params`` replaces the contract's parameter order for this target (engines differ); with
-    ``when_passed``, the contract applies only to calls that pass each of these names and not None."""
+    ``when_passed``, the contract applies only to calls that pass each of these names and not None.
+    ``message`` replaces the diagnosis message for this target's calls where its engine fails in other
+    words than the contract's seed error."""
 
     qualname: str
     kind: Literal["function", "class", "instance"] = "function"
     params: Tuple[str, ...] = ()
     when_passed: Tuple[str, ...] = ()
+    message: str = ""
 
     @property
     def short_name(self) -> str:

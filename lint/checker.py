@@ -204,7 +204,7 @@ class Checker:
         target = c.target(qual)
         if target is not None and target.when_passed and not set(target.when_passed) <= bound.present():
             return
-        diag = _stem(c.diagnosis.message)
+        diag = _stem(target.message if target is not None and target.message else c.diagnosis.message)
         if c.kind == "call":
             if guarded:  # the guard derives what is missing at runtime
                 return
@@ -215,7 +215,11 @@ class Checker:
                 self._unknown(c, node, label, bound, out)
                 return
             nones = [n for g in c.require for n in g if _top(n) in bound.explicit_none()]
-            out.append(RawFinding(node, c, f"{diag}: {label} {_alternatives(c.require)}"
+            # A target with its own parameter list names only the alternatives it takes (vLLM's
+            # MMEncoderAttention has no forward_metadata).
+            own = set(target.params) if target is not None and target.params else None
+            groups = [g for g in c.require if own is None or all(_top(n) in own for n in g)] or list(c.require)
+            out.append(RawFinding(node, c, f"{diag}: {label} {_alternatives(groups)}"
                                   f"{_none_note(list(dict.fromkeys(nones)))}", c.severity,
                                   how="call", bound=bound, scope=scope, seq=seq, label=label))
         elif c.kind == "positional":

@@ -311,7 +311,10 @@ def plan_call(contract: Contract, call: cst.Call, bound_values: dict, can_import
         return None
     derivations = tuple(d for d in contract.derivations if d.applies_to(qual or None))
     if not derivations:
-        return NoFix("the engine offers no helper to write here")
+        # vLLM's MMEncoderAttention.maybe_compute_seq_lens, say, needs the attention backend and the host
+        # offsets, which a call site does not have: that belongs in the model's forward, once.
+        return NoFix(f"nothing this call has can build it: compute it once per model forward with the engine's "
+                     f"own helper (guardlint explain {contract.code})")
     contract = _with_derivations(contract, derivations)
     in_scope = in_scope or (lambda name: False)
 
