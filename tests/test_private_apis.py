@@ -21,7 +21,6 @@ TORCH_C = {
     "_increment_version": ("required", "an in-place LoRA launch bumps its output's version, as the op would"),
     "_len_torch_dispatch_stack": ("required", "eager LoRA calls take the custom op under a dispatch mode"),
     "_cuda_getCurrentRawStream": ("cuda", "the stream of a direct Triton launch and of eager split-K buffers"),
-    "_cuda_isCurrentStreamCapturing": ("fallback", "torch.cuda.is_current_stream_capturing"),
     "_cuda_getDevice": ("fallback", "torch.cuda.current_device"),
 }
 

@@ -14,6 +14,7 @@ import torch
 from guardlint.contracts import get as get_contract
 from guardlint.guard import GuardError, describe, guard_cudnn_vision, guard_varlen, prepare_varlen_metadata
 from guardlint.guard._cache import MISS, IdentityCache
+from guardlint.guard.metadata import capturing
 from guardlint.guard.validate import plan_fits
 
 from .. import _gluon as gluon_modules
@@ -396,12 +397,11 @@ def _run(name: str, q, k, v, cu_seqlens, sequence_lengths, max_seqlen: int, scal
 _calls: dict = {}
 _MAX_CALLS = 4096
 _CHOOSING = ("auto", "flashinfer")
-_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
 def _capturing(q: torch.Tensor) -> bool:
     """Is this call being captured into a CUDA graph (on q's current stream)?"""
-    return q.is_cuda and _stream_capturing()
+    return capturing(q.device)
 _SCALE_TYPES = (type(None), float, int)
 dispatch.dependent_caches.append(_calls)
 

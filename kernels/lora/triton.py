@@ -74,6 +74,8 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from guardlint.guard.metadata import capturing
+
 from .. import _gluon
 from .._launch import DirectLaunch
 
@@ -707,7 +709,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _capturing(x: torch.Tensor) -> bool:
     """Is a CUDA graph being captured on x's current stream (where a launch's host time is never paid again)?"""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+    return capturing(x.device)
 
 
 def _pow2_clamp(n: int, lo: int, hi: int) -> int:
@@ -770,7 +772,6 @@ def _shrink_grid(num_tokens: int, num_segments: int, heads: int, N: int, block_s
 
 
 _NO_SPLIT: dict = {}
-_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 # Eager split-K buffers per (device index, raw stream): (partials, arrival counters, their sizes), grown on
 # demand.
 _SPLIT_EAGER: dict = {}
@@ -802,7 +803,7 @@ def _split_pair(device: torch.device, cells: int, tiles: int) -> tuple:
     (ordered one after another) share one pair per stream, grown when a launch needs more: no allocation and
     no memset per call. Under CUDA-graph capture (a graph may be replayed beside another, or beside eager
     work) and off the GPU they are allocated per call, stream-ordered by the caching allocator."""
-    if device.type != "cuda" or _stream_capturing():
+    if device.type != "cuda" or capturing(device):
         return (torch.empty(cells, dtype=torch.float32, device=device),
                 torch.zeros(tiles, dtype=torch.int32, device=device))
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
