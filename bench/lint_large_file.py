@@ -41,6 +41,12 @@ def large_source(calls: int) -> str:
     return HEADER + "".join(FUNCTION.format(i=i, m=i % 7) for i in range(calls))
 
 
+# The child's own peak: VmHWM of its address space. (getrusage's ru_maxrss survives fork + exec, so a child
+# started by this process, once it holds a large result, would report this process's size.)
+PEAK_KB = ("(int(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM'))) "
+           "if sys.platform == 'linux' else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+
+
 def run_check(path: Path, extra: tuple[str, ...] = ()) -> dict:
     """``guardlint check path`` in a fresh process: wall time, exit code, findings, the child's peak RSS."""
     code = ("import resource, sys, time\n"
@@ -50,8 +56,7 @@ def run_check(path: Path, extra: tuple[str, ...] = ()) -> dict:
             "    main(sys.argv[1:], standalone_mode=False)\n"
             "except SystemExit:\n"
             "    pass\n"
-            "sys.stderr.write('\\nBENCH %.3f %d\\n' % (time.perf_counter() - t,"
-            " resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))\n")
+            f"sys.stderr.write('\\nBENCH %.3f %d\\n' % (time.perf_counter() - t, {PEAK_KB}))\n")
     cmd = [sys.executable, "-c", code, "check", "--format", "json", "--jobs", "1", *extra, str(path)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=path.parent)
@@ -60,9 +65,25 @@ def run_check(path: Path, extra: tuple[str, ...] = ()) -> dict:
     if not line:
         raise SystemExit(f"the check failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
     _, seconds, rss_kb = line[-1].split()
-    findings = json.loads(proc.stdout) if proc.stdout.strip() else []
+    findings = len(json.loads(proc.stdout)) if proc.stdout.strip() else 0
     return {"wall_s": round(wall, 3), "check_s": float(seconds), "peak_rss_mb": round(int(rss_kb) / 1024, 1),
-            "findings": len(findings)}
+            "findings": findings}
+
+
+def run_parse(path: Path, how: str) -> dict:
+    """Peak RSS and time of the syntax check a file no rule matches gets under ``runner.PARSE_EVERY_FILE``
+    (``how="syntax_check"``: a large file a chunk at a time), or of one whole-file ``ast.parse``."""
+    code = ("import ast, resource, sys, time\n"
+            "from guardlint.lint.engine import syntax_check\n"
+            "data = open(sys.argv[1], 'rb').read()\n"
+            "t = time.perf_counter()\n"
+            f"found = len(syntax_check(data, sys.argv[1]).findings) if {how!r} == 'syntax_check' else "
+            "ast.parse(data) and 0\n"
+            f"print(time.perf_counter() - t, {PEAK_KB}, found)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
+    seconds, rss_kb, found = proc.stdout.split()
+    return {f"{how}_s": round(float(seconds), 3), f"{how}_peak_rss_mb": round(int(rss_kb) / 1024, 1),
+            f"{how}_findings": int(found)}
 
 
 def main(argv=None) -> int:
@@ -90,7 +111,11 @@ def main(argv=None) -> int:
         path.write_text(large_source(n).replace("cudnn_vision_attention", "some_other_function"))
         r = run_check(path)
         r.update(calls=n, mb=round(path.stat().st_size / 1e6, 2), targets=False)
+        r.update(run_parse(path, "syntax_check"))
+        r.update(run_parse(path, "ast_parse"))
         rows.append(r)
+        print(f"  no target: syntax check {r['syntax_check_s']:.2f} s, {r['syntax_check_peak_rss_mb']} MB peak; "
+              f"one whole ast.parse {r['ast_parse_s']:.2f} s, {r['ast_parse_peak_rss_mb']} MB", file=sys.stderr)
     print(f"{'calls':>7} {'targets':>7} {'MB':>6} {'check s':>8} {'us/call':>8} {'peak RSS MB':>12} {'findings':>9}")
     for r in rows:
         print(f"{r['calls']:>7} {str(r['targets']):>7} {r['mb']:>6} {r['check_s']:>8.2f} "
