@@ -7,7 +7,7 @@ device time of the call replayed from a CUDA graph. Every call passes prepared m
 serving engine): no host read of cu_seqlens.
 
 Calls: ``varlen_attention`` on ``triton`` (launched directly once compiled, kernels/_launch.py), the same
-through ``JITFunction.run`` (direct launches off), ``auto``, ``gluon`` (D=128), ``torch-varlen``; FlashInfer
+through ``JITFunction.run`` (direct launches off), ``auto``, ``gluon`` (the same two ways), ``torch-varlen``; FlashInfer
 FA2 as its own users call it (``wrapper.run(q, k, v)`` on a wrapper planned once: FA2 does not build for D=80)
 and through ``varlen_attention(backend="flashinfer-fa2")``. Each output is checked against a float64
 reference first.
@@ -37,6 +37,7 @@ try:
 
     from guardlint.kernels.attention import dispatch
     from guardlint.kernels.attention import flashinfer as fi
+    from guardlint.kernels.attention import gluon as gluon_path
     from guardlint.kernels.attention import triton as triton_path
     from guardlint.kernels import varlen_attention
 except ImportError as e:
@@ -60,15 +61,16 @@ def one_round(call) -> tuple:
 
 @contextlib.contextmanager
 def direct_launches(on: bool):
-    """The Triton attention kernel's direct launches on or off (off: every launch through JITFunction.run)."""
-    entries = list(triton_path._launches.values())
+    """The attention kernels' direct launches (Triton and Gluon) on or off (off: every launch through
+    JITFunction.run)."""
+    entries = [entry[2] for entry in triton_path._launches.values()] + list(gluon_path._direct.values())
     for entry in entries:
-        entry[2].enabled = on
+        entry.enabled = on
     try:
         yield
     finally:
         for entry in entries:
-            entry[2].enabled = True
+            entry.enabled = True
 
 
 def flashinfer_fa2(q, k, v, offsets, scale):
@@ -139,8 +141,8 @@ def main() -> int:
                 print(f"{case.name:12s} {backend:40s} skipped: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
                 continue
             calls[backend] = (lambda b=backend: varlen_attention(q, k, v, cu, metadata=plan, backend=b), True, out)
-            if backend == "triton":
-                calls["triton, launch through JITFunction.run"] = (calls["triton"][0], False, out)
+            if backend in ("triton", "gluon"):
+                calls[f"{backend}, launch through JITFunction.run"] = (calls[backend][0], False, out)
         fa2 = flashinfer_fa2(q, k, v, offsets, scale)
         if fa2 is not None:
             calls["FlashInfer FA2 wrapper.run (planned once)"] = (fa2, True, fa2())

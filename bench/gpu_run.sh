@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on the offline H200 machine: install guardlint, unpack the FlashInfer bundle (.gpu-deps, made by
 # ../shared/gpu/make_flashinfer_bundle.sh), then run the named steps and pack results + logs into $OUT.
-#   bash bench/gpu_run.sh tests tests-flashinfer engines lora-tests lora eager eager-profile anatomy guard attention-quick
-#   attention
+#   bash bench/gpu_run.sh tests tests-flashinfer tests-gluon engines lora-tests lora eager eager-profile anatomy guard
+#   attention-eager attention-quick attention
 # The engines step needs einops in .gpu-deps/wheels and the engine sources it loads carried (.engines/...).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -36,10 +36,8 @@ for s in "$@"; do
     anatomy) step anatomy python3 bench/lora_anatomy.py --write ;;
     tests-rev) step tests-rev python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/guard/test_guard_vit.py tests/kernels/test_attention_gpu.py ;;
     guard) step guard python3 bench/guard_sync.py --write ;;
-    # The Gluon kernel for D=80/96 in two parts (attention.gluon_split), switched on: its GPU tests, then the
-    # D=80 cases side by side with the other backends (results printed, nothing written).
-    attention-split) GUARDLINT_GLUON_SPLIT=1 step attention-split-tests python3 -m pytest -q -m gpu -p no:cacheprovider -k split tests/kernels/test_attention_gpu.py
-                     GUARDLINT_GLUON_SPLIT=1 STEP_TIMEOUT=300 step attention-split python3 bench/attention.py --cases 6img-d80,64x256-d80 --no-flashinfer --budget 240 ;;
+    # The Gluon kernels alone (D=64/128 and the two-part D=80/96): their GPU tests, direct launches included.
+    tests-gluon) step tests-gluon python3 -m pytest -q -m gpu -p no:cacheprovider -k "gluon or split or compile or auto" tests/kernels/test_attention_gpu.py ;;
     attention-quick) step attention-quick python3 bench/attention.py --quick --no-flashinfer --budget 200 --write ;;
     attention) STEP_TIMEOUT=$(( ${ATTN_BUDGET:-420} + 40 )) step attention python3 bench/attention.py --write-dispatch --write --budget "${ATTN_BUDGET:-420}" ;;
     *) echo "unknown step $s"; rc=1 ;;

@@ -9,9 +9,12 @@ signature hand the arguments straight to its launcher, as ``JITFunction.run`` it
 
 The signature is at least as fine as Triton's own specialization, so a kept binary is the one Triton would
 pick: per tensor its dtype and 16-byte alignment, per int whether it is 1, a multiple of 16, and its range
-(32-bit, 64-bit signed, unsigned), plus the current device. Launch hooks (profilers such as proton) see
-every call: while one is set, every call goes through ``JITFunction.run``. ``GUARDLINT_DIRECT_LAUNCH=0``
-turns direct launches off; they never run under ``TRITON_INTERPRET=1`` (no binary).
+(32-bit, 64-bit signed, unsigned), per TMA tensor descriptor (Gluon's kernels take them) its type, its
+tensor's dtype, block shape, shared-memory layout and padding, plus the current device. A descriptor is
+still encoded on every call, by the kept binary's own launcher, as ``JITFunction.run`` does. Launch hooks
+(profilers such as proton) see every call: while one is set, every call goes through ``JITFunction.run``.
+``GUARDLINT_DIRECT_LAUNCH=0`` turns direct launches off; they never run under ``TRITON_INTERPRET=1`` (no
+binary).
 """
 from __future__ import annotations
 
@@ -43,6 +46,16 @@ def _int_class(v: Any) -> int:
     return (3 if v in _I64 else 5) + aligned
 
 
+def _is_descriptor(a: Any) -> bool:
+    """A host TMA tensor descriptor (``triton.tools.tensor_descriptor`` or Gluon's): a tensor, a block shape."""
+    return hasattr(a, "block_shape") and isinstance(getattr(a, "base", None), torch.Tensor)
+
+
+def _descriptor_class(d: Any) -> tuple:
+    """What Triton specializes a descriptor on: ``tensordesc<dtype[block], layout>`` (and its padding)."""
+    return (type(d), d.base.dtype, tuple(d.block_shape), getattr(d, "layout", None), getattr(d, "padding", None))
+
+
 def _getter(positions: tuple) -> Callable[[tuple], tuple]:
     """``args -> tuple(args[i] for i in positions)``, in C."""
     if len(positions) == 1:
@@ -68,7 +81,8 @@ class DirectLaunch:
     """Launches of ``fn`` with one fixed set of constexprs and launch ``options``.
 
     ``args`` are the kernel's non-constexpr parameters in declaration order (the constexprs must come last
-    in the kernel's signature and all be in ``options``): tensors, Python ints, floats and bools."""
+    in the kernel's signature and all be in ``options``): tensors, TMA descriptors, Python ints, floats and
+    bools."""
 
     def __init__(self, fn: Any, options: dict, interpret: bool = False) -> None:
         self.fn = fn
@@ -84,26 +98,33 @@ class DirectLaunch:
         self.knobs = _runtime_knobs() if self.enabled else None
         # signature -> (launcher, CUfunction, packed metadata)
         self.binaries: dict = {}
-        # Positions of the tensor arguments (the rest are ints), learnt at the first call.
+        # Positions of the tensor and descriptor arguments (the rest are scalars), learnt at the first call.
         self.tensor_positions: Optional[tuple] = None
         self.int_positions: tuple = ()
         self._tensors: Callable[[tuple], tuple] = _getter(())
+        self._descriptors: Optional[Callable[[tuple], tuple]] = None
         self._ints: Callable[[tuple], tuple] = _getter(())
         self._int_classes: dict = {}
 
     def _signature(self, args: tuple) -> tuple:
         if self.tensor_positions is None:
             self.tensor_positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-            self.int_positions = tuple(i for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
+            descriptors = tuple(i for i, a in enumerate(args) if _is_descriptor(a))
+            self.int_positions = tuple(i for i, a in enumerate(args)
+                                       if not isinstance(a, torch.Tensor) and i not in descriptors)
             self._tensors = _getter(self.tensor_positions)
             self._ints = _getter(self.int_positions)
+            self._descriptors = _getter(descriptors) if descriptors else None
         ints = self._ints(args)
         classes = self._int_classes.get(ints)
         if classes is None:
             classes = tuple(map(_int_class, ints))
             if len(self._int_classes) < 256:  # shapes and strides repeat from layer to layer
                 self._int_classes[ints] = classes
-        return (_current_device(), tuple([(t.dtype, not t.data_ptr() & 15) for t in self._tensors(args)]), classes)
+        tensors = tuple([(t.dtype, not t.data_ptr() & 15) for t in self._tensors(args)])
+        if self._descriptors is not None:
+            tensors += tuple(map(_descriptor_class, self._descriptors(args)))
+        return (_current_device(), tensors, classes)
 
     def __call__(self, args: tuple, grid: tuple) -> None:
         knobs = self.knobs

@@ -27,16 +27,17 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._gluon import compile_sm90, is_hopper, smem_layout, tensordesc
+from .._launch import DirectLaunch
 from . import triton as triton_path
 
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 ROWS_PER_WG = 64
 BLOCK_N = 128  # keys per K/V tile
 HEAD_DIMS = (64, 128)
-# Head dims run in two power-of-two parts (``attention.gluon_split``): compiled and checked on the CPU, routed
-# only with GUARDLINT_GLUON_SPLIT=1 until a GPU run has checked their numbers.
+# Head dims run in two power-of-two parts (``attention.gluon_split``); GUARDLINT_GLUON_SPLIT=0 leaves them to
+# the Triton kernel.
 SPLIT_HEAD_DIMS = (80, 96)
-SPLIT_ENABLED = os.environ.get("GUARDLINT_GLUON_SPLIT", "0") not in ("", "0")
+SPLIT_ENABLED = os.environ.get("GUARDLINT_GLUON_SPLIT", "1") not in ("", "0")
 # Registers per thread of each consumer warpgroup (setmaxnreg); the producer warp keeps 24.
 CONSUMER_REGS = 240
 
@@ -293,12 +294,27 @@ def varlen_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     by_length = triton_path.longest_first(batch, total_tokens, max_seqlen)
     order = triton_path.sequence_order(cu_seqlens) if by_length else cu_seqlens
     grid = (triton.cdiv(max_seqlen, BLOCK_M), num_heads, batch)
-    _varlen_attention_fwd_ws[grid](
-        _descriptor(q, ROWS_PER_WG), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, cu_seqlens, order,
-        out.stride(0), total_tokens, softmax_scale * triton_path.LOG2E, GROUP=num_heads // k.shape[1],
-        HEAD_DIM=head_dim, SORTED=by_length, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N, STAGES=stages_for(head_dim),
-        CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+    launch = direct_launch(_varlen_attention_fwd_ws, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim,
+                           SORTED=by_length, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N, STAGES=stages_for(head_dim),
+                           CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+    launch((_descriptor(q, ROWS_PER_WG), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, cu_seqlens, order,
+            out.stride(0), total_tokens, softmax_scale * triton_path.LOG2E), grid)
     return out
+
+
+# (kernel, its constexprs and launch options) -> DirectLaunch: after the first call of a configuration its
+# binary is launched directly, without JITFunction.run's per-call binding and specialization of the
+# descriptors (most of an eager call's host time).
+_direct: dict = {}
+
+
+def direct_launch(fn, **options) -> DirectLaunch:
+    """The DirectLaunch of ``fn`` with these constexprs and launch options (one per configuration)."""
+    key = (fn, *options.items())
+    launch = _direct.get(key)
+    if launch is None:
+        launch = _direct[key] = DirectLaunch(fn, options)
+    return launch
 
 
 def hopper_resources(head_dim: int, dtype: str = "bf16") -> dict:

@@ -8,10 +8,9 @@ is carried as a 64-wide and a 16-wide part (96: 64 + 32), read by two TMA descri
 else (the ping-pong of two consumer warpgroups, the producer warp's K/V ring, the in-warpgroup pipelining
 of S_j with P_{j-1} V_{j-1}) is ``attention.gluon``'s.
 
-Status: compiled for sm_90a and checked for spills and shared memory on the CPU
-(``hopper_resources``); not yet run on a GPU, so ``attention.gluon.supports`` does not route any call
-here unless ``GUARDLINT_GLUON_SPLIT=1`` (``attention.gluon.SPLIT_ENABLED``: the GPU tests and the benchmark
-that verify it turn it on).
+Checked for spills and shared memory on the CPU (``hopper_resources``: compiled for sm_90a) and against
+float64 on an H200 (tests/kernels/test_attention_gpu.py). ``GUARDLINT_GLUON_SPLIT=0``
+(``attention.gluon.SPLIT_ENABLED``) takes these head dims off the Gluon backend (the Triton kernel runs them).
 """
 from __future__ import annotations
 
@@ -216,10 +215,11 @@ def varlen_attention_gluon_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     grid = (triton.cdiv(max_seqlen, BLOCK_M), num_heads, batch)
     qd, kd, vd = (_descriptors(q, ROWS_PER_WG, (d0, d1)), _descriptors(k, BLOCK_N, (d0, d1)),
                   _descriptors(v, BLOCK_N, (d0, d1)))
-    _varlen_attention_fwd_ws_split[grid](
-        qd[0], qd[1], kd[0], kd[1], vd[0], vd[1], out, cu_seqlens, order, out.stride(0), total_tokens,
-        softmax_scale * triton_path.LOG2E, GROUP=num_heads // k.shape[1], D0=d0, D1=d1, SORTED=by_length,
-        ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N, STAGES=stages_for(head_dim), CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+    launch = gluon_path.direct_launch(_varlen_attention_fwd_ws_split, GROUP=num_heads // k.shape[1], D0=d0, D1=d1,
+                                      SORTED=by_length, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N,
+                                      STAGES=stages_for(head_dim), CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+    launch((qd[0], qd[1], kd[0], kd[1], vd[0], vd[1], out, cu_seqlens, order, out.stride(0), total_tokens,
+            softmax_scale * triton_path.LOG2E), grid)
     return out
 
 

@@ -97,8 +97,8 @@ def packed(tokens=64, heads=4, head_dim=128, **kw):
     ({}, True),
     ({"dtype": torch.float16}, True),
     ({"dtype": torch.float32}, False),                                      # wgmma here is 16-bit only
-    ({"head_dim": 80}, False),                                              # split parts: not verified yet
-    ({"head_dim": 80, "split": True}, True),                                # ... unless GUARDLINT_GLUON_SPLIT=1
+    ({"head_dim": 80, "split": False}, False),                              # GUARDLINT_GLUON_SPLIT=0
+    ({"head_dim": 80}, True),                                               # in two parts, 64 + 16
     ({"head_dim": 96, "split": True}, True),
     ({"head_dim": 112, "split": True}, False),                              # no parts for 112
     ({"ptr": (1 << 20) + 8}, False),                                        # TMA needs 16-byte aligned bases
@@ -106,7 +106,7 @@ def packed(tokens=64, heads=4, head_dim=128, **kw):
 ])
 def test_supports(monkeypatch, change, expected):
     monkeypatch.setattr(gluon_path, "is_hopper", lambda device: True)
-    monkeypatch.setattr(gluon_path, "SPLIT_ENABLED", change.pop("split", False))
+    monkeypatch.setattr(gluon_path, "SPLIT_ENABLED", change.pop("split", True))
     head_dim = change.pop("head_dim", 128)
     q = packed(head_dim=head_dim, **change)
     kv = packed(heads=2, head_dim=head_dim, **change)

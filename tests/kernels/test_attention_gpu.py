@@ -109,8 +109,8 @@ def test_gluon_matches_float64(head_dim, dtype, poisoned_gluon_output):
 @pytest.mark.parametrize("head_dim", [80, 96])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gluon_split_head_dims_match_float64(head_dim, dtype, poisoned_gluon_output, monkeypatch):
-    """Head dims 80 and 96 in two power-of-two parts (attention.gluon_split), switched on as
-    GUARDLINT_GLUON_SPLIT=1 does: the same batches as the power-of-two head dims, NaN-poisoned output."""
+    """Head dims 80 and 96 in two power-of-two parts (attention.gluon_split, on unless GUARDLINT_GLUON_SPLIT=0):
+    the same batches as the power-of-two head dims, NaN-poisoned output."""
     from guardlint.kernels.attention import gluon as gluon_path
 
     monkeypatch.setattr(gluon_path, "SPLIT_ENABLED", True)
@@ -197,6 +197,31 @@ def test_triton_direct_launch_uses_the_binary_triton_would_pick(view, monkeypatc
     for out in outs:
         assert_matches(out, q, k, v, offsets, False)
     assert seen, "no launch went through a DirectLaunch"
+    for direct, args, grid in seen:
+        assert direct.enabled and direct.binaries
+        triton_pick = direct.fn.run(*args, grid=grid, warmup=True, **direct.options)
+        kept = direct.binaries[direct._signature(args)]
+        assert kept[0] is triton_pick.run and kept[1] == triton_pick.function
+
+
+@hopper_only
+@pytest.mark.parametrize("head_dim", [128, 80])
+def test_gluon_direct_launch_uses_the_binary_triton_would_pick(head_dim, monkeypatch):
+    """The Gluon kernels' later calls launch the kept binary with fresh TMA descriptors (kernels/_launch.py):
+    it is the one JITFunction.run returns for the same arguments, and the outputs match float64 each time,
+    for new tensors of other lengths too (descriptors encode the new base, shape and strides)."""
+    from guardlint.kernels._launch import DirectLaunch
+    from guardlint.kernels.attention import gluon as gluon_path
+
+    monkeypatch.setattr(gluon_path, "SPLIT_ENABLED", True)
+    seen = []
+    call = DirectLaunch.__call__
+    monkeypatch.setattr(DirectLaunch, "__call__",
+                        lambda self, args, grid: seen.append((self, args, grid)) or call(self, args, grid))
+    for seed, lengths in enumerate(([300, 0, 77, 1000], [300, 0, 77, 1000], [5, 640, 129], [2048])):
+        q, k, v, cu, offsets = make_batch(lengths, 8, 2, head_dim, torch.bfloat16, seed=seed)
+        assert_matches(varlen_attention(q, k, v, cu, backend="gluon"), q, k, v, offsets, False)
+    assert len(seen) == 4, "every Gluon launch goes through a DirectLaunch"
     for direct, args, grid in seen:
         assert direct.enabled and direct.binaries
         triton_pick = direct.fn.run(*args, grid=grid, warmup=True, **direct.options)

@@ -50,6 +50,46 @@ def test_tensor_signature_follows_dtype_and_alignment(dtype):
     assert len(triton_of) == (1 if dtype.itemsize >= 16 else 2)
 
 
+def test_descriptor_signature_follows_tritons():
+    """TMA descriptors (Gluon's kernels take them): Triton specializes on the dtype, block shape and layout,
+    not on the base address, shape or strides; so do we."""
+    gluon = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from guardlint.kernels._gluon import smem_layout
+
+    base = torch.zeros(1 << 16, dtype=torch.bfloat16)
+    triton_of, ours_of = {}, {}
+    for dtype in (torch.bfloat16, torch.float16):
+        for offset, rows, cols in ((0, 100, 80), (8, 100, 80), (0, 640, 96), (64, 31, 128)):
+            t = base[offset:offset + rows * cols].view(rows, cols).view(dtype)
+            for block in ((64, 64), (64, 16), (128, 16)):
+                d = gluon.TensorDescriptor(t, [rows, cols], [cols, 1], list(block), smem_layout(*block, dtype))
+                ours = _launch._descriptor_class(d)
+                assert _launch._is_descriptor(d) and not _launch._is_descriptor(t)
+                triton_of.setdefault(ours, set()).add(specialize(BaseBackend, d, False, True, True))
+                ours_of.setdefault(specialize(BaseBackend, d, False, True, True), set()).add(ours)
+    assert all(len(seen) == 1 for seen in triton_of.values()), triton_of
+    assert len(triton_of) == len(ours_of) == 6, "one class per dtype x block"
+
+
+def test_direct_launch_classes_descriptor_arguments(on_gpu):
+    """A descriptor argument is neither a tensor nor a scalar: its class joins the signature, and a
+    descriptor of another block shape gets Triton's own launch (another binary)."""
+    gluon = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from guardlint.kernels._gluon import smem_layout
+
+    fn, launches = fake_kernel(["desc", "x", "n", "BLOCK"], {"BLOCK"})
+    direct = DirectLaunch(fn, {"BLOCK": 16})
+    direct.knobs = None
+    t, x = torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(16)
+    wide = gluon.TensorDescriptor(t, [64, 64], [64, 1], [64, 64], smem_layout(64, 64, t.dtype))
+    narrow = gluon.TensorDescriptor(t, [64, 64], [64, 1], [64, 16], smem_layout(64, 16, t.dtype))
+    direct((wide, x, 3), (1,))
+    direct((wide, x, 5), (1,))
+    direct((narrow, x, 5), (1,))
+    assert [k[0] for k in launches] == ["jit", "direct", "jit"]
+    assert launches[1][1][9] is wide, "the descriptor itself goes to the launcher (it encodes it)"
+
+
 def fake_kernel(names, constexprs):
     """A stand-in JIT function: params with is_constexpr, run() records and returns a compiled stand-in."""
     launches, compiled = [], []
