@@ -37,7 +37,7 @@ for s in "$@"; do
     tests-rev) step tests-rev python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/guard/test_guard_vit.py tests/kernels/test_attention_gpu.py ;;
     guard) step guard python3 bench/guard_sync.py --write ;;
     # The Gluon kernels alone (D=64/128 and the two-part D=80/96): their GPU tests, direct launches included.
-    tests-gluon) step tests-gluon python3 -m pytest -q -m gpu -p no:cacheprovider -k "gluon or split or compile or auto" tests/kernels/test_attention_gpu.py ;;
+    tests-gluon) step tests-gluon python3 -m pytest -q -m gpu -p no:cacheprovider -k "gluon or compile or auto" tests/kernels/test_attention_gpu.py ;;
     attention-quick) step attention-quick python3 bench/attention.py --quick --no-flashinfer --budget 200 --write ;;
     attention) STEP_TIMEOUT=$(( ${ATTN_BUDGET:-420} + 40 )) step attention python3 bench/attention.py --write-dispatch --write --budget "${ATTN_BUDGET:-420}" ;;
     *) echo "unknown step $s"; rc=1 ;;
