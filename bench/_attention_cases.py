@@ -44,8 +44,9 @@ class Case:
 
     @property
     def flops(self) -> float:
-        # Two GEMMs of 2*L*L*D each per head (non-causal; causal would be about half).
-        return 4.0 * sum(n * n for n in self.lengths) * self.heads * self.head_dim
+        # Two GEMMs of 2*L*L*D each per head; causal counts half (FlashAttention's convention).
+        full = 4.0 * sum(n * n for n in self.lengths) * self.heads * self.head_dim
+        return full / 2 if self.causal else full
 
 
 def all_cases(*, quick: bool = False, smoke: bool = False) -> list:
@@ -53,10 +54,12 @@ def all_cases(*, quick: bool = False, smoke: bool = False) -> list:
     if smoke:
         # Same names and structure at 1/64 of the tokens and 2 heads: the interpreter runs every program.
         main = [Case(f"6img-d{d}", tuple(max(n // 64, 1) for n in IMAGES_6), d, heads=2) for d in (80, 128)]
+        main += [Case("6img-d128-causal", tuple(max(n // 64, 1) for n in IMAGES_6), 128, heads=2, causal=True)]
         main += [Case(f"64x256-d{d}", (4,) * 8, d, heads=2) for d in (80, 128)]
         sweep = [Case(f"sweep-8x{n}-d80", (n // 64,) * 2, 80, heads=2, sweep=True) for n in (256, 1024)]
         return main + sweep
     main = [Case(f"6img-d{d}", IMAGES_6, d) for d in (80, 128)]
+    main += [Case(f"6img-d{d}-causal", IMAGES_6, d, causal=True) for d in (80, 128)]
     main += [Case(f"64x256-d{d}", (256,) * 64, d) for d in (80, 128)]
     lengths = QUICK_SWEEP_LENGTHS if quick else SWEEP_LENGTHS
     sweep = [Case(f"sweep-8x{n}-d80", (n,) * 8, 80, sweep=True) for n in lengths]

@@ -64,7 +64,8 @@ def run(backend: str, cases: list, *, cuda: bool, warmup: int, iters: int) -> li
         ref = None
         jobs = []
         if attention._runnable(backend, q, k, scale, case.causal):
-            jobs.append((backend, lambda: varlen_attention(q, k, v, cu, metadata=plan, backend=backend), ""))
+            jobs.append((backend, lambda: varlen_attention(q, k, v, cu, metadata=plan, causal=case.causal,
+                                                           backend=backend), ""))
         else:
             rows.append(row(case, backend, ok=False, note="skipped: " + attention._why_not(backend, q)))
         if backend == "flashinfer-fa3" and case.head_dim < 128 and fi.supports("fa3", 128, dtype, device):

@@ -3,8 +3,8 @@
     python bench/attention.py [--write-dispatch] [--cases 6img,64x256,sweep] [--no-flashinfer] [--quick] [--out DIR]
     python bench/attention.py --quick --cpu-smoke        # tiny shapes on the CPU: checks the script
 """
-# Cases: 6 images of 1024/4096/256/2304/576/8192 tokens and 64 images of 256 tokens, 16 heads, head dim 80
-# and 128, bfloat16, non-causal; plus a sweep of 8 images of 256..8192 tokens at head dim 80. Our Triton
+# Cases: 6 images of 1024/4096/256/2304/576/8192 tokens (non-causal and causal) and 64 images of 256 tokens,
+# 16 heads, head dim 80 and 128, bfloat16; plus a sweep of 8 images of 256..8192 tokens at head dim 80. Our Triton
 # kernel, the SDPA loop and torch's varlen attention run in this process; each FlashInfer configuration
 # runs in its own subprocess (bench/_attention_worker.py): a CUDA fault poisons the context. Then the
 # dispatch table is built from those first times, written, and loaded here. Last, ``auto`` and every backend
@@ -42,6 +42,8 @@ RESERVE_S = 20  # kept back from --budget for writing the results
 GOAL_D80_US = 1180.0  # the best D=80 anchor (SDPA loop) for 6 images
 GOAL_D128_RATIO = 1.25
 GOAL_AUTO_RATIO = 1.03
+GOAL_D80_VS_FA3 = 0.85  # Gluon at D=80 against FA3 on the same tokens at D=128 (inputs a caller keeps padded)
+GOAL_VS_FA3 = 1.0  # the best of ours against FA3 at D=128, non-causal and causal
 AUTO_RESERVE_S = 60  # of the budget kept for the final auto timing (FlashInfer workers get the rest)
 
 
@@ -109,7 +111,7 @@ def local_rows(cases, args, cuda: bool, warm_proc) -> list:
             if not attention._runnable(backend, q, k, case.head_dim ** -0.5, case.causal):
                 rows.append(row(case, backend, ok=False, note="skipped: " + attention._why_not(backend, q)))
                 continue
-            out = varlen_attention(q, k, v, cu, metadata=plan, backend=backend)
+            out = varlen_attention(q, k, v, cu, metadata=plan, causal=case.causal, backend=backend)
             err = max_abs_error(out, ref)
             checked[(case.name, backend)] = err
             log(f"check {case.name:18s} {backend:13s} max abs error {err:.2e}{'' if passes(err) else '  <-- WRONG'}")
@@ -144,7 +146,8 @@ def local_rows(cases, args, cuda: bool, warm_proc) -> list:
             if not passes(err):
                 rows.append(row(case, backend, err=err, note=f"WRONG RESULT (max abs error {err:.3g})"))
                 continue
-            fn = lambda: varlen_attention(q, k, v, cu, metadata=plan, backend=backend)  # noqa: E731
+            fn = lambda: varlen_attention(q, k, v, cu, metadata=plan, causal=case.causal,  # noqa: E731
+                                          backend=backend)
             t = time_us(fn, cuda=cuda, warmup=args.warmup, iters=args.iters)
             rows.append(row(case, backend, time=t, err=err, note=note, host=host_us(fn, cuda=cuda)))
             log(f"time  {case.name:18s} {backend:13s} {t:9.1f} us  {rows[-1]['tflops']:.1f} TFLOP/s "
@@ -185,7 +188,8 @@ def side_by_side(cases, args, cuda: bool, entries: list, rows: list) -> list:
             if best is not None and best != pick:
                 # The table's fastest backend cannot run in this process: say why, in the row itself.
                 note += f"; table best {best} not runnable here: {attention._why_not(best, q) or 'unknown'}"
-            auto = lambda: varlen_attention(q, k, v, cu, metadata=plan, backend="auto")  # noqa: E731
+            auto = lambda: varlen_attention(q, k, v, cu, metadata=plan, causal=case.causal,  # noqa: E731
+                                            backend="auto")
             out = auto()  # also loads what the pick needs (FlashInfer's modules, plans) before timing
             err = max_abs_error(out, reference(case, q, k, v, offsets))
             del out
@@ -197,7 +201,8 @@ def side_by_side(cases, args, cuda: bool, entries: list, rows: list) -> list:
                       and attention._runnable(r["backend"], q, k, case.head_dim ** -0.5, case.causal)}
             calls = {"auto": auto}
             for backend in others:
-                calls[backend] = lambda b=backend: varlen_attention(q, k, v, cu, metadata=plan, backend=b)
+                calls[backend] = lambda b=backend: varlen_attention(q, k, v, cu, metadata=plan, causal=case.causal,
+                                                                    backend=b)
                 calls[backend]()  # plans and modules loaded before timing
             times = {name: [] for name in calls}
             names = list(calls)
@@ -279,6 +284,19 @@ def goals(cases, rows, best) -> list:
             ratio = t128 / best["6img-d128"]
             out.append((ratio <= GOAL_D128_RATIO, f"{label} 6 images D=128: {t128:.0f} us = {ratio:.2f}x the best "
                                                   f"measured (goal <= {GOAL_D128_RATIO}x)"))
+    # Kernel against kernel: FA3 at D=128 on the same tokens is what a caller who keeps inputs padded runs.
+    fa3 = time_of("6img-d128", "flashinfer-fa3")
+    t80 = time_of("6img-d80", "gluon")
+    if fa3 is not None and t80 is not None:
+        out.append((t80 / fa3 <= GOAL_D80_VS_FA3, f"Gluon 6 images D=80: {t80:.0f} us = {t80 / fa3:.3f}x FA3 at "
+                                                  f"D=128 on the same tokens (goal <= {GOAL_D80_VS_FA3}x)"))
+    for name in ("6img-d128", "6img-d128-causal"):
+        fa3 = time_of(name, "flashinfer-fa3")
+        ours = [(t, b) for b in ("triton", "gluon") if (t := time_of(name, b)) is not None]
+        if fa3 is not None and ours:
+            t, b = min(ours)
+            out.append((t / fa3 <= GOAL_VS_FA3, f"best of ours on {name}: {b} {t:.0f} us = {t / fa3:.3f}x FA3 "
+                                                f"(goal <= {GOAL_VS_FA3}x)"))
     worst = None
     for case in cases:
         t = time_of(case.name, "auto")

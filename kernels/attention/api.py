@@ -1,6 +1,6 @@
 """Varlen (packed) attention: ``varlen_attention`` over several backends, and ``cudnn_vision_attention``,
 a drop-in for the engine's flashinfer_cudnn vision backend. Both are guarded: missing metadata is derived
-once. Backends: ``triton`` (ours, native odd head dims), ``gluon`` (ours, warp-specialized, Hopper D=64/128),
+once. Backends: ``triton`` (ours, native odd head dims), ``gluon`` (ours, warp-specialized, Hopper D=64/80/96/128),
 ``flashinfer`` (ragged FA2/FA3, cuDNN prefill), ``sdpa`` (torch loop, the CPU default), ``torch-varlen`` and
 ``auto`` (fastest measured).
 """
@@ -73,23 +73,23 @@ def _gluon_runnable(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
 
 @torch.library.custom_op("guardlint::varlen_attention_gluon", mutates_args=())
 def varlen_attention_gluon_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                              max_seqlen: int, softmax_scale: float) -> torch.Tensor:
-    """``torch.ops.guardlint.varlen_attention_gluon``: the Gluon kernel (non-causal) as one opaque op."""
-    return _gluon_eager(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
+                              max_seqlen: int, softmax_scale: float, causal: bool) -> torch.Tensor:
+    """``torch.ops.guardlint.varlen_attention_gluon``: the Gluon kernel as one opaque op."""
+    return _gluon_eager(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal)
 
 
 @varlen_attention_gluon_op.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
+def _(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def _gluon_eager(q, k, v, cu_seqlens, max_seqlen: int, scale: float) -> torch.Tensor:
+def _gluon_eager(q, k, v, cu_seqlens, max_seqlen: int, scale: float, causal: bool) -> torch.Tensor:
     gluon_path = _gluon()
-    if not gluon_path.supports(q, k, v, False) or cu_seqlens.stride(0) != 1 or scale <= 0:
+    if not gluon_path.supports(q, k, v, causal) or cu_seqlens.stride(0) != 1 or scale <= 0:
         # The plan is per shape; strides are checked here, per call: a layout TMA cannot read runs on Triton,
         # and so do strided offsets and a scale <= 0 (the Gluon softmax scales after masking with -inf).
-        return triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, False)
-    return gluon_path.varlen_attention_gluon(q, k, v, cu_seqlens, max_seqlen, scale)
+        return triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+    return gluon_path.varlen_attention_gluon(q, k, v, cu_seqlens, max_seqlen, scale, causal)
 
 
 # -- validation (GL106: what no backend can take) ---------------------------------------------------
@@ -228,8 +228,9 @@ def _why_not(name: str, q: torch.Tensor) -> str:
             return "this Triton has no Gluon (triton.experimental.gluon)"
         g = _gluon()
         dims = list(g.HEAD_DIMS) + (list(g.SPLIT_HEAD_DIMS) if g.SPLIT_ENABLED else [])
+        mask = "causal or not" if g.CAUSAL_ENABLED else "non-causal (GUARDLINT_GLUON_CAUSAL=1: causal too)"
         return (f"the Gluon kernel takes a Hopper GPU (sm_90), head dims {dims}, float16/"
-                "bfloat16, non-causal, q/k/v with contiguous heads")
+                f"bfloat16, {mask}, q/k/v with contiguous heads")
     return ""
 
 
@@ -348,8 +349,8 @@ def _run_ragged(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal
 
 def _run_gluon(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function):
     if torch.compiler.is_compiling():
-        return varlen_attention_gluon_op(q, k, v, cu_seqlens, max_seqlen, scale)
-    return _gluon_eager(q, k, v, cu_seqlens, max_seqlen, scale)
+        return varlen_attention_gluon_op(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+    return _gluon_eager(q, k, v, cu_seqlens, max_seqlen, scale, causal)
 
 
 def _run_empty(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function):

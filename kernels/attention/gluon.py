@@ -11,7 +11,8 @@ the Triton kernel cannot get from its compiler on Hopper (every wgmma there is w
 - **in-warpgroup pipelining**: a consumer issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, waits
   for S_j alone, and runs the softmax of tile j while the PV product of tile j-1 is still in flight.
 
-Scope: bf16/fp16, head dims 64 and 128, non-causal, q/k/v with contiguous heads (``stride(1) == D``):
+Scope: bf16/fp16, head dims 64 and 128 (80 and 96 in ``attention.gluon_split``), non-causal (causal with
+``GUARDLINT_GLUON_CAUSAL=1``), q/k/v with contiguous heads (``stride(1) == D``):
 the shapes where the Triton kernel is furthest from FlashAttention-3. Everything else stays on the
 Triton kernel. Same math and the same grid as ``attention.triton`` (per sequence, longest first).
 """
@@ -38,6 +39,10 @@ HEAD_DIMS = (64, 128)
 # the Triton kernel.
 SPLIT_HEAD_DIMS = (80, 96)
 SPLIT_ENABLED = os.environ.get("GUARDLINT_GLUON_SPLIT", "1") not in ("", "0")
+# Causal attention (key tiles up to the diagonal, the diagonal tile masked, heaviest query tiles first):
+# compiled and checked on the CPU, routed only with GUARDLINT_GLUON_CAUSAL=1 until a GPU run has checked its
+# numbers.
+CAUSAL_ENABLED = os.environ.get("GUARDLINT_GLUON_CAUSAL", "0") not in ("", "0")
 # Registers per thread of each consumer warpgroup (setmaxnreg); the producer warp keeps 24.
 CONSUMER_REGS = 240
 
@@ -49,8 +54,8 @@ def stages_for(head_dim: int) -> int:
     return max(2, min(4, (226 * 1024 - q_bytes) // per_stage))
 
 
-# Every partition takes (descs, bufs, bars, place, WG, ROWS, BLOCK_N, HEAD_DIM, STAGES): worker partitions
-# must share one signature. descs: TMA descriptors of q, k, v; bufs: shared-memory Q tiles (one per
+# Every partition takes (descs, bufs, bars, place, WG, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL): worker
+# partitions must share one signature. descs: TMA descriptors of q, k, v; bufs: shared-memory Q tiles (one per
 # consumer) and the K, V rings; bars: mbarriers (Q ready per consumer, K ready, V ready, stage free,
 # ping-pong turns); place: (o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles,
 # qk_scale) of this program's tile; WG: the consumer's index (0 or 1; unused by the producer).
@@ -58,7 +63,7 @@ def stages_for(head_dim: int) -> int:
 
 @gluon.jit
 def _producer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     q_desc, k_desc, v_desc = descs
     q_smem, k_smem, v_smem = bufs
     q_bars, k_bars, v_bars, free_bars, turn_bars = bars
@@ -91,9 +96,24 @@ def _pass_turn(turn_bars, WG: gl.constexpr):
 
 
 @gluon.jit
+def _mask(scores, j, row0, seq_len, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+          CAUSAL: gl.constexpr):
+    """Scores of key tile ``j`` with the keys past the sequence end at -inf, and, causal, every key after its
+    query row (``row0``: the sequence position of the consumer's first row)."""
+    offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if CAUSAL:
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        keep = (offs_n[None, :] <= rows[:, None]) & (offs_n < seq_len)[None, :]
+        return gl.where(keep, scores, float("-inf"))
+    else:
+        return gl.where((offs_n < seq_len)[None, :], scores, float("-inf"))
+
+
+@gluon.jit
 def _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_i, l_i, p_op, seq_len, qk_scale,
-             WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, MASK: gl.constexpr):
+             row0, WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, MASK: gl.constexpr,
+             CAUSAL: gl.constexpr):
     """Issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; softmax of S_j while the PV product runs."""
     s = j % STAGES
     prev = (j - 1) % STAGES
@@ -107,8 +127,7 @@ def _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_
     # wgmma groups retire in order: one outstanding = S_j done, O += P_{j-1} V_{j-1} still running.
     scores, _ = warpgroup_mma_wait(1, deps=[s_tok, k_smem.index(s)])
     if MASK:
-        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        scores = gl.where((offs_n < seq_len)[None, :], scores, float("-inf"))
+        scores = _mask(scores, j, row0, seq_len, ROWS, BLOCK_N, s_layout, CAUSAL)
     m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
     p = gl.exp2(scores * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
@@ -122,7 +141,7 @@ def _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_
 
 @gluon.jit
 def _consumer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     q_smem, k_smem, v_smem = bufs
     q_bars, k_bars, v_bars, free_bars, turn_bars = bars
     o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale = place
@@ -132,8 +151,8 @@ def _consumer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BL
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    row0 = seq_len - rows_left + WG * ROWS  # sequence position of this consumer's first query row
 
     mbarrier.wait(q_bars.index(WG), 0)
     q = q_smem.index(WG)
@@ -145,22 +164,22 @@ def _consumer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BL
                           use_acc=False, is_async=True)
     _pass_turn(turn_bars, WG)
     scores, _, _ = warpgroup_mma_wait(0, deps=[s_tok, q, k_smem.index(0)])
-    offs_n = gl.arange(0, BLOCK_N, layout=col_s)
-    scores = gl.where((offs_n < seq_len)[None, :], scores, float("-inf"))
+    scores = _mask(scores, 0, row0, seq_len, ROWS, BLOCK_N, s_layout, CAUSAL)
     m_i = gl.max(scores, 1) * qk_scale
     p = gl.exp2(scores * qk_scale - m_i[:, None])
     l_i = gl.sum(p, 1)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-    # Full key tiles need no mask; the last tile (maybe partial: keys past the sequence end) does.
+    # Full key tiles need no mask; the last tile (maybe partial: keys past the sequence end; causal: the
+    # diagonal tile, as a key tile is as long as a query tile) does.
     for j in range(1, n_tiles - 1):
         acc, m_i, l_i, p_op = _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_i, l_i,
-                                       p_op, seq_len, qk_scale, WG, ROWS, BLOCK_N, STAGES, s_layout, o_layout,
-                                       p_layout, False)
+                                       p_op, seq_len, qk_scale, row0, WG, ROWS, BLOCK_N, STAGES, s_layout,
+                                       o_layout, p_layout, False, CAUSAL)
     if n_tiles > 1:
         acc, m_i, l_i, p_op = _kv_step(n_tiles - 1, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc,
-                                       m_i, l_i, p_op, seq_len, qk_scale, WG, ROWS, BLOCK_N, STAGES, s_layout,
-                                       o_layout, p_layout, True)
+                                       m_i, l_i, p_op, seq_len, qk_scale, row0, WG, ROWS, BLOCK_N, STAGES,
+                                       s_layout, o_layout, p_layout, True, CAUSAL)
 
     last = (n_tiles - 1) % STAGES
     mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // STAGES) & 1)
@@ -198,6 +217,27 @@ def _sequence(cu_seqlens, seq_order, seq, total_tokens, SORTED: gl.constexpr):
 
 
 @gluon.jit
+def _program(CAUSAL: gl.constexpr):
+    """(query tile, head, sequence) of this program. Causal: query tiles last to first, as a later tile
+    reads more keys (the heaviest programs start first)."""
+    if CAUSAL:
+        return gl.num_programs(0) - 1 - gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    else:
+        return gl.program_id(0), gl.program_id(1), gl.program_id(2)
+
+
+@gluon.jit
+def _key_tiles(pid_m, seq_len, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Key tiles a query tile reads: all of the sequence's, or causal, those up to its diagonal (the last one,
+    as key and query tiles are equally long)."""
+    if CAUSAL:
+        gl.static_assert(BLOCK_N == 2 * ROWS, "causal masking expects key tiles as long as query tiles")
+        return (gl.minimum(seq_len, (pid_m + 1) * (2 * ROWS)) + BLOCK_N - 1) // BLOCK_N
+    else:
+        return (seq_len + BLOCK_N - 1) // BLOCK_N
+
+
+@gluon.jit
 def _barriers(STAGES: gl.constexpr):
     """(Q ready per consumer, K ready, V ready, stage free, ping-pong turns), initialised."""
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -219,10 +259,8 @@ def _barriers(STAGES: gl.constexpr):
 def _varlen_attention_fwd_ws(q_desc, k_desc, v_desc, o_ptr, cu_seqlens, seq_order, stride_ot, total_tokens,
                              qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, SORTED: gl.constexpr,
                              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr):
-    pid_m = gl.program_id(0)
-    head = gl.program_id(1)
-    seq = gl.program_id(2)
+                             CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr):
+    pid_m, head, seq = _program(CAUSAL)
     seq_start, seq_len = _sequence(cu_seqlens, seq_order, seq, total_tokens, SORTED)
     if pid_m * (2 * ROWS) >= seq_len:
         return
@@ -235,12 +273,12 @@ def _varlen_attention_fwd_ws(q_desc, k_desc, v_desc, o_ptr, cu_seqlens, seq_orde
     descs = (q_desc, k_desc, v_desc)
     bufs = (q_smem, k_smem, v_smem)
     place = (o_ptr, q_row, seq_start, stride_ot, head * HEAD_DIM, (head // GROUP) * HEAD_DIM,
-             seq_len - pid_m * (2 * ROWS), seq_len, (seq_len + BLOCK_N - 1) // BLOCK_N, qk_scale)
+             seq_len - pid_m * (2 * ROWS), seq_len, _key_tiles(pid_m, seq_len, ROWS, BLOCK_N, CAUSAL), qk_scale)
     # Constexprs go in the call itself: a tuple held in a variable turns them into runtime values.
     gl.warp_specialize([
-        (_consumer, (descs, bufs, bars, place, 0, ROWS, BLOCK_N, HEAD_DIM, STAGES)),
-        (_consumer, (descs, bufs, bars, place, 1, ROWS, BLOCK_N, HEAD_DIM, STAGES)),
-        (_producer, (descs, bufs, bars, place, 0, ROWS, BLOCK_N, HEAD_DIM, STAGES)),
+        (_consumer, (descs, bufs, bars, place, 0, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+        (_consumer, (descs, bufs, bars, place, 1, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+        (_producer, (descs, bufs, bars, place, 0, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -248,7 +286,7 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, po
     """Whether this kernel takes these inputs: a Hopper GPU, bf16/fp16, D 64/128, non-causal, each of q/k/v
     with contiguous heads and rows 16-byte aligned (what a TMA descriptor over (tokens, heads * D) needs).
     ``pointers=False`` leaves out the base-address check (tensors without storage: torch.compile's fakes)."""
-    if causal or q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
+    if (causal and not CAUSAL_ENABLED) or q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if (q.shape[2] not in HEAD_DIMS and not (SPLIT_ENABLED and q.shape[2] in SPLIT_HEAD_DIMS)) \
             or q.shape[0] >= 2 ** 31 or not is_hopper(q.device):
@@ -280,13 +318,13 @@ def new_output(q: torch.Tensor) -> torch.Tensor:
 
 
 def varlen_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                           max_seqlen: int, softmax_scale: float) -> torch.Tensor:
+                           max_seqlen: int, softmax_scale: float, causal: bool = False) -> torch.Tensor:
     """Launch on validated inputs that ``supports`` accepted; a new contiguous output like q."""
     total_tokens, num_heads, head_dim = q.shape
     if head_dim in SPLIT_HEAD_DIMS:
         from .gluon_split import varlen_attention_gluon_split
 
-        return varlen_attention_gluon_split(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
+        return varlen_attention_gluon_split(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal)
     batch = cu_seqlens.shape[0] - 1
     out = new_output(q)
     if total_tokens == 0 or batch <= 0 or max_seqlen <= 0:
@@ -296,7 +334,7 @@ def varlen_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     grid = (triton.cdiv(max_seqlen, BLOCK_M), num_heads, batch)
     launch = direct_launch(_varlen_attention_fwd_ws, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim,
                            SORTED=by_length, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N, STAGES=stages_for(head_dim),
-                           CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+                           CONSUMER_REGS=CONSUMER_REGS, CAUSAL=bool(causal), num_warps=4)
     launch((_descriptor(q, ROWS_PER_WG), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, cu_seqlens, order,
             out.stride(0), total_tokens, softmax_scale * triton_path.LOG2E), grid)
     return out
@@ -317,15 +355,15 @@ def direct_launch(fn, **options) -> DirectLaunch:
     return launch
 
 
-def hopper_resources(head_dim: int, dtype: str = "bf16") -> dict:
+def hopper_resources(head_dim: int, dtype: str = "bf16", causal: bool = False) -> dict:
     """Compile the kernel for sm_90a without a GPU and read its resources: registers per thread at launch
     (setmaxnreg then moves them between partitions), spill bytes, shared memory, the per-partition register
     counts and the wgmma wait depths. Call it in a process without TRITON_INTERPRET (the tests spawn one)."""
     descs = dict(q_desc=tensordesc(dtype, ROWS_PER_WG, head_dim), k_desc=tensordesc(dtype, BLOCK_N, head_dim),
                  v_desc=tensordesc(dtype, BLOCK_N, head_dim))
     res = compiled_resources(_varlen_attention_fwd_ws, descs, dtype,
-                             dict(HEAD_DIM=head_dim, STAGES=stages_for(head_dim)))
-    return {"head_dim": head_dim, "dtype": dtype, **res}
+                             dict(HEAD_DIM=head_dim, STAGES=stages_for(head_dim), CAUSAL=causal))
+    return {"head_dim": head_dim, "dtype": dtype, "causal": causal, **res}
 
 
 def compiled_resources(fn, descs: dict, dtype: str, constants: dict) -> dict:

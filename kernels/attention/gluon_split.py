@@ -24,20 +24,20 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .._gluon import smem_layout, tensordesc
 from . import gluon as gluon_path
 from . import triton as triton_path
-from .gluon import (BLOCK_M, BLOCK_N, CONSUMER_REGS, ROWS_PER_WG, _barriers, _pass_turn, _sequence, _store,
-                    _wait_turn, compiled_resources, stages_for)
+from .gluon import (BLOCK_M, BLOCK_N, CONSUMER_REGS, ROWS_PER_WG, _barriers, _key_tiles, _mask, _pass_turn,
+                    _program, _sequence, _store, _wait_turn, compiled_resources, stages_for)
 
 # head dim -> (first part, second part), both powers of two (attention.gluon.SPLIT_HEAD_DIMS).
 PARTS = {80: (64, 16), 96: (64, 32)}
 
 
-# Partitions share one signature: (descs, bufs, bars, place, WG, ROWS, BLOCK_N, D0, D1, STAGES). descs and
+# Partitions share one signature: (descs, bufs, bars, place, WG, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL). descs and
 # bufs hold each of q, k, v as (first part, second part).
 
 
 @gluon.jit
 def _producer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-              D0: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr):
+              D0: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     q_desc, q_desc1, k_desc, k_desc1, v_desc, v_desc1 = descs
     q_smem, q_smem1, k_smem, k_smem1, v_smem, v_smem1 = bufs
     q_bars, k_bars, v_bars, free_bars, turn_bars = bars
@@ -68,9 +68,10 @@ def _scores(q, q1, k_tile, k_tile1, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s
 
 @gluon.jit
 def _kv_step(j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_bars, turn_bars, acc, acc1, m_i,
-             l_i, p_op, p_op1, seq_len, qk_scale, WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, o_layout1: gl.constexpr,
-             p_layout: gl.constexpr, p_layout1: gl.constexpr, MASK: gl.constexpr):
+             l_i, p_op, p_op1, seq_len, qk_scale, row0, WG: gl.constexpr, ROWS: gl.constexpr,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+             o_layout1: gl.constexpr, p_layout: gl.constexpr, p_layout1: gl.constexpr, MASK: gl.constexpr,
+             CAUSAL: gl.constexpr):
     """Issue S_j and O += P_{j-1} V_{j-1} (both parts); softmax of S_j while the PV products run."""
     s = j % STAGES
     prev = (j - 1) % STAGES
@@ -84,8 +85,7 @@ def _kv_step(j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_ba
     # Groups retire in order: two outstanding = both S wgmmas done, both PV wgmmas maybe still running.
     scores, _, _ = warpgroup_mma_wait(2, deps=[s_tok, k_smem.index(s), k_smem1.index(s)])
     if MASK:
-        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        scores = gl.where((offs_n < seq_len)[None, :], scores, float("-inf"))
+        scores = _mask(scores, j, row0, seq_len, ROWS, BLOCK_N, s_layout, CAUSAL)
     m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
     p = gl.exp2(scores * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
@@ -101,7 +101,7 @@ def _kv_step(j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_ba
 
 @gluon.jit
 def _consumer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-              D0: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr):
+              D0: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     q_smem, q_smem1, k_smem, k_smem1, v_smem, v_smem1 = bufs
     q_bars, k_bars, v_bars, free_bars, turn_bars = bars
     o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale = place
@@ -114,9 +114,9 @@ def _consumer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BL
                                                         instr_shape=[16, D1, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     p_layout1: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout1, k_width=2)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     acc = gl.zeros([ROWS, D0], gl.float32, o_layout)
     acc1 = gl.zeros([ROWS, D1], gl.float32, o_layout1)
+    row0 = seq_len - rows_left + WG * ROWS  # sequence position of this consumer's first query row
 
     mbarrier.wait(q_bars.index(WG), 0)
     q = q_smem.index(WG)
@@ -128,8 +128,7 @@ def _consumer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BL
     s_tok = _scores(q, q1, k_smem.index(0), k_smem1.index(0), ROWS, BLOCK_N, s_layout)
     _pass_turn(turn_bars, WG)
     scores, _, _, _, _ = warpgroup_mma_wait(0, deps=[s_tok, q, q1, k_smem.index(0), k_smem1.index(0)])
-    offs_n = gl.arange(0, BLOCK_N, layout=col_s)
-    scores = gl.where((offs_n < seq_len)[None, :], scores, float("-inf"))
+    scores = _mask(scores, 0, row0, seq_len, ROWS, BLOCK_N, s_layout, CAUSAL)
     m_i = gl.max(scores, 1) * qk_scale
     p = gl.exp2(scores * qk_scale - m_i[:, None])
     l_i = gl.sum(p, 1)
@@ -141,13 +140,13 @@ def _consumer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BL
     for j in range(1, n_tiles - 1):
         acc, acc1, m_i, l_i, p_op, p_op1 = _kv_step(
             j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_bars, turn_bars, acc, acc1, m_i, l_i,
-            p_op, p_op1, seq_len, qk_scale, WG, ROWS, BLOCK_N, STAGES, s_layout, o_layout, o_layout1, p_layout,
-            p_layout1, False)
+            p_op, p_op1, seq_len, qk_scale, row0, WG, ROWS, BLOCK_N, STAGES, s_layout, o_layout, o_layout1,
+            p_layout, p_layout1, False, CAUSAL)
     if n_tiles > 1:
         acc, acc1, m_i, l_i, p_op, p_op1 = _kv_step(
             n_tiles - 1, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_bars, turn_bars, acc, acc1,
-            m_i, l_i, p_op, p_op1, seq_len, qk_scale, WG, ROWS, BLOCK_N, STAGES, s_layout, o_layout, o_layout1,
-            p_layout, p_layout1, True)
+            m_i, l_i, p_op, p_op1, seq_len, qk_scale, row0, WG, ROWS, BLOCK_N, STAGES, s_layout, o_layout,
+            o_layout1, p_layout, p_layout1, True, CAUSAL)
 
     last = (n_tiles - 1) % STAGES
     mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // STAGES) & 1)
@@ -165,10 +164,9 @@ def _consumer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BL
 def _varlen_attention_fwd_ws_split(q_desc, q_desc1, k_desc, k_desc1, v_desc, v_desc1, o_ptr, cu_seqlens, seq_order,
                                    stride_ot, total_tokens, qk_scale, GROUP: gl.constexpr, D0: gl.constexpr,
                                    D1: gl.constexpr, SORTED: gl.constexpr, ROWS: gl.constexpr,
-                                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    pid_m = gl.program_id(0)
-    head = gl.program_id(1)
-    seq = gl.program_id(2)
+                                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                   CAUSAL: gl.constexpr):
+    pid_m, head, seq = _program(CAUSAL)
     seq_start, seq_len = _sequence(cu_seqlens, seq_order, seq, total_tokens, SORTED)
     if pid_m * (2 * ROWS) >= seq_len:
         return
@@ -184,12 +182,12 @@ def _varlen_attention_fwd_ws_split(q_desc, q_desc1, k_desc, k_desc1, v_desc, v_d
     descs = (q_desc, q_desc1, k_desc, k_desc1, v_desc, v_desc1)
     bufs = (q_smem, q_smem1, k_smem, k_smem1, v_smem, v_smem1)
     place = (o_ptr, q_row, seq_start, stride_ot, head * (D0 + D1), (head // GROUP) * (D0 + D1),
-             seq_len - pid_m * (2 * ROWS), seq_len, (seq_len + BLOCK_N - 1) // BLOCK_N, qk_scale)
+             seq_len - pid_m * (2 * ROWS), seq_len, _key_tiles(pid_m, seq_len, ROWS, BLOCK_N, CAUSAL), qk_scale)
     # Constexprs go in the call itself: a tuple held in a variable turns them into runtime values.
     gl.warp_specialize([
-        (_consumer, (descs, bufs, bars, place, 0, ROWS, BLOCK_N, D0, D1, STAGES)),
-        (_consumer, (descs, bufs, bars, place, 1, ROWS, BLOCK_N, D0, D1, STAGES)),
-        (_producer, (descs, bufs, bars, place, 0, ROWS, BLOCK_N, D0, D1, STAGES)),
+        (_consumer, (descs, bufs, bars, place, 0, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
+        (_consumer, (descs, bufs, bars, place, 1, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
+        (_producer, (descs, bufs, bars, place, 0, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -202,7 +200,7 @@ def _descriptors(t: torch.Tensor, rows: int, parts: tuple) -> tuple:
 
 
 def varlen_attention_gluon_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                                 max_seqlen: int, softmax_scale: float) -> torch.Tensor:
+                                 max_seqlen: int, softmax_scale: float, causal: bool = False) -> torch.Tensor:
     """Launch on validated inputs (``attention.gluon.supports``) whose head dim is in ``PARTS``."""
     total_tokens, num_heads, head_dim = q.shape
     d0, d1 = PARTS[head_dim]
@@ -217,13 +215,14 @@ def varlen_attention_gluon_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                   _descriptors(v, BLOCK_N, (d0, d1)))
     launch = gluon_path.direct_launch(_varlen_attention_fwd_ws_split, GROUP=num_heads // k.shape[1], D0=d0, D1=d1,
                                       SORTED=by_length, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N,
-                                      STAGES=stages_for(head_dim), CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+                                      STAGES=stages_for(head_dim), CONSUMER_REGS=CONSUMER_REGS, CAUSAL=bool(causal),
+                                      num_warps=4)
     launch((qd[0], qd[1], kd[0], kd[1], vd[0], vd[1], out, cu_seqlens, order, out.stride(0), total_tokens,
             softmax_scale * triton_path.LOG2E), grid)
     return out
 
 
-def hopper_resources(head_dim: int, dtype: str = "bf16") -> dict:
+def hopper_resources(head_dim: int, dtype: str = "bf16", causal: bool = False) -> dict:
     """``attention.gluon.hopper_resources`` for this kernel: compiled for sm_90a without a GPU."""
     d0, d1 = PARTS[head_dim]
     descs = {}
@@ -231,5 +230,5 @@ def hopper_resources(head_dim: int, dtype: str = "bf16") -> dict:
         descs[name] = tensordesc(dtype, rows, d0)
         descs[name + "1"] = tensordesc(dtype, rows, d1)
     res = compiled_resources(_varlen_attention_fwd_ws_split, descs, dtype,
-                             dict(D0=d0, D1=d1, STAGES=stages_for(head_dim)))
-    return {"head_dim": head_dim, "dtype": dtype, "parts": [d0, d1], **res}
+                             dict(D0=d0, D1=d1, STAGES=stages_for(head_dim), CAUSAL=causal))
+    return {"head_dim": head_dim, "dtype": dtype, "causal": causal, "parts": [d0, d1], **res}

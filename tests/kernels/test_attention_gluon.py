@@ -21,27 +21,29 @@ from guardlint.kernels.attention import gluon as gluon_path
 SHARED_MEMORY_PER_BLOCK = 227 * 1024
 
 
-COMPILED = [(64, "bf16"), (128, "bf16"), (128, "fp16")]
-SPLIT_COMPILED = [(80, "bf16"), (96, "bf16"), (80, "fp16")]
+COMPILED = [(64, "bf16", False), (128, "bf16", False), (128, "fp16", False), (128, "bf16", True)]
+SPLIT_COMPILED = [(80, "bf16", False), (96, "bf16", False), (80, "fp16", False), (80, "bf16", True)]
 
 
 @pytest.fixture(scope="module")
 def resources():
-    """ptxas resources per (module, head_dim, dtype) of both kernels (``gluon``, ``gluon_split``), compiled
+    """ptxas resources per (module, head_dim, dtype, causal) of both kernels (``gluon``, ``gluon_split``), compiled
     in a fresh process: this one runs Triton's interpreter (TRITON_INTERPRET=1 before the kernels were
     defined), which cannot compile for a GPU."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json; from guardlint.kernels.attention import gluon, gluon_split; "
-            f"print(json.dumps([dict(m.hopper_resources(d, t), module=m.__name__.rsplit('.', 1)[1]) "
-            f"for m, configs in ((gluon, {COMPILED!r}), (gluon_split, {SPLIT_COMPILED!r})) for d, t in configs]))")
+            f"print(json.dumps([dict(m.hopper_resources(d, t, c), module=m.__name__.rsplit('.', 1)[1]) "
+            f"for m, configs in ((gluon, {COMPILED!r}), (gluon_split, {SPLIT_COMPILED!r})) for d, t, c in configs]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return {(r["module"], r["head_dim"], r["dtype"]): r for r in json.loads(done.stdout.strip().splitlines()[-1])}
+    return {(r["module"], r["head_dim"], r["dtype"], r["causal"]): r
+            for r in json.loads(done.stdout.strip().splitlines()[-1])}
 
 
-@pytest.mark.parametrize("head_dim,dtype", COMPILED)
-def test_compiles_for_hopper_without_spills(resources, head_dim, dtype):
-    res = resources[("gluon", head_dim, dtype)]
+@pytest.mark.parametrize("head_dim,dtype,causal", COMPILED)
+def test_compiles_for_hopper_without_spills(resources, head_dim, dtype, causal):
+    """Causal too: the diagonal tile's mask keeps the registers and the in-flight PV product."""
+    res = resources[("gluon", head_dim, dtype, causal)]
     assert res["spill_bytes"] == 0
     assert res["shared_bytes"] <= SHARED_MEMORY_PER_BLOCK
     # setmaxnreg: the producer warp gives registers up, the consumer warpgroups take them.
@@ -50,12 +52,12 @@ def test_compiles_for_hopper_without_spills(resources, head_dim, dtype):
     assert res["wgmma_waits"] == [0, 1]
 
 
-@pytest.mark.parametrize("head_dim,dtype", SPLIT_COMPILED)
-def test_split_head_dims_compile_for_hopper_without_spills(resources, head_dim, dtype):
+@pytest.mark.parametrize("head_dim,dtype,causal", SPLIT_COMPILED)
+def test_split_head_dims_compile_for_hopper_without_spills(resources, head_dim, dtype, causal):
     """80 = 64 + 16 and 96 = 64 + 32 (Gluon's tiles are powers of two): within the register and shared-memory
     budget, the producer's and consumers' register split as for the other head dims, and S_j waited on
     while both parts of P_{j-1} V_{j-1} stay in flight (two groups outstanding)."""
-    res = resources[("gluon_split", head_dim, dtype)]
+    res = resources[("gluon_split", head_dim, dtype, causal)]
     assert res["spill_bytes"] == 0 and res["shared_bytes"] <= SHARED_MEMORY_PER_BLOCK
     assert gluon_path.CONSUMER_REGS in res["partition_registers"] and 24 in res["partition_registers"]
     assert res["wgmma_waits"] == [0, 2]
@@ -101,20 +103,26 @@ def packed(tokens=64, heads=4, head_dim=128, **kw):
     ({"head_dim": 80}, True),                                               # in two parts, 64 + 16
     ({"head_dim": 96, "split": True}, True),
     ({"head_dim": 112, "split": True}, False),                              # no parts for 112
+    ({"causal": True}, False),                                              # causal: not verified yet
+    ({"causal": True, "causal_on": True}, True),                            # ... unless GUARDLINT_GLUON_CAUSAL=1
+    ({"causal": True, "causal_on": True, "head_dim": 80}, True),
     ({"ptr": (1 << 20) + 8}, False),                                        # TMA needs 16-byte aligned bases
     ({"device": torch.device("cpu")}, False),
 ])
 def test_supports(monkeypatch, change, expected):
     monkeypatch.setattr(gluon_path, "is_hopper", lambda device: True)
     monkeypatch.setattr(gluon_path, "SPLIT_ENABLED", change.pop("split", True))
+    monkeypatch.setattr(gluon_path, "CAUSAL_ENABLED", change.pop("causal_on", False))
+    causal = change.pop("causal", False)
     head_dim = change.pop("head_dim", 128)
     q = packed(head_dim=head_dim, **change)
     kv = packed(heads=2, head_dim=head_dim, **change)
-    assert gluon_path.supports(q, kv, kv, causal=False) is expected
+    assert gluon_path.supports(q, kv, kv, causal=causal) is expected
 
 
 def test_supports_refuses_causal_other_gpus_and_strided_heads(monkeypatch):
     monkeypatch.setattr(gluon_path, "is_hopper", lambda device: True)
+    monkeypatch.setattr(gluon_path, "CAUSAL_ENABLED", False)
     q, kv = packed(), packed(heads=2)
     assert not gluon_path.supports(q, kv, kv, causal=True)
     # A v slice of a fused qkv buffer: rows of 3 * H * D, heads still contiguous -> TMA reads it.

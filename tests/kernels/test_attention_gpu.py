@@ -205,6 +205,29 @@ def test_triton_direct_launch_uses_the_binary_triton_would_pick(view, monkeypatc
 
 
 @hopper_only
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gluon_causal_matches_float64(head_dim, dtype, poisoned_gluon_output, monkeypatch):
+    """Causal on the Gluon kernels (switched on as GUARDLINT_GLUON_CAUSAL=1 does): key tiles up to the
+    diagonal, the diagonal tile masked per row, query tiles launched last to first. Lengths 0 and 1, one
+    query tile exactly (128), one row past it (129), several tiles with a partial last one, GQA 8:2."""
+    from guardlint.kernels.attention import gluon as gluon_path
+
+    monkeypatch.setattr(gluon_path, "CAUSAL_ENABLED", True)
+    ran, launch = [], gluon_path.varlen_attention_gluon
+    monkeypatch.setattr(gluon_path, "varlen_attention_gluon", lambda *a: ran.append(a[-1]) or launch(*a))
+    q, k, v, cu, offsets = make_batch(LENGTHS + [128, 2048, 130], 8, 2, head_dim, dtype, seed=head_dim + 1)
+    assert gluon_path.supports(q, k, v, True)
+    out = varlen_attention(q, k, v, cu, causal=True, backend="gluon")
+    assert_matches(out, q, k, v, offsets, True)
+    # Equal lengths (no sequence order) and int64 offsets take the other launch path.
+    q, k, v, cu, offsets = make_batch([384] * 3, 4, 4, head_dim, dtype, seed=7)
+    out = varlen_attention(q, k, v, cu.long(), causal=True, backend="gluon")
+    assert_matches(out, q, k, v, offsets, True)
+    assert ran == [True, True], "both calls ran the Gluon kernel, causal"
+
+
+@hopper_only
 @pytest.mark.parametrize("head_dim", [128, 80])
 def test_gluon_direct_launch_uses_the_binary_triton_would_pick(head_dim, monkeypatch):
     """The Gluon kernels' later calls launch the kept binary with fresh TMA descriptors (kernels/_launch.py):
