@@ -351,7 +351,7 @@ def direct_launch(fn, **options) -> DirectLaunch:
     key = (fn, *options.items())
     launch = _direct.get(key)
     if launch is None:
-        launch = _direct[key] = DirectLaunch(fn, options)
+        launch = _direct[key] = DirectLaunch(fn, options, triton_path.INTERPRET)
     return launch
 
 
