@@ -110,16 +110,32 @@ def _mask(scores, j, row0, seq_len, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s
 
 
 @gluon.jit
-def _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_i, l_i, p_op, seq_len, qk_scale,
-             row0, WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, MASK: gl.constexpr,
-             CAUSAL: gl.constexpr):
-    """Issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; softmax of S_j while the PV product runs."""
+def _await_tile(j, k_bars, v_bars, turn_bars, WG: gl.constexpr, STAGES: gl.constexpr):
+    """Wait for K_j and V_{j-1} and for this consumer's turn; (stage of j, stage of j - 1)."""
     s = j % STAGES
     prev = (j - 1) % STAGES
     mbarrier.wait(k_bars.index(s), (j // STAGES) & 1)
     mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
     _wait_turn(turn_bars, j, WG)
+    return s, prev
+
+
+@gluon.jit
+def _softmax_step(scores, m_i, l_i, qk_scale):
+    """Online softmax over one more key tile: (P, new row max, rescale factor of the old sums, new row sum)."""
+    m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
+    p = gl.exp2(scores * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    return p, m_new, alpha, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_i, l_i, p_op, seq_len, qk_scale,
+             row0, WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, MASK: gl.constexpr,
+             CAUSAL: gl.constexpr):
+    """Issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; softmax of S_j while the PV product runs."""
+    s, prev = _await_tile(j, k_bars, v_bars, turn_bars, WG, STAGES)
     s_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
                           use_acc=False, is_async=True)
     acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
@@ -128,10 +144,7 @@ def _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_
     scores, _ = warpgroup_mma_wait(1, deps=[s_tok, k_smem.index(s)])
     if MASK:
         scores = _mask(scores, j, row0, seq_len, ROWS, BLOCK_N, s_layout, CAUSAL)
-    m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
-    p = gl.exp2(scores * qk_scale - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
+    p, m_new, alpha, l_i = _softmax_step(scores, m_i, l_i, qk_scale)
     acc, _, _ = warpgroup_mma_wait(0, deps=[acc, p_op, v_smem.index(prev)])
     mbarrier.arrive(free_bars.index(prev), count=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]

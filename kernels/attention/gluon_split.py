@@ -24,8 +24,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .._gluon import smem_layout, tensordesc
 from . import gluon as gluon_path
 from . import triton as triton_path
-from .gluon import (BLOCK_M, BLOCK_N, CONSUMER_REGS, ROWS_PER_WG, _barriers, _key_tiles, _mask, _pass_turn,
-                    _program, _sequence, _store, _wait_turn, compiled_resources, stages_for)
+from .gluon import (BLOCK_M, BLOCK_N, CONSUMER_REGS, ROWS_PER_WG, _await_tile, _barriers, _key_tiles, _mask,
+                    _pass_turn, _program, _sequence, _softmax_step, _store, _wait_turn, compiled_resources,
+                    stages_for)
 
 # head dim -> (first part, second part), both powers of two (attention.gluon.SPLIT_HEAD_DIMS).
 PARTS = {80: (64, 16), 96: (64, 32)}
@@ -73,11 +74,7 @@ def _kv_step(j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_ba
              o_layout1: gl.constexpr, p_layout: gl.constexpr, p_layout1: gl.constexpr, MASK: gl.constexpr,
              CAUSAL: gl.constexpr):
     """Issue S_j and O += P_{j-1} V_{j-1} (both parts); softmax of S_j while the PV products run."""
-    s = j % STAGES
-    prev = (j - 1) % STAGES
-    mbarrier.wait(k_bars.index(s), (j // STAGES) & 1)
-    mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
-    _wait_turn(turn_bars, j, WG)
+    s, prev = _await_tile(j, k_bars, v_bars, turn_bars, WG, STAGES)
     s_tok = _scores(q, q1, k_smem.index(s), k_smem1.index(s), ROWS, BLOCK_N, s_layout)
     acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
     acc1 = warpgroup_mma(p_op1, v_smem1.index(prev), acc1, is_async=True)
@@ -86,10 +83,7 @@ def _kv_step(j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_ba
     scores, _, _ = warpgroup_mma_wait(2, deps=[s_tok, k_smem.index(s), k_smem1.index(s)])
     if MASK:
         scores = _mask(scores, j, row0, seq_len, ROWS, BLOCK_N, s_layout, CAUSAL)
-    m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
-    p = gl.exp2(scores * qk_scale - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
+    p, m_new, alpha, l_i = _softmax_step(scores, m_i, l_i, qk_scale)
     acc, acc1, _, _, _, _ = warpgroup_mma_wait(0, deps=[acc, acc1, p_op, p_op1, v_smem.index(prev),
                                                         v_smem1.index(prev)])
     mbarrier.arrive(free_bars.index(prev), count=1)
