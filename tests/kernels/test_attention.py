@@ -512,6 +512,17 @@ def test_triton_custom_op_registration():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_custom_op_registration_and_causal(causal):
+    """The Gluon op's schema and fake take ``causal``; off a Hopper GPU the op runs the Triton kernel with the
+    same flag (a causal call that came out non-causal would not match the reference)."""
+    pytest.importorskip("triton.experimental.gluon")
+    q, k, v, cu, offsets = make_batch([3, 5], heads=2, kv_heads=1, head_dim=16)
+    op = torch.ops.guardlint.varlen_attention_gluon.default
+    torch.library.opcheck(op, (q, k, v, cu, 5, 16 ** -0.5, causal), test_utils=("test_schema", "test_faketensor"))
+    assert_close_to_reference(op(q, k, v, cu, 5, 16 ** -0.5, causal), q, k, v, offsets, causal)
+
+
 def test_torch_compile_sees_one_attention_op():
     q, k, v, cu, offsets = make_batch([3, 5], heads=2, kv_heads=1, head_dim=16)
     lengths = cu[1:] - cu[:-1]
