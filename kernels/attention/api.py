@@ -228,7 +228,7 @@ def _why_not(name: str, q: torch.Tensor) -> str:
             return "this Triton has no Gluon (triton.experimental.gluon)"
         g = _gluon()
         dims = list(g.HEAD_DIMS) + (list(g.SPLIT_HEAD_DIMS) if g.SPLIT_ENABLED else [])
-        mask = "causal or not" if g.CAUSAL_ENABLED else "non-causal (GUARDLINT_GLUON_CAUSAL=1: causal too)"
+        mask = "causal or not" if g.CAUSAL_ENABLED else "non-causal (GUARDLINT_GLUON_CAUSAL=0)"
         return (f"the Gluon kernel takes a Hopper GPU (sm_90), head dims {dims}, float16/"
                 f"bfloat16, {mask}, q/k/v with contiguous heads")
     return ""

@@ -103,16 +103,16 @@ def packed(tokens=64, heads=4, head_dim=128, **kw):
     ({"head_dim": 80}, True),                                               # in two parts, 64 + 16
     ({"head_dim": 96, "split": True}, True),
     ({"head_dim": 112, "split": True}, False),                              # no parts for 112
-    ({"causal": True}, False),                                              # causal: not verified yet
-    ({"causal": True, "causal_on": True}, True),                            # ... unless GUARDLINT_GLUON_CAUSAL=1
-    ({"causal": True, "causal_on": True, "head_dim": 80}, True),
+    ({"causal": True}, True),                                               # causal too ...
+    ({"causal": True, "causal_on": False}, False),                          # ... unless GUARDLINT_GLUON_CAUSAL=0
+    ({"causal": True, "head_dim": 80}, True),
     ({"ptr": (1 << 20) + 8}, False),                                        # TMA needs 16-byte aligned bases
     ({"device": torch.device("cpu")}, False),
 ])
 def test_supports(monkeypatch, change, expected):
     monkeypatch.setattr(gluon_path, "is_hopper", lambda device: True)
     monkeypatch.setattr(gluon_path, "SPLIT_ENABLED", change.pop("split", True))
-    monkeypatch.setattr(gluon_path, "CAUSAL_ENABLED", change.pop("causal_on", False))
+    monkeypatch.setattr(gluon_path, "CAUSAL_ENABLED", change.pop("causal_on", True))
     causal = change.pop("causal", False)
     head_dim = change.pop("head_dim", 128)
     q = packed(head_dim=head_dim, **change)

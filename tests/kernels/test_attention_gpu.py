@@ -208,7 +208,7 @@ def test_triton_direct_launch_uses_the_binary_triton_would_pick(view, monkeypatc
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gluon_causal_matches_float64(head_dim, dtype, poisoned_gluon_output, monkeypatch):
-    """Causal on the Gluon kernels (switched on as GUARDLINT_GLUON_CAUSAL=1 does): key tiles up to the
+    """Causal on the Gluon kernels (on unless GUARDLINT_GLUON_CAUSAL=0): key tiles up to the
     diagonal, the diagonal tile masked per row, query tiles launched last to first. Lengths 0 and 1, one
     query tile exactly (128), one row past it (129), several tiles with a partial last one, GQA 8:2."""
     from guardlint.kernels.attention import gluon as gluon_path
