@@ -2,7 +2,7 @@
 # One call on the offline H200 machine: install guardlint, unpack the FlashInfer bundle (.gpu-deps, made by
 # ../shared/gpu/make_flashinfer_bundle.sh), then run the named steps and pack results + logs into $OUT.
 #   bash bench/gpu_run.sh tests tests-flashinfer tests-gluon engines lora-tests lora eager eager-profile anatomy guard
-#   attention-eager attention-causal attention-quick attention
+#   attention-eager attention-causal attention-anatomy attention-quick attention
 # The engines step needs einops in .gpu-deps/wheels and the engine sources it loads carried (.engines/...).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -38,8 +38,10 @@ for s in "$@"; do
     guard) step guard python3 bench/guard_sync.py --write ;;
     # The Gluon kernels alone (D=64/128 and the two-part D=80/96): their GPU tests, direct launches included.
     tests-gluon) step tests-gluon python3 -m pytest -q -m gpu -p no:cacheprovider -k "gluon or compile or auto" tests/kernels/test_attention_gpu.py ;;
-    # Causal on the Gluon kernels, switched on: the causal cases side by side (printed, nothing written).
-    attention-causal) GUARDLINT_GLUON_CAUSAL=1 step attention-causal python3 bench/attention.py --cases 6img-d128-causal,6img-d80-causal --budget "${ATTN_BUDGET:-300}" ;;
+    # The causal cases alone, side by side (printed, nothing written).
+    attention-causal) step attention-causal python3 bench/attention.py --cases 6img-d128-causal,6img-d80-causal --budget "${ATTN_BUDGET:-300}" ;;
+    # Where the Gluon kernels' time goes: probes with one ingredient stripped, beside FA3 (bench/attention_anatomy.py).
+    attention-anatomy) STEP_TIMEOUT=360 step attention-anatomy python3 bench/attention_anatomy.py --write ;;
     attention-quick) step attention-quick python3 bench/attention.py --quick --no-flashinfer --budget 200 --write ;;
     attention) STEP_TIMEOUT=$(( ${ATTN_BUDGET:-420} + 40 )) step attention python3 bench/attention.py --write-dispatch --write --budget "${ATTN_BUDGET:-420}" ;;
     *) echo "unknown step $s"; rc=1 ;;

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,6 +63,20 @@ def test_split_head_dims_compile_for_hopper_without_spills(resources, head_dim, 
     assert gluon_path.CONSUMER_REGS in res["partition_registers"] and 24 in res["partition_registers"]
     assert res["wgmma_waits"] == [0, 2]
     assert sum(res["parts"]) == head_dim and all(p & (p - 1) == 0 for p in res["parts"])
+
+
+def test_anatomy_probes_compile_and_drop_what_they_name():
+    """bench/attention_anatomy.py's probes (the kernels with one helper swapped) build for sm_90a and each drops
+    what its row says: fewer exp2 without the softmax, fewer wgmma without S's 16-wide part. Fails when a
+    rename leaves a probe compiling to the product's own instructions."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).resolve().parents[2] / "bench" / "attention_anatomy.py"
+    done = subprocess.run([sys.executable, str(script), "--compile-check"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("D=")]
+    assert {r[0] for r in rows} == {"D=128", "D=80", "D=64"} and len(rows) == 10
+    assert all(r[-1] == "0" for r in rows), "no probe spills"
 
 
 @pytest.mark.parametrize("head_dim", gluon_path.HEAD_DIMS)
