@@ -182,7 +182,7 @@ def side_by_side(cases, args, cuda: bool, entries: list, rows: list) -> list:
             continue
         q, k, v, cu, offsets, plan = make_inputs(case, device, torch.bfloat16)
         try:
-            pick = attention.select_backend(q, k, cu, case.max_seqlen, backend="auto")
+            pick = attention.select_backend(q, k, cu, case.max_seqlen, causal=case.causal, backend="auto")
             note = f"auto -> {pick}"
             best = table_best.get(case.name)
             if best is not None and best != pick:
