@@ -99,6 +99,9 @@ def probe_kernel(module, kernel: str, swaps: dict):
         fn = vars(module)[name].fn
         clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
         clone.__qualname__, clone.__module__, clone.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+        # Triton reads which parameters are constexprs from the annotations: without them a launch would pass
+        # STAGES, HEAD_DIM, ... as runtime integers.
+        clone.__annotations__, clone.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__
         scope[name] = gluon.jit(clone)
     return scope[kernel]
 
@@ -136,6 +139,9 @@ def compile_check() -> int:
         counts["product"] = _ptx_counts(seen["ptx"])
         for name, _, module, kernel, swaps in probes(head_dim):
             fn = probe_kernel(module, kernel, swaps)
+            if [p.is_constexpr for p in fn.params] != [p.is_constexpr for p in getattr(module, kernel).params]:
+                print(f"D={head_dim} {name}: constexpr parameters differ from the kernel's", file=sys.stderr)
+                rc = 1
             saved = getattr(module, kernel)
             setattr(module, kernel, fn)
             try:
