@@ -142,7 +142,7 @@ def local_rows(cases, args, cuda: bool, warm_proc) -> list:
             if backend == "triton" and cuda:
                 note = triton_path.tuned_config(case.head_dim, case.causal, case.max_seqlen) or ""
             if backend == "gluon":
-                note = attention._gluon().describe(case.head_dim)
+                note = attention._gluon().describe(case.head_dim, case.causal)
             if not passes(err):
                 rows.append(row(case, backend, err=err, note=f"WRONG RESULT (max abs error {err:.3g})"))
                 continue

@@ -13,9 +13,12 @@ globals, so the product itself is untouched):
 - ``S without its 16-wide part`` (D=80): ``Q K^T`` over the first 64 columns only: what the chained K=16 wgmma
   of the two-part head costs.
 
-Probes compute made-up numbers: they are timings, not results (the product kernels are checked against float64
-first). Every row of a case is timed side by side, interleaved over ROUNDS rounds in rotated order; the table
-gives the median round and each row's ratio to the product kernel and to FA3 at D=128 on the same tokens.
+Beside them: the same kernel through the public API (``varlen_attention(..., backend="gluon")``), and for
+D <= 80 a candidate with three consumer warpgroups instead of two (``GUARDLINT_GLUON_WGS=3``), checked against
+float64 like the product. Probes compute made-up numbers: they are timings, not results (the product kernels
+are checked against float64 first). Every row of a case is timed side by side, interleaved over ROUNDS rounds
+in rotated order; the table gives the median round and each row's ratio to the product kernel and to FA3 at
+D=128 on the same tokens.
 
     python bench/attention_anatomy.py [--write]        # on an H200
     python bench/attention_anatomy.py --compile-check  # anywhere: builds every probe for sm_90a, no GPU
@@ -104,6 +107,18 @@ def probe_kernel(module, kernel: str, swaps: dict):
         clone.__annotations__, clone.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__
         scope[name] = gluon.jit(clone)
     return scope[kernel]
+
+
+def with_setting(module, name: str, value, call):
+    """``call`` run with ``module.<name>`` set to ``value`` (read at each call)."""
+    def run():
+        saved = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            return call()
+        finally:
+            setattr(module, name, saved)
+    return run
 
 
 def with_kernel(module, kernel: str, replacement, call):
@@ -211,6 +226,20 @@ def main() -> int:
             return 1
         calls[(case.name, "gluon")] = product
         notes[(case.name, "gluon")] = f"the product kernel ({G.describe(case.head_dim)}); max abs error {err:.2g}"
+        calls[(case.name, "public API")] = lambda q=q, k=k, v=v, cu=cu, plan=plan: varlen_attention(
+            q, k, v, cu, metadata=plan, backend="gluon")
+        notes[(case.name, "public API")] = "varlen_attention(..., backend='gluon'), prepared plan: the same kernel"
+        if case.head_dim <= G.THREE_WG_MAX_HEAD_DIM:
+            # A candidate, not a probe: three consumer warpgroups (GUARDLINT_GLUON_WGS=3), checked like the product.
+            three = with_setting(G, "WGS_SETTING", "3", product)
+            err3 = max_abs_error(three(), reference(case, q, k, v, offsets))
+            log(f"{case.name} gluon, 3 warpgroups: max abs error {err3:.3g} against float64")
+            describe3 = with_setting(G, "WGS_SETTING", "3", lambda d=case.head_dim: G.describe(d))()
+            if passes(err3):
+                calls[(case.name, "3 consumer warpgroups")] = three
+                notes[(case.name, "3 consumer warpgroups")] = f"candidate ({describe3}); max abs error {err3:.2g}"
+            else:
+                notes[(case.name, "3 consumer warpgroups")] = f"WRONG RESULT (max abs error {err3:.3g}): not timed"
         for name, what, module, kernel, swaps in probes(case.head_dim):
             calls[(case.name, name)] = with_kernel(module, kernel, probe_kernel(module, kernel, swaps), product)
             calls[(case.name, name)]()
@@ -251,7 +280,8 @@ def main() -> int:
     rows = []
     for case in cases:
         product = us[(case.name, "gluon")]
-        for key in [k for k in keys if k[0] == case.name] + [(case.name, "flashinfer-fa3")]:
+        mine = [k for k in keys if k[0] == case.name]
+        for key in mine + [k for k in notes if k[0] == case.name and k not in mine]:
             if key not in us:
                 if key in notes:
                     rows.append({"case": case.name, "probe": key[1], "what": notes[key]})

@@ -31,7 +31,7 @@ from .._gluon import compile_sm90, is_hopper, smem_layout, tensordesc
 from .._launch import DirectLaunch
 from . import triton as triton_path
 
-BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
+BLOCK_M = 128  # query rows per program with two consumer warpgroups of 64 (three: 192, ``block_m``)
 ROWS_PER_WG = 64
 BLOCK_N = 128  # keys per K/V tile
 HEAD_DIMS = (64, 128)
@@ -44,35 +44,59 @@ SPLIT_ENABLED = os.environ.get("GUARDLINT_GLUON_SPLIT", "1") not in ("", "0")
 CAUSAL_ENABLED = os.environ.get("GUARDLINT_GLUON_CAUSAL", "1") not in ("", "0")
 # Registers per thread of each consumer warpgroup (setmaxnreg); the producer warp keeps 24.
 CONSUMER_REGS = 240
+# Three consumer warpgroups (192 query rows per program: while one runs its matrix multiplies, two can run their
+# softmax) for non-causal head dims up to 80, where softmax is the larger share of a key tile's work. With
+# GUARDLINT_GLUON_WGS=3 only, until a GPU run has checked it; 160 registers for two of them (setmaxnreg), the
+# rest of the 64 K for the third.
+THREE_WG_MAX_HEAD_DIM = 80
+THREE_WG_REGS = 160
+WGS_SETTING = os.environ.get("GUARDLINT_GLUON_WGS", "2")
 
 
-def stages_for(head_dim: int) -> int:
+def consumer_groups(head_dim: int, causal: bool) -> int:
+    """Consumer warpgroups per program: 3 for non-causal head dims up to 80 with GUARDLINT_GLUON_WGS=3, else 2
+    (causal masking expects key tiles as long as query tiles)."""
+    if WGS_SETTING != "3" or causal or head_dim > THREE_WG_MAX_HEAD_DIM:
+        return 2
+    return 3
+
+
+def block_m(wgs: int) -> int:
+    return wgs * ROWS_PER_WG
+
+
+def consumer_regs(wgs: int) -> int:
+    return CONSUMER_REGS if wgs == 2 else THREE_WG_REGS
+
+
+def stages_for(head_dim: int, wgs: int = 2) -> int:
     """K/V ring depth that fits shared memory (227 KB): Q 32 KB + stages * (K + V) at D=128 -> 3 stages."""
     per_stage = 2 * BLOCK_N * head_dim * 2
-    q_bytes = BLOCK_M * head_dim * 2
+    q_bytes = block_m(wgs) * head_dim * 2
     return max(2, min(4, (226 * 1024 - q_bytes) // per_stage))
 
 
-# Every partition takes (descs, bufs, bars, place, WG, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL): worker
+# Every partition takes (descs, bufs, bars, place, WG, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL): worker
 # partitions must share one signature. descs: TMA descriptors of q, k, v; bufs: shared-memory Q tiles (one per
 # consumer) and the K, V rings; bars: mbarriers (Q ready per consumer, K ready, V ready, stage free,
 # ping-pong turns); place: (o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles,
-# qk_scale) of this program's tile; WG: the consumer's index (0 or 1; unused by the producer).
+# qk_scale) of this program's tile; WG: the consumer's index (0 to WGS - 1; unused by the producer); WGS: the
+# number of consumer warpgroups.
 
 
 @gluon.jit
-def _producer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+def _producer(descs, bufs, bars, place, WG: gl.constexpr, WGS: gl.constexpr, ROWS: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     q_desc, k_desc, v_desc = descs
     q_smem, k_smem, v_smem = bufs
     q_bars, k_bars, v_bars, free_bars, turn_bars = bars
     o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale = place
-    for w in gl.static_range(2):
+    for w in gl.static_range(WGS):
         mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row + w * ROWS, q_col], q_bars.index(w), q_smem.index(w))
     for j in range(n_tiles):
         s = j % STAGES
-        # A stage is free once both consumers released it; fresh barriers pass the first round.
+        # A stage is free once every consumer released it; fresh barriers pass the first round.
         mbarrier.wait(free_bars.index(s), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(k_bars.index(s), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], k_bars.index(s), k_smem.index(s))
@@ -82,16 +106,17 @@ def _producer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BL
 
 @gluon.jit
 def _wait_turn(turn_bars, k, WG: gl.constexpr):
-    """Ping-pong: a consumer issues its k-th batch of wgmma only after the other issued its own; WG 0 first."""
+    """Ping-pong: the consumers issue their k-th batches of wgmma in turn, WG 0 first: WG w > 0 waits for
+    w - 1's k-th batch, WG 0 for the last one's (k-1)-th."""
     if WG == 0:
         mbarrier.wait(turn_bars.index(0), (k - 1) & 1, pred=k > 0)
     else:
-        mbarrier.wait(turn_bars.index(1), k & 1)
+        mbarrier.wait(turn_bars.index(WG), k & 1)
 
 
 @gluon.jit
-def _pass_turn(turn_bars, WG: gl.constexpr):
-    mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+def _pass_turn(turn_bars, WG: gl.constexpr, WGS: gl.constexpr):
+    mbarrier.arrive(turn_bars.index((WG + 1) % WGS), count=1)
 
 
 @gluon.jit
@@ -130,7 +155,7 @@ def _softmax_step(scores, m_i, l_i, qk_scale):
 
 @gluon.jit
 def _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_i, l_i, p_op, seq_len, qk_scale,
-             row0, WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             row0, WG: gl.constexpr, WGS: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, MASK: gl.constexpr,
              CAUSAL: gl.constexpr):
     """Issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; softmax of S_j while the PV product runs."""
@@ -138,7 +163,7 @@ def _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_
     s_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
                           use_acc=False, is_async=True)
     acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-    _pass_turn(turn_bars, WG)
+    _pass_turn(turn_bars, WG, WGS)
     # wgmma groups retire in order: one outstanding = S_j done, O += P_{j-1} V_{j-1} still running.
     scores, _ = warpgroup_mma_wait(1, deps=[s_tok, k_smem.index(s)])
     if MASK:
@@ -152,8 +177,8 @@ def _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_
 
 
 @gluon.jit
-def _consumer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+def _consumer(descs, bufs, bars, place, WG: gl.constexpr, WGS: gl.constexpr, ROWS: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     q_smem, k_smem, v_smem = bufs
     q_bars, k_bars, v_bars, free_bars, turn_bars = bars
     o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale = place
@@ -174,7 +199,7 @@ def _consumer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BL
     _wait_turn(turn_bars, 0, WG)
     s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
                           use_acc=False, is_async=True)
-    _pass_turn(turn_bars, WG)
+    _pass_turn(turn_bars, WG, WGS)
     scores, _, _ = warpgroup_mma_wait(0, deps=[s_tok, q, k_smem.index(0)])
     scores = _mask(scores, 0, row0, seq_len, ROWS, BLOCK_N, s_layout, CAUSAL)
     m_i = gl.max(scores, 1) * qk_scale
@@ -186,18 +211,18 @@ def _consumer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BL
     # diagonal tile, as a key tile is as long as a query tile) does.
     for j in range(1, n_tiles - 1):
         acc, m_i, l_i, p_op = _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_i, l_i,
-                                       p_op, seq_len, qk_scale, row0, WG, ROWS, BLOCK_N, STAGES, s_layout,
+                                       p_op, seq_len, qk_scale, row0, WG, WGS, ROWS, BLOCK_N, STAGES, s_layout,
                                        o_layout, p_layout, False, CAUSAL)
     if n_tiles > 1:
         acc, m_i, l_i, p_op = _kv_step(n_tiles - 1, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc,
-                                       m_i, l_i, p_op, seq_len, qk_scale, row0, WG, ROWS, BLOCK_N, STAGES,
+                                       m_i, l_i, p_op, seq_len, qk_scale, row0, WG, WGS, ROWS, BLOCK_N, STAGES,
                                        s_layout, o_layout, p_layout, True, CAUSAL)
 
     last = (n_tiles - 1) % STAGES
     mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // STAGES) & 1)
     _wait_turn(turn_bars, n_tiles, WG)
     acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-    _pass_turn(turn_bars, WG)
+    _pass_turn(turn_bars, WG, WGS)
     acc, _, _ = warpgroup_mma_wait(0, deps=[acc, p_op, v_smem.index(last)])
 
     _store(o_ptr, acc, l_i, q_row, stride_ot, q_col, rows_left, WG, ROWS, HEAD_DIM, o_layout, dtype)
@@ -239,31 +264,31 @@ def _program(CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _key_tiles(pid_m, seq_len, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Key tiles a query tile reads: all of the sequence's, or causal, those up to its diagonal (the last one,
-    as key and query tiles are equally long)."""
+def _key_tiles(pid_m, seq_len, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Key tiles a query tile of ``TILE_M`` rows reads: all of the sequence's, or causal, those up to its
+    diagonal (the last one, as key and query tiles are equally long)."""
     if CAUSAL:
-        gl.static_assert(BLOCK_N == 2 * ROWS, "causal masking expects key tiles as long as query tiles")
-        return (gl.minimum(seq_len, (pid_m + 1) * (2 * ROWS)) + BLOCK_N - 1) // BLOCK_N
+        gl.static_assert(BLOCK_N == TILE_M, "causal masking expects key tiles as long as query tiles")
+        return (gl.minimum(seq_len, (pid_m + 1) * TILE_M) + BLOCK_N - 1) // BLOCK_N
     else:
         return (seq_len + BLOCK_N - 1) // BLOCK_N
 
 
 @gluon.jit
-def _barriers(STAGES: gl.constexpr):
-    """(Q ready per consumer, K ready, V ready, stage free, ping-pong turns), initialised."""
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+def _barriers(STAGES: gl.constexpr, WGS: gl.constexpr):
+    """(Q ready per consumer, K ready, V ready, stage free, turns per consumer), initialised."""
+    q_bars = gl.allocate_shared_memory(gl.int64, [WGS, 1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    turn_bars = gl.allocate_shared_memory(gl.int64, [WGS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(WGS):
         mbarrier.init(q_bars.index(i), count=1)
         mbarrier.init(turn_bars.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(i), count=1)
         mbarrier.init(v_bars.index(i), count=1)
-        mbarrier.init(free_bars.index(i), count=2)  # released by both consumers
+        mbarrier.init(free_bars.index(i), count=WGS)  # released by every consumer
     return q_bars, k_bars, v_bars, free_bars, turn_bars
 
 
@@ -271,27 +296,37 @@ def _barriers(STAGES: gl.constexpr):
 def _varlen_attention_fwd_ws(q_desc, k_desc, v_desc, o_ptr, cu_seqlens, seq_order, stride_ot, total_tokens,
                              qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, SORTED: gl.constexpr,
                              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr):
+                             CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr, WGS: gl.constexpr):
+    TILE_M: gl.constexpr = WGS * ROWS
     pid_m, head, seq = _program(CAUSAL)
     seq_start, seq_len = _sequence(cu_seqlens, seq_order, seq, total_tokens, SORTED)
-    if pid_m * (2 * ROWS) >= seq_len:
+    if pid_m * TILE_M >= seq_len:
         return
-    q_row = seq_start + pid_m * (2 * ROWS)
+    q_row = seq_start + pid_m * TILE_M
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [WGS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    bars = _barriers(STAGES)
+    bars = _barriers(STAGES, WGS)
     descs = (q_desc, k_desc, v_desc)
     bufs = (q_smem, k_smem, v_smem)
     place = (o_ptr, q_row, seq_start, stride_ot, head * HEAD_DIM, (head // GROUP) * HEAD_DIM,
-             seq_len - pid_m * (2 * ROWS), seq_len, _key_tiles(pid_m, seq_len, ROWS, BLOCK_N, CAUSAL), qk_scale)
+             seq_len - pid_m * TILE_M, seq_len, _key_tiles(pid_m, seq_len, TILE_M, BLOCK_N, CAUSAL), qk_scale)
     # Constexprs go in the call itself: a tuple held in a variable turns them into runtime values.
-    gl.warp_specialize([
-        (_consumer, (descs, bufs, bars, place, 0, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-        (_consumer, (descs, bufs, bars, place, 1, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-        (_producer, (descs, bufs, bars, place, 0, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    if WGS == 3:
+        gl.warp_specialize([
+            (_consumer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+            (_consumer, (descs, bufs, bars, place, 1, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+            (_consumer, (descs, bufs, bars, place, 2, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+            (_producer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    else:
+        gl.static_assert(WGS == 2, "two or three consumer warpgroups")
+        gl.warp_specialize([
+            (_consumer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+            (_consumer, (descs, bufs, bars, place, 1, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+            (_producer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, 24])
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, pointers: bool = True) -> bool:
@@ -317,10 +352,11 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
                             smem_layout(rows, head_dim, t.dtype))
 
 
-def describe(head_dim: int) -> str:
+def describe(head_dim: int, causal: bool = False) -> str:
     """The launch settings, for benchmark tables."""
-    return (f"2 consumer warpgroups x {ROWS_PER_WG} rows + 1 TMA warp, BLOCK_N={BLOCK_N}, "
-            f"stages={stages_for(head_dim)}, ping-pong")
+    wgs = consumer_groups(head_dim, causal)
+    return (f"{wgs} consumer warpgroups x {ROWS_PER_WG} rows + 1 TMA warp, BLOCK_N={BLOCK_N}, "
+            f"stages={stages_for(head_dim, wgs)}, {'ping-pong' if wgs == 2 else 'round-robin'}")
 
 
 def new_output(q: torch.Tensor) -> torch.Tensor:
@@ -343,10 +379,11 @@ def varlen_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         return out
     by_length = triton_path.longest_first(batch, total_tokens, max_seqlen)
     order = triton_path.sequence_order(cu_seqlens) if by_length else cu_seqlens
-    grid = (triton.cdiv(max_seqlen, BLOCK_M), num_heads, batch)
+    wgs = consumer_groups(head_dim, causal)
+    grid = (triton.cdiv(max_seqlen, block_m(wgs)), num_heads, batch)
     launch = direct_launch(_varlen_attention_fwd_ws, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim,
-                           SORTED=by_length, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N, STAGES=stages_for(head_dim),
-                           CONSUMER_REGS=CONSUMER_REGS, CAUSAL=bool(causal), num_warps=4)
+                           SORTED=by_length, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N, STAGES=stages_for(head_dim, wgs),
+                           CONSUMER_REGS=consumer_regs(wgs), CAUSAL=bool(causal), WGS=wgs, num_warps=4)
     launch((_descriptor(q, ROWS_PER_WG), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, cu_seqlens, order,
             out.stride(0), total_tokens, softmax_scale * triton_path.LOG2E), grid)
     return out
@@ -367,15 +404,17 @@ def direct_launch(fn, **options) -> DirectLaunch:
     return launch
 
 
-def hopper_resources(head_dim: int, dtype: str = "bf16", causal: bool = False) -> dict:
+def hopper_resources(head_dim: int, dtype: str = "bf16", causal: bool = False, wgs: int = 0) -> dict:
     """Compile the kernel for sm_90a without a GPU and read its resources: registers per thread at launch
     (setmaxnreg then moves them between partitions), spill bytes, shared memory, the per-partition register
     counts and the wgmma wait depths. Call it in a process without TRITON_INTERPRET (the tests spawn one)."""
     descs = dict(q_desc=tensordesc(dtype, ROWS_PER_WG, head_dim), k_desc=tensordesc(dtype, BLOCK_N, head_dim),
                  v_desc=tensordesc(dtype, BLOCK_N, head_dim))
+    wgs = wgs or consumer_groups(head_dim, causal)
     res = compiled_resources(_varlen_attention_fwd_ws, descs, dtype,
-                             dict(HEAD_DIM=head_dim, STAGES=stages_for(head_dim), CAUSAL=causal))
-    return {"head_dim": head_dim, "dtype": dtype, "causal": causal, **res}
+                             dict(HEAD_DIM=head_dim, STAGES=stages_for(head_dim, wgs), CAUSAL=causal, WGS=wgs,
+                                  CONSUMER_REGS=consumer_regs(wgs)))
+    return {"head_dim": head_dim, "dtype": dtype, "causal": causal, "wgs": wgs, **res}
 
 
 def compiled_resources(fn, descs: dict, dtype: str, constants: dict) -> dict:
@@ -386,7 +425,7 @@ def compiled_resources(fn, descs: dict, dtype: str, constants: dict) -> dict:
     signature = {name: "constexpr" for name in fn.arg_names}
     signature.update(descs, o_ptr="*" + dtype, cu_seqlens="*i32", seq_order="*i32", stride_ot="i32",
                      total_tokens="i32", qk_scale="fp32")
-    constants = dict(GROUP=1, SORTED=True, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N, CONSUMER_REGS=CONSUMER_REGS,
+    constants = dict(dict(GROUP=1, SORTED=True, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N, CONSUMER_REGS=CONSUMER_REGS),
                      **constants)
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("o_ptr", "cu_seqlens", "seq_order",
                                                                           "stride_ot")}

@@ -24,26 +24,26 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .._gluon import smem_layout, tensordesc
 from . import gluon as gluon_path
 from . import triton as triton_path
-from .gluon import (BLOCK_M, BLOCK_N, CONSUMER_REGS, ROWS_PER_WG, _await_tile, _barriers, _key_tiles, _mask,
-                    _pass_turn, _program, _sequence, _softmax_step, _store, _wait_turn, compiled_resources,
-                    stages_for)
+from .gluon import (BLOCK_N, ROWS_PER_WG, _await_tile, _barriers, _key_tiles, _mask, _pass_turn, _program,
+                    _sequence, _softmax_step, _store, _wait_turn, block_m, compiled_resources, consumer_groups,
+                    consumer_regs, stages_for)
 
 # head dim -> (first part, second part), both powers of two (attention.gluon.SPLIT_HEAD_DIMS).
 PARTS = {80: (64, 16), 96: (64, 32)}
 
 
-# Partitions share one signature: (descs, bufs, bars, place, WG, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL). descs and
+# Partitions share one signature: (descs, bufs, bars, place, WG, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL). descs and
 # bufs hold each of q, k, v as (first part, second part).
 
 
 @gluon.jit
-def _producer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-              D0: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+def _producer(descs, bufs, bars, place, WG: gl.constexpr, WGS: gl.constexpr, ROWS: gl.constexpr,
+              BLOCK_N: gl.constexpr, D0: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     q_desc, q_desc1, k_desc, k_desc1, v_desc, v_desc1 = descs
     q_smem, q_smem1, k_smem, k_smem1, v_smem, v_smem1 = bufs
     q_bars, k_bars, v_bars, free_bars, turn_bars = bars
     o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale = place
-    for w in gl.static_range(2):
+    for w in gl.static_range(WGS):
         mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes + q_desc1.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row + w * ROWS, q_col], q_bars.index(w), q_smem.index(w))
         tma.async_copy_global_to_shared(q_desc1, [q_row + w * ROWS, q_col + D0], q_bars.index(w), q_smem1.index(w))
@@ -69,7 +69,7 @@ def _scores(q, q1, k_tile, k_tile1, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s
 
 @gluon.jit
 def _kv_step(j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_bars, turn_bars, acc, acc1, m_i,
-             l_i, p_op, p_op1, seq_len, qk_scale, row0, WG: gl.constexpr, ROWS: gl.constexpr,
+             l_i, p_op, p_op1, seq_len, qk_scale, row0, WG: gl.constexpr, WGS: gl.constexpr, ROWS: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
              o_layout1: gl.constexpr, p_layout: gl.constexpr, p_layout1: gl.constexpr, MASK: gl.constexpr,
              CAUSAL: gl.constexpr):
@@ -78,7 +78,7 @@ def _kv_step(j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_ba
     s_tok = _scores(q, q1, k_smem.index(s), k_smem1.index(s), ROWS, BLOCK_N, s_layout)
     acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
     acc1 = warpgroup_mma(p_op1, v_smem1.index(prev), acc1, is_async=True)
-    _pass_turn(turn_bars, WG)
+    _pass_turn(turn_bars, WG, WGS)
     # Groups retire in order: two outstanding = both S wgmmas done, both PV wgmmas maybe still running.
     scores, _, _ = warpgroup_mma_wait(2, deps=[s_tok, k_smem.index(s), k_smem1.index(s)])
     if MASK:
@@ -94,8 +94,8 @@ def _kv_step(j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_ba
 
 
 @gluon.jit
-def _consumer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-              D0: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+def _consumer(descs, bufs, bars, place, WG: gl.constexpr, WGS: gl.constexpr, ROWS: gl.constexpr,
+              BLOCK_N: gl.constexpr, D0: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     q_smem, q_smem1, k_smem, k_smem1, v_smem, v_smem1 = bufs
     q_bars, k_bars, v_bars, free_bars, turn_bars = bars
     o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale = place
@@ -120,7 +120,7 @@ def _consumer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BL
     mbarrier.wait(k_bars.index(0), 0)
     _wait_turn(turn_bars, 0, WG)
     s_tok = _scores(q, q1, k_smem.index(0), k_smem1.index(0), ROWS, BLOCK_N, s_layout)
-    _pass_turn(turn_bars, WG)
+    _pass_turn(turn_bars, WG, WGS)
     scores, _, _, _, _ = warpgroup_mma_wait(0, deps=[s_tok, q, q1, k_smem.index(0), k_smem1.index(0)])
     scores = _mask(scores, 0, row0, seq_len, ROWS, BLOCK_N, s_layout, CAUSAL)
     m_i = gl.max(scores, 1) * qk_scale
@@ -134,12 +134,12 @@ def _consumer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BL
     for j in range(1, n_tiles - 1):
         acc, acc1, m_i, l_i, p_op, p_op1 = _kv_step(
             j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_bars, turn_bars, acc, acc1, m_i, l_i,
-            p_op, p_op1, seq_len, qk_scale, row0, WG, ROWS, BLOCK_N, STAGES, s_layout, o_layout, o_layout1,
+            p_op, p_op1, seq_len, qk_scale, row0, WG, WGS, ROWS, BLOCK_N, STAGES, s_layout, o_layout, o_layout1,
             p_layout, p_layout1, False, CAUSAL)
     if n_tiles > 1:
         acc, acc1, m_i, l_i, p_op, p_op1 = _kv_step(
             n_tiles - 1, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_bars, turn_bars, acc, acc1,
-            m_i, l_i, p_op, p_op1, seq_len, qk_scale, row0, WG, ROWS, BLOCK_N, STAGES, s_layout, o_layout,
+            m_i, l_i, p_op, p_op1, seq_len, qk_scale, row0, WG, WGS, ROWS, BLOCK_N, STAGES, s_layout, o_layout,
             o_layout1, p_layout, p_layout1, True, CAUSAL)
 
     last = (n_tiles - 1) % STAGES
@@ -147,7 +147,7 @@ def _consumer(descs, bufs, bars, place, WG: gl.constexpr, ROWS: gl.constexpr, BL
     _wait_turn(turn_bars, n_tiles, WG)
     acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
     acc1 = warpgroup_mma(p_op1, v_smem1.index(last), acc1, is_async=True)
-    _pass_turn(turn_bars, WG)
+    _pass_turn(turn_bars, WG, WGS)
     acc, acc1, _, _, _, _ = warpgroup_mma_wait(0, deps=[acc, acc1, p_op, p_op1, v_smem.index(last),
                                                         v_smem1.index(last)])
     _store(o_ptr, acc, l_i, q_row, stride_ot, q_col, rows_left, WG, ROWS, D0, o_layout, dtype)
@@ -159,30 +159,40 @@ def _varlen_attention_fwd_ws_split(q_desc, q_desc1, k_desc, k_desc1, v_desc, v_d
                                    stride_ot, total_tokens, qk_scale, GROUP: gl.constexpr, D0: gl.constexpr,
                                    D1: gl.constexpr, SORTED: gl.constexpr, ROWS: gl.constexpr,
                                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                   CAUSAL: gl.constexpr):
+                                   CAUSAL: gl.constexpr, WGS: gl.constexpr):
+    TILE_M: gl.constexpr = WGS * ROWS
     pid_m, head, seq = _program(CAUSAL)
     seq_start, seq_len = _sequence(cu_seqlens, seq_order, seq, total_tokens, SORTED)
-    if pid_m * (2 * ROWS) >= seq_len:
+    if pid_m * TILE_M >= seq_len:
         return
-    q_row = seq_start + pid_m * (2 * ROWS)
+    q_row = seq_start + pid_m * TILE_M
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    q_smem1 = gl.allocate_shared_memory(q_desc1.dtype, [2] + q_desc1.block_type.shape, q_desc1.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [WGS] + q_desc.block_type.shape, q_desc.layout)
+    q_smem1 = gl.allocate_shared_memory(q_desc1.dtype, [WGS] + q_desc1.block_type.shape, q_desc1.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     k_smem1 = gl.allocate_shared_memory(k_desc1.dtype, [STAGES] + k_desc1.block_type.shape, k_desc1.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     v_smem1 = gl.allocate_shared_memory(v_desc1.dtype, [STAGES] + v_desc1.block_type.shape, v_desc1.layout)
-    bars = _barriers(STAGES)
+    bars = _barriers(STAGES, WGS)
     descs = (q_desc, q_desc1, k_desc, k_desc1, v_desc, v_desc1)
     bufs = (q_smem, q_smem1, k_smem, k_smem1, v_smem, v_smem1)
     place = (o_ptr, q_row, seq_start, stride_ot, head * (D0 + D1), (head // GROUP) * (D0 + D1),
-             seq_len - pid_m * (2 * ROWS), seq_len, _key_tiles(pid_m, seq_len, ROWS, BLOCK_N, CAUSAL), qk_scale)
+             seq_len - pid_m * TILE_M, seq_len, _key_tiles(pid_m, seq_len, TILE_M, BLOCK_N, CAUSAL), qk_scale)
     # Constexprs go in the call itself: a tuple held in a variable turns them into runtime values.
-    gl.warp_specialize([
-        (_consumer, (descs, bufs, bars, place, 0, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
-        (_consumer, (descs, bufs, bars, place, 1, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
-        (_producer, (descs, bufs, bars, place, 0, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    if WGS == 3:
+        gl.warp_specialize([
+            (_consumer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
+            (_consumer, (descs, bufs, bars, place, 1, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
+            (_consumer, (descs, bufs, bars, place, 2, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
+            (_producer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    else:
+        gl.static_assert(WGS == 2, "two or three consumer warpgroups")
+        gl.warp_specialize([
+            (_consumer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
+            (_consumer, (descs, bufs, bars, place, 1, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
+            (_producer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, 24])
 
 
 def _descriptors(t: torch.Tensor, rows: int, parts: tuple) -> tuple:
@@ -204,25 +214,28 @@ def varlen_attention_gluon_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         return out
     by_length = triton_path.longest_first(batch, total_tokens, max_seqlen)
     order = triton_path.sequence_order(cu_seqlens) if by_length else cu_seqlens
-    grid = (triton.cdiv(max_seqlen, BLOCK_M), num_heads, batch)
+    wgs = consumer_groups(head_dim, causal)
+    grid = (triton.cdiv(max_seqlen, block_m(wgs)), num_heads, batch)
     qd, kd, vd = (_descriptors(q, ROWS_PER_WG, (d0, d1)), _descriptors(k, BLOCK_N, (d0, d1)),
                   _descriptors(v, BLOCK_N, (d0, d1)))
     launch = gluon_path.direct_launch(_varlen_attention_fwd_ws_split, GROUP=num_heads // k.shape[1], D0=d0, D1=d1,
                                       SORTED=by_length, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N,
-                                      STAGES=stages_for(head_dim), CONSUMER_REGS=CONSUMER_REGS, CAUSAL=bool(causal),
-                                      num_warps=4)
+                                      STAGES=stages_for(head_dim, wgs), CONSUMER_REGS=consumer_regs(wgs),
+                                      CAUSAL=bool(causal), WGS=wgs, num_warps=4)
     launch((qd[0], qd[1], kd[0], kd[1], vd[0], vd[1], out, cu_seqlens, order, out.stride(0), total_tokens,
             softmax_scale * triton_path.LOG2E), grid)
     return out
 
 
-def hopper_resources(head_dim: int, dtype: str = "bf16", causal: bool = False) -> dict:
+def hopper_resources(head_dim: int, dtype: str = "bf16", causal: bool = False, wgs: int = 0) -> dict:
     """``attention.gluon.hopper_resources`` for this kernel: compiled for sm_90a without a GPU."""
     d0, d1 = PARTS[head_dim]
     descs = {}
     for name, rows in (("q_desc", ROWS_PER_WG), ("k_desc", BLOCK_N), ("v_desc", BLOCK_N)):
         descs[name] = tensordesc(dtype, rows, d0)
         descs[name + "1"] = tensordesc(dtype, rows, d1)
+    wgs = wgs or consumer_groups(head_dim, causal)
     res = compiled_resources(_varlen_attention_fwd_ws_split, descs, dtype,
-                             dict(D0=d0, D1=d1, STAGES=stages_for(head_dim), CAUSAL=causal))
-    return {"head_dim": head_dim, "dtype": dtype, "causal": causal, "parts": [d0, d1], **res}
+                             dict(D0=d0, D1=d1, STAGES=stages_for(head_dim, wgs), CAUSAL=causal, WGS=wgs,
+                                  CONSUMER_REGS=consumer_regs(wgs)))
+    return {"head_dim": head_dim, "dtype": dtype, "causal": causal, "wgs": wgs, "parts": [d0, d1], **res}
