@@ -13,9 +13,9 @@ globals, so the product itself is untouched):
 - ``S without its 16-wide part`` (D=80): ``Q K^T`` over the first 64 columns only: what the chained K=16 wgmma
   of the two-part head costs.
 
-Beside them: the same kernel through the public API (``varlen_attention(..., backend="gluon")``), and for
-D <= 80 a candidate with three consumer warpgroups instead of two (``GUARDLINT_GLUON_WGS=3``), checked against
-float64 like the product. Probes compute made-up numbers: they are timings, not results (the product kernels
+Beside them: the same kernel through the public API (``varlen_attention(..., backend="gluon")``), and where the
+product runs two consumer warpgroups and three are possible (D <= 80), a candidate with three
+(``GUARDLINT_GLUON_WGS=3``), checked against float64 like the product. Probes compute made-up numbers: they are timings, not results (the product kernels
 are checked against float64 first). Every row of a case is timed side by side, interleaved over ROUNDS rounds
 in rotated order; the table gives the median round and each row's ratio to the product kernel and to FA3 at
 D=128 on the same tokens.
@@ -229,7 +229,7 @@ def main() -> int:
         calls[(case.name, "public API")] = lambda q=q, k=k, v=v, cu=cu, plan=plan: varlen_attention(
             q, k, v, cu, metadata=plan, backend="gluon")
         notes[(case.name, "public API")] = "varlen_attention(..., backend='gluon'), prepared plan: the same kernel"
-        if case.head_dim <= G.THREE_WG_MAX_HEAD_DIM:
+        if G.consumer_groups(case.head_dim, False) == 2 and case.head_dim <= G.THREE_WG_MAX_HEAD_DIM:
             # A candidate, not a probe: three consumer warpgroups (GUARDLINT_GLUON_WGS=3), checked like the product.
             three = with_setting(G, "WGS_SETTING", "3", product)
             err3 = max_abs_error(three(), reference(case, q, k, v, offsets))

@@ -22,7 +22,8 @@ from guardlint.kernels.attention import gluon as gluon_path
 SHARED_MEMORY_PER_BLOCK = 227 * 1024
 
 
-COMPILED = [(64, "bf16", False), (128, "bf16", False), (128, "fp16", False), (128, "bf16", True)]
+COMPILED = [(64, "bf16", False), (64, "fp16", False), (64, "bf16", True), (128, "bf16", False), (128, "fp16", False),
+            (128, "bf16", True)]
 SPLIT_COMPILED = [(80, "bf16", False), (96, "bf16", False), (80, "fp16", False), (80, "bf16", True)]
 
 
@@ -43,12 +44,14 @@ def resources():
 
 @pytest.mark.parametrize("head_dim,dtype,causal", COMPILED)
 def test_compiles_for_hopper_without_spills(resources, head_dim, dtype, causal):
-    """Causal too: the diagonal tile's mask keeps the registers and the in-flight PV product."""
+    """Causal too: the diagonal tile's mask keeps the registers and the in-flight PV product. Non-causal D=64 runs
+    three consumer warpgroups, each within its smaller share of the registers."""
     res = resources[("gluon", head_dim, dtype, causal)]
+    assert res["wgs"] == (3 if head_dim == 64 and not causal else 2)
     assert res["spill_bytes"] == 0
     assert res["shared_bytes"] <= SHARED_MEMORY_PER_BLOCK
     # setmaxnreg: the producer warp gives registers up, the consumer warpgroups take them.
-    assert gluon_path.CONSUMER_REGS in res["partition_registers"] and 24 in res["partition_registers"]
+    assert gluon_path.consumer_regs(res["wgs"]) in res["partition_registers"] and 24 in res["partition_registers"]
     # "wait until one group is left" is what lets the softmax of S_j run while P_{j-1} V_{j-1} is in flight.
     assert res["wgmma_waits"] == [0, 1]
 
@@ -59,10 +62,48 @@ def test_split_head_dims_compile_for_hopper_without_spills(resources, head_dim, 
     budget, the producer's and consumers' register split as for the other head dims, and S_j waited on
     while both parts of P_{j-1} V_{j-1} stay in flight (two groups outstanding)."""
     res = resources[("gluon_split", head_dim, dtype, causal)]
+    assert res["wgs"] == 2
     assert res["spill_bytes"] == 0 and res["shared_bytes"] <= SHARED_MEMORY_PER_BLOCK
     assert gluon_path.CONSUMER_REGS in res["partition_registers"] and 24 in res["partition_registers"]
     assert res["wgmma_waits"] == [0, 2]
     assert sum(res["parts"]) == head_dim and all(p & (p - 1) == 0 for p in res["parts"])
+
+
+@pytest.mark.parametrize("setting,expected", [
+    ("", {(64, False): 3, (64, True): 2, (80, False): 2, (96, False): 2, (128, False): 2}),
+    ("2", {(64, False): 2, (64, True): 2, (80, False): 2, (128, False): 2}),
+    ("3", {(64, False): 3, (64, True): 2, (80, False): 3, (96, False): 2, (128, False): 2}),
+])
+def test_consumer_warpgroups_per_head_dim(monkeypatch, setting, expected):
+    """Three consumer warpgroups for non-causal D=64 (measured faster), two elsewhere; GUARDLINT_GLUON_WGS=2 keeps
+    two everywhere, =3 allows three up to D=80; causal always two (key tiles as long as query tiles)."""
+    monkeypatch.setattr(gluon_path, "WGS_SETTING", setting)
+    got = {key: gluon_path.consumer_groups(*key) for key in expected}
+    assert got == expected
+
+
+@pytest.mark.parametrize("head_dim,causal,wgs", [(64, False, 3), (64, True, 2), (80, False, 2), (128, False, 2)])
+def test_launch_grid_follows_the_warpgroup_count(monkeypatch, head_dim, causal, wgs):
+    """The host launch sizes the grid by the query tile (64 rows per consumer warpgroup) and hands the kernel
+    the matching WGS, stages and register share (no GPU: the launch is recorded, not run)."""
+    launches = []
+
+    class Recorder:
+        def __init__(self, fn, options):
+            self.options = options
+
+        def __call__(self, args, grid):
+            launches.append((self.options, grid))
+
+    monkeypatch.setattr(gluon_path, "direct_launch", lambda fn, **options: Recorder(fn, options))
+    lengths = [1000, 193, 0, 64]
+    cu = torch.tensor([0, 1000, 1193, 1193, 1257], dtype=torch.int32)
+    q = torch.zeros(sum(lengths), 4, head_dim, dtype=torch.bfloat16)
+    gluon_path.varlen_attention_gluon(q, q, q, cu, max(lengths), 0.1, causal)
+    (options, grid), = launches
+    assert options["WGS"] == wgs and options["CONSUMER_REGS"] == gluon_path.consumer_regs(wgs)
+    assert options["STAGES"] == gluon_path.stages_for(head_dim, wgs)
+    assert grid == (-(-1000 // (64 * wgs)), 4, 4)
 
 
 def test_anatomy_probes_compile_and_drop_what_they_name():
