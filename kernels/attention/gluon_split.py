@@ -24,8 +24,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .._gluon import smem_layout, tensordesc
 from . import gluon as gluon_path
 from . import triton as triton_path
-from .gluon import (BLOCK_N, ROWS_PER_WG, _await_tile, _barriers, _key_tiles, _mask, _pass_turn, _program,
-                    _sequence, _softmax_step, _store, _wait_turn, block_m, compiled_resources, consumer_groups,
+from .gluon import (ROWS_PER_WG, _await_tile, _barriers, _key_tiles, _mask, _pass_turn, _program, _sequence,
+                    _softmax_step, _store, _wait_turn, block_m, block_n, compiled_resources, consumer_groups,
                     consumer_regs, stages_for)
 
 # head dim -> (first part, second part), both powers of two (attention.gluon.SPLIT_HEAD_DIMS).
@@ -215,11 +215,12 @@ def varlen_attention_gluon_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     by_length = triton_path.longest_first(batch, total_tokens, max_seqlen)
     order = triton_path.sequence_order(cu_seqlens) if by_length else cu_seqlens
     wgs = consumer_groups(head_dim, causal)
+    keys = block_n(head_dim, wgs)
     grid = (triton.cdiv(max_seqlen, block_m(wgs)), num_heads, batch)
-    qd, kd, vd = (_descriptors(q, ROWS_PER_WG, (d0, d1)), _descriptors(k, BLOCK_N, (d0, d1)),
-                  _descriptors(v, BLOCK_N, (d0, d1)))
+    qd, kd, vd = (_descriptors(q, ROWS_PER_WG, (d0, d1)), _descriptors(k, keys, (d0, d1)),
+                  _descriptors(v, keys, (d0, d1)))
     launch = gluon_path.direct_launch(_varlen_attention_fwd_ws_split, GROUP=num_heads // k.shape[1], D0=d0, D1=d1,
-                                      SORTED=by_length, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N,
+                                      SORTED=by_length, ROWS=ROWS_PER_WG, BLOCK_N=keys,
                                       STAGES=stages_for(head_dim, wgs), CONSUMER_REGS=consumer_regs(wgs),
                                       CAUSAL=bool(causal), WGS=wgs, num_warps=4)
     launch((qd[0], qd[1], kd[0], kd[1], vd[0], vd[1], out, cu_seqlens, order, out.stride(0), total_tokens,
@@ -230,12 +231,13 @@ def varlen_attention_gluon_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 def hopper_resources(head_dim: int, dtype: str = "bf16", causal: bool = False, wgs: int = 0) -> dict:
     """``attention.gluon.hopper_resources`` for this kernel: compiled for sm_90a without a GPU."""
     d0, d1 = PARTS[head_dim]
+    wgs = wgs or consumer_groups(head_dim, causal)
+    keys = block_n(head_dim, wgs)
     descs = {}
-    for name, rows in (("q_desc", ROWS_PER_WG), ("k_desc", BLOCK_N), ("v_desc", BLOCK_N)):
+    for name, rows in (("q_desc", ROWS_PER_WG), ("k_desc", keys), ("v_desc", keys)):
         descs[name] = tensordesc(dtype, rows, d0)
         descs[name + "1"] = tensordesc(dtype, rows, d1)
-    wgs = wgs or consumer_groups(head_dim, causal)
     res = compiled_resources(_varlen_attention_fwd_ws_split, descs, dtype,
                              dict(D0=d0, D1=d1, STAGES=stages_for(head_dim, wgs), CAUSAL=causal, WGS=wgs,
-                                  CONSUMER_REGS=consumer_regs(wgs)))
+                                  CONSUMER_REGS=consumer_regs(wgs), BLOCK_N=keys))
     return {"head_dim": head_dim, "dtype": dtype, "causal": causal, "wgs": wgs, "parts": [d0, d1], **res}

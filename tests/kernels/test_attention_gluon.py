@@ -25,6 +25,8 @@ SHARED_MEMORY_PER_BLOCK = 227 * 1024
 COMPILED = [(64, "bf16", False), (64, "fp16", False), (64, "bf16", True), (128, "bf16", False), (128, "fp16", False),
             (128, "bf16", True)]
 SPLIT_COMPILED = [(80, "bf16", False), (96, "bf16", False), (80, "fp16", False), (80, "bf16", True)]
+# Three warpgroups at D=80 (GUARDLINT_GLUON_WGS=3): 64-key tiles, so that each fits its 160 registers.
+THREE_WG_SPLIT = [(80, "bf16", False, 3), (80, "fp16", False, 3)]
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +36,12 @@ def resources():
     defined), which cannot compile for a GPU."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json; from guardlint.kernels.attention import gluon, gluon_split; "
-            f"print(json.dumps([dict(m.hopper_resources(d, t, c), module=m.__name__.rsplit('.', 1)[1]) "
-            f"for m, configs in ((gluon, {COMPILED!r}), (gluon_split, {SPLIT_COMPILED!r})) for d, t, c in configs]))")
+            f"print(json.dumps([dict(m.hopper_resources(d, t, c, *w), module=m.__name__.rsplit('.', 1)[1]) "
+            f"for m, configs in ((gluon, {COMPILED!r}), (gluon_split, {SPLIT_COMPILED + THREE_WG_SPLIT!r})) "
+            f"for d, t, c, *w in configs]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return {(r["module"], r["head_dim"], r["dtype"], r["causal"]): r
+    return {(r["module"], r["head_dim"], r["dtype"], r["causal"], r["wgs"]): r
             for r in json.loads(done.stdout.strip().splitlines()[-1])}
 
 
@@ -46,7 +49,7 @@ def resources():
 def test_compiles_for_hopper_without_spills(resources, head_dim, dtype, causal):
     """Causal too: the diagonal tile's mask keeps the registers and the in-flight PV product. Non-causal D=64 runs
     three consumer warpgroups, each within its smaller share of the registers."""
-    res = resources[("gluon", head_dim, dtype, causal)]
+    res = resources[("gluon", head_dim, dtype, causal, 3 if head_dim == 64 and not causal else 2)]
     assert res["wgs"] == (3 if head_dim == 64 and not causal else 2)
     assert res["spill_bytes"] == 0
     assert res["shared_bytes"] <= SHARED_MEMORY_PER_BLOCK
@@ -61,8 +64,7 @@ def test_split_head_dims_compile_for_hopper_without_spills(resources, head_dim, 
     """80 = 64 + 16 and 96 = 64 + 32 (Gluon's tiles are powers of two): within the register and shared-memory
     budget, the producer's and consumers' register split as for the other head dims, and S_j waited on
     while both parts of P_{j-1} V_{j-1} stay in flight (two groups outstanding)."""
-    res = resources[("gluon_split", head_dim, dtype, causal)]
-    assert res["wgs"] == 2
+    res = resources[("gluon_split", head_dim, dtype, causal, 2)]
     assert res["spill_bytes"] == 0 and res["shared_bytes"] <= SHARED_MEMORY_PER_BLOCK
     assert gluon_path.CONSUMER_REGS in res["partition_registers"] and 24 in res["partition_registers"]
     assert res["wgmma_waits"] == [0, 2]
@@ -82,8 +84,9 @@ def test_consumer_warpgroups_per_head_dim(monkeypatch, setting, expected):
     assert got == expected
 
 
-@pytest.mark.parametrize("head_dim,causal,wgs", [(64, False, 3), (64, True, 2), (80, False, 2), (128, False, 2)])
-def test_launch_grid_follows_the_warpgroup_count(monkeypatch, head_dim, causal, wgs):
+@pytest.mark.parametrize("head_dim,causal,setting,wgs", [(64, False, "", 3), (64, True, "", 2), (80, False, "", 2),
+                                                        (80, False, "3", 3), (128, False, "", 2)])
+def test_launch_grid_follows_the_warpgroup_count(monkeypatch, head_dim, causal, setting, wgs):
     """The host launch sizes the grid by the query tile (64 rows per consumer warpgroup) and hands the kernel
     the matching WGS, stages and register share (no GPU: the launch is recorded, not run)."""
     launches = []
@@ -96,6 +99,7 @@ def test_launch_grid_follows_the_warpgroup_count(monkeypatch, head_dim, causal, 
             launches.append((self.options, grid))
 
     monkeypatch.setattr(gluon_path, "direct_launch", lambda fn, **options: Recorder(fn, options))
+    monkeypatch.setattr(gluon_path, "WGS_SETTING", setting)
     lengths = [1000, 193, 0, 64]
     cu = torch.tensor([0, 1000, 1193, 1193, 1257], dtype=torch.int32)
     q = torch.zeros(sum(lengths), 4, head_dim, dtype=torch.bfloat16)
@@ -103,6 +107,7 @@ def test_launch_grid_follows_the_warpgroup_count(monkeypatch, head_dim, causal, 
     (options, grid), = launches
     assert options["WGS"] == wgs and options["CONSUMER_REGS"] == gluon_path.consumer_regs(wgs)
     assert options["STAGES"] == gluon_path.stages_for(head_dim, wgs)
+    assert options["BLOCK_N"] == gluon_path.block_n(head_dim, wgs) == (64 if wgs == 3 and head_dim > 64 else 128)
     assert grid == (-(-1000 // (64 * wgs)), 4, 4)
 
 
@@ -120,12 +125,22 @@ def test_anatomy_probes_compile_and_drop_what_they_name():
     assert all(r[-1] == "0" for r in rows), "no probe spills"
 
 
-@pytest.mark.parametrize("head_dim", gluon_path.HEAD_DIMS)
-def test_the_kv_ring_fits_shared_memory(head_dim):
-    stages = gluon_path.stages_for(head_dim)
-    q_bytes = gluon_path.BLOCK_M * head_dim * 2
+@pytest.mark.parametrize("head_dim,dtype,causal,wgs", THREE_WG_SPLIT)
+def test_three_warpgroups_at_d80_fit_their_registers(resources, head_dim, dtype, causal, wgs):
+    """The opt-in three-warpgroup D=80 kernel: 64-key tiles keep S and P within the 160 registers per thread
+    that three consumers and the producer leave (with 128-key tiles it spills)."""
+    res = resources[("gluon_split", head_dim, dtype, causal, wgs)]
+    assert res["spill_bytes"] == 0 and res["shared_bytes"] <= SHARED_MEMORY_PER_BLOCK
+    assert gluon_path.consumer_regs(3) in res["partition_registers"] and 24 in res["partition_registers"]
+    assert gluon_path.block_n(head_dim, wgs) == 64
+
+
+@pytest.mark.parametrize("head_dim,wgs", [(64, 2), (64, 3), (80, 2), (80, 3), (96, 2), (128, 2)])
+def test_the_kv_ring_fits_shared_memory(head_dim, wgs):
+    stages = gluon_path.stages_for(head_dim, wgs)
+    q_bytes = gluon_path.block_m(wgs) * head_dim * 2
     assert stages >= 2
-    assert q_bytes + stages * 2 * gluon_path.BLOCK_N * head_dim * 2 <= SHARED_MEMORY_PER_BLOCK - 1024
+    assert q_bytes + stages * 2 * gluon_path.block_n(head_dim, wgs) * head_dim * 2 <= SHARED_MEMORY_PER_BLOCK - 1024
 
 
 @dataclass
