@@ -31,7 +31,6 @@ from .._gluon import compile_sm90, is_hopper, smem_layout, tensordesc
 from .._launch import DirectLaunch
 from . import triton as triton_path
 
-BLOCK_M = 128  # query rows per program with two consumer warpgroups of 64 (three: 192, ``block_m``)
 ROWS_PER_WG = 64
 BLOCK_N = 128  # keys per K/V tile
 HEAD_DIMS = (64, 128)
