@@ -15,10 +15,10 @@ globals, so the product itself is untouched):
 
 Beside them: the same kernel through the public API (``varlen_attention(..., backend="gluon")``), and where the
 product runs two consumer warpgroups and three are possible (D <= 80), a candidate with three
-(``GUARDLINT_GLUON_WGS=3``; 64-key tiles above D=64), checked against float64 like the product. Probes compute
-made-up numbers: they are timings, not results (the product kernels are checked against float64 first). Every
-row of a case is timed side by side, interleaved over ROUNDS rounds in rotated order; the table gives the median
-round and each row's ratio to the product kernel and to FA3 at D=128 on the same tokens.
+(``GUARDLINT_GLUON_WGS=3``; P through shared memory above D=64), checked against float64 like the product.
+Probes compute made-up numbers: they are timings, not results (the product kernels are checked against float64
+first). Every row of a case is timed side by side, interleaved over ROUNDS rounds in rotated order; the table
+gives the median round and each row's ratio to the product kernel and to FA3 at D=128 on the same tokens.
 
     python bench/attention_anatomy.py [--write]        # on an H200
     python bench/attention_anatomy.py --compile-check  # anywhere: builds every probe for sm_90a, no GPU

@@ -46,9 +46,9 @@ CONSUMER_REGS = 240
 # Three consumer warpgroups (192 query rows per program: while one runs its matrix multiplies, two can run their
 # softmax) for non-causal D=64, where softmax is the larger share of a key tile's work: 750 against 941 us with two
 # on the 6-image case (H200, bench/results/attention_anatomy.md). Two of them get 160 registers (setmaxnreg), the
-# third the rest of the 64 K. At D=80 three with 128-key tiles need more registers than that leaves, spill, and
-# ran 1.44x slower than two, so two stay there. GUARDLINT_GLUON_WGS=2: two everywhere; =3: three up to D=80, with
-# 64-key tiles above D=64 (no spills; not yet measured on a GPU).
+# third the rest of the 64 K. At D=80 three with P in registers need more than that, spill, and ran 1.44x slower
+# than two, so two stay there. GUARDLINT_GLUON_WGS=2: two everywhere; =3: three up to D=80, where P then goes
+# through shared memory (no spills; not yet measured on a GPU).
 THREE_WG_HEAD_DIMS = (64,)
 THREE_WG_MAX_HEAD_DIM = 80
 THREE_WG_REGS = 160
@@ -69,10 +69,11 @@ def block_m(wgs: int) -> int:
     return wgs * ROWS_PER_WG
 
 
-def block_n(head_dim: int, wgs: int) -> int:
-    """Keys per K/V tile: 128, or 64 for three warpgroups above D=64 (their S and P tiles then fit 160
-    registers without spilling)."""
-    return 64 if wgs == 3 and head_dim > 64 else BLOCK_N
+def p_in_shared(head_dim: int, wgs: int) -> bool:
+    """Whether the P V products read P from shared memory (one (64, BLOCK_N) tile per consumer) instead of
+    registers: three warpgroups on the two-part head dims (``attention.gluon_split``), whose 160 registers per
+    thread do not hold P beside the next S (FlashAttention-3 does the same for its three-warpgroup head dims)."""
+    return wgs == 3 and head_dim in SPLIT_HEAD_DIMS
 
 
 def consumer_regs(wgs: int) -> int:
@@ -80,9 +81,10 @@ def consumer_regs(wgs: int) -> int:
 
 
 def stages_for(head_dim: int, wgs: int = 2) -> int:
-    """K/V ring depth that fits shared memory (227 KB): Q 32 KB + stages * (K + V) at D=128 -> 3 stages."""
-    per_stage = 2 * block_n(head_dim, wgs) * head_dim * 2
-    q_bytes = block_m(wgs) * head_dim * 2
+    """K/V ring depth that fits shared memory (227 KB): Q 32 KB + stages * (K + V) at D=128 -> 3 stages; the P
+    tiles too where P goes through shared memory."""
+    per_stage = 2 * BLOCK_N * head_dim * 2
+    q_bytes = block_m(wgs) * head_dim * 2 + (wgs * ROWS_PER_WG * BLOCK_N * 2 if p_in_shared(head_dim, wgs) else 0)
     return max(2, min(4, (226 * 1024 - q_bytes) // per_stage))
 
 
@@ -365,8 +367,9 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 def describe(head_dim: int, causal: bool = False) -> str:
     """The launch settings, for benchmark tables."""
     wgs = consumer_groups(head_dim, causal)
-    return (f"{wgs} consumer warpgroups x {ROWS_PER_WG} rows + 1 TMA warp, BLOCK_N={block_n(head_dim, wgs)}, "
-            f"stages={stages_for(head_dim, wgs)}, {'ping-pong' if wgs == 2 else 'round-robin'}")
+    return (f"{wgs} consumer warpgroups x {ROWS_PER_WG} rows + 1 TMA warp, BLOCK_N={BLOCK_N}, "
+            f"stages={stages_for(head_dim, wgs)}, {'ping-pong' if wgs == 2 else 'round-robin'}"
+            + (", P through shared memory" if p_in_shared(head_dim, wgs) else ""))
 
 
 def new_output(q: torch.Tensor) -> torch.Tensor:
@@ -390,12 +393,11 @@ def varlen_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     by_length = triton_path.longest_first(batch, total_tokens, max_seqlen)
     order = triton_path.sequence_order(cu_seqlens) if by_length else cu_seqlens
     wgs = consumer_groups(head_dim, causal)
-    keys = block_n(head_dim, wgs)
     grid = (triton.cdiv(max_seqlen, block_m(wgs)), num_heads, batch)
     launch = direct_launch(_varlen_attention_fwd_ws, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim,
-                           SORTED=by_length, ROWS=ROWS_PER_WG, BLOCK_N=keys, STAGES=stages_for(head_dim, wgs),
+                           SORTED=by_length, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N, STAGES=stages_for(head_dim, wgs),
                            CONSUMER_REGS=consumer_regs(wgs), CAUSAL=bool(causal), WGS=wgs, num_warps=4)
-    launch((_descriptor(q, ROWS_PER_WG), _descriptor(k, keys), _descriptor(v, keys), out, cu_seqlens, order,
+    launch((_descriptor(q, ROWS_PER_WG), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, cu_seqlens, order,
             out.stride(0), total_tokens, softmax_scale * triton_path.LOG2E), grid)
     return out
 
@@ -420,12 +422,11 @@ def hopper_resources(head_dim: int, dtype: str = "bf16", causal: bool = False, w
     (setmaxnreg then moves them between partitions), spill bytes, shared memory, the per-partition register
     counts and the wgmma wait depths. Call it in a process without TRITON_INTERPRET (the tests spawn one)."""
     wgs = wgs or consumer_groups(head_dim, causal)
-    keys = block_n(head_dim, wgs)
-    descs = dict(q_desc=tensordesc(dtype, ROWS_PER_WG, head_dim), k_desc=tensordesc(dtype, keys, head_dim),
-                 v_desc=tensordesc(dtype, keys, head_dim))
+    descs = dict(q_desc=tensordesc(dtype, ROWS_PER_WG, head_dim), k_desc=tensordesc(dtype, BLOCK_N, head_dim),
+                 v_desc=tensordesc(dtype, BLOCK_N, head_dim))
     res = compiled_resources(_varlen_attention_fwd_ws, descs, dtype,
                              dict(HEAD_DIM=head_dim, STAGES=stages_for(head_dim, wgs), CAUSAL=causal, WGS=wgs,
-                                  CONSUMER_REGS=consumer_regs(wgs), BLOCK_N=keys))
+                                  CONSUMER_REGS=consumer_regs(wgs)))
     return {"head_dim": head_dim, "dtype": dtype, "causal": causal, "wgs": wgs, **res}
 
 

@@ -18,14 +18,15 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._gluon import smem_layout, tensordesc
 from . import gluon as gluon_path
 from . import triton as triton_path
-from .gluon import (ROWS_PER_WG, _await_tile, _barriers, _key_tiles, _mask, _pass_turn, _program, _sequence,
-                    _softmax_step, _store, _wait_turn, block_m, block_n, compiled_resources, consumer_groups,
+from .gluon import (BLOCK_N, ROWS_PER_WG, _await_tile, _barriers, _key_tiles, _mask, _pass_turn, _program,
+                    _sequence, _softmax_step, _store, _wait_turn, block_m, compiled_resources, consumer_groups,
                     consumer_regs, stages_for)
 
 # head dim -> (first part, second part), both powers of two (attention.gluon.SPLIT_HEAD_DIMS).
@@ -33,14 +34,16 @@ PARTS = {80: (64, 16), 96: (64, 32)}
 
 
 # Partitions share one signature: (descs, bufs, bars, place, WG, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL). descs and
-# bufs hold each of q, k, v as (first part, second part).
+# bufs hold each of q, k, v as (first part, second part); with three consumer warpgroups bufs also holds one P tile
+# per consumer in shared memory: the P V products read P from there (both operands in shared memory), so P does not
+# hold registers while the next S and its softmax are in flight (three warpgroups have 160 registers each).
 
 
 @gluon.jit
 def _producer(descs, bufs, bars, place, WG: gl.constexpr, WGS: gl.constexpr, ROWS: gl.constexpr,
               BLOCK_N: gl.constexpr, D0: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     q_desc, q_desc1, k_desc, k_desc1, v_desc, v_desc1 = descs
-    q_smem, q_smem1, k_smem, k_smem1, v_smem, v_smem1 = bufs
+    q_smem, q_smem1, k_smem, k_smem1, v_smem, v_smem1 = bufs[0], bufs[1], bufs[2], bufs[3], bufs[4], bufs[5]
     q_bars, k_bars, v_bars, free_bars, turn_bars = bars
     o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale = place
     for w in gl.static_range(WGS):
@@ -68,11 +71,24 @@ def _scores(q, q1, k_tile, k_tile1, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s
 
 
 @gluon.jit
+def _p_operands(p16, p_view, p_layout: gl.constexpr, p_layout1: gl.constexpr, P_SMEM: gl.constexpr):
+    """P as the A operand of both P V wgmmas: in registers (one layout per part), or, P_SMEM, stored to this
+    consumer's shared tile ``p_view`` (each warp reads back only the 16 rows it wrote, so a proxy fence is the
+    only ordering the wgmmas need; the previous P V products were waited on before)."""
+    if P_SMEM:
+        p_view.store(p16)
+        fence_async_shared()
+        return p_view, p_view
+    else:
+        return gl.convert_layout(p16, p_layout), gl.convert_layout(p16, p_layout1)
+
+
+@gluon.jit
 def _kv_step(j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_bars, turn_bars, acc, acc1, m_i,
-             l_i, p_op, p_op1, seq_len, qk_scale, row0, WG: gl.constexpr, WGS: gl.constexpr, ROWS: gl.constexpr,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-             o_layout1: gl.constexpr, p_layout: gl.constexpr, p_layout1: gl.constexpr, MASK: gl.constexpr,
-             CAUSAL: gl.constexpr):
+             l_i, p_op, p_op1, p_view, seq_len, qk_scale, row0, WG: gl.constexpr, WGS: gl.constexpr,
+             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
+             o_layout: gl.constexpr, o_layout1: gl.constexpr, p_layout: gl.constexpr, p_layout1: gl.constexpr,
+             MASK: gl.constexpr, CAUSAL: gl.constexpr, P_SMEM: gl.constexpr):
     """Issue S_j and O += P_{j-1} V_{j-1} (both parts); softmax of S_j while the PV products run."""
     s, prev = _await_tile(j, k_bars, v_bars, turn_bars, WG, STAGES)
     s_tok = _scores(q, q1, k_smem.index(s), k_smem1.index(s), ROWS, BLOCK_N, s_layout)
@@ -89,14 +105,15 @@ def _kv_step(j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_ba
     mbarrier.arrive(free_bars.index(prev), count=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     acc1 = acc1 * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout1))[:, None]
-    p16 = p.to(q.dtype)
-    return acc, acc1, m_new, l_i, gl.convert_layout(p16, p_layout), gl.convert_layout(p16, p_layout1)
+    p_op, p_op1 = _p_operands(p.to(q.dtype), p_view, p_layout, p_layout1, P_SMEM)
+    return acc, acc1, m_new, l_i, p_op, p_op1
 
 
 @gluon.jit
 def _consumer(descs, bufs, bars, place, WG: gl.constexpr, WGS: gl.constexpr, ROWS: gl.constexpr,
               BLOCK_N: gl.constexpr, D0: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    q_smem, q_smem1, k_smem, k_smem1, v_smem, v_smem1 = bufs
+    q_smem, q_smem1, k_smem, k_smem1, v_smem, v_smem1 = bufs[0], bufs[1], bufs[2], bufs[3], bufs[4], bufs[5]
+    P_SMEM: gl.constexpr = WGS == 3
     q_bars, k_bars, v_bars, free_bars, turn_bars = bars
     o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale = place
     dtype: gl.constexpr = q_smem.dtype
@@ -115,6 +132,10 @@ def _consumer(descs, bufs, bars, place, WG: gl.constexpr, WGS: gl.constexpr, ROW
     mbarrier.wait(q_bars.index(WG), 0)
     q = q_smem.index(WG)
     q1 = q_smem1.index(WG)
+    if P_SMEM:
+        p_view = bufs[6].index(WG)
+    else:
+        p_view = q  # unused
 
     # Tile 0: S_0, its softmax, P_0 (the first tile always holds key 0, so every row max is finite).
     mbarrier.wait(k_bars.index(0), 0)
@@ -126,21 +147,19 @@ def _consumer(descs, bufs, bars, place, WG: gl.constexpr, WGS: gl.constexpr, ROW
     m_i = gl.max(scores, 1) * qk_scale
     p = gl.exp2(scores * qk_scale - m_i[:, None])
     l_i = gl.sum(p, 1)
-    p16 = p.to(dtype)
-    p_op = gl.convert_layout(p16, p_layout)
-    p_op1 = gl.convert_layout(p16, p_layout1)
+    p_op, p_op1 = _p_operands(p.to(dtype), p_view, p_layout, p_layout1, P_SMEM)
 
     # Full key tiles need no mask; the last tile (maybe partial: keys past the sequence end) does.
     for j in range(1, n_tiles - 1):
         acc, acc1, m_i, l_i, p_op, p_op1 = _kv_step(
             j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_bars, turn_bars, acc, acc1, m_i, l_i,
-            p_op, p_op1, seq_len, qk_scale, row0, WG, WGS, ROWS, BLOCK_N, STAGES, s_layout, o_layout, o_layout1,
-            p_layout, p_layout1, False, CAUSAL)
+            p_op, p_op1, p_view, seq_len, qk_scale, row0, WG, WGS, ROWS, BLOCK_N, STAGES, s_layout, o_layout,
+            o_layout1, p_layout, p_layout1, False, CAUSAL, P_SMEM)
     if n_tiles > 1:
         acc, acc1, m_i, l_i, p_op, p_op1 = _kv_step(
             n_tiles - 1, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_bars, turn_bars, acc, acc1,
-            m_i, l_i, p_op, p_op1, seq_len, qk_scale, row0, WG, WGS, ROWS, BLOCK_N, STAGES, s_layout, o_layout,
-            o_layout1, p_layout, p_layout1, True, CAUSAL)
+            m_i, l_i, p_op, p_op1, p_view, seq_len, qk_scale, row0, WG, WGS, ROWS, BLOCK_N, STAGES, s_layout,
+            o_layout, o_layout1, p_layout, p_layout1, True, CAUSAL, P_SMEM)
 
     last = (n_tiles - 1) % STAGES
     mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // STAGES) & 1)
@@ -175,7 +194,12 @@ def _varlen_attention_fwd_ws_split(q_desc, q_desc1, k_desc, k_desc1, v_desc, v_d
     v_smem1 = gl.allocate_shared_memory(v_desc1.dtype, [STAGES] + v_desc1.block_type.shape, v_desc1.layout)
     bars = _barriers(STAGES, WGS)
     descs = (q_desc, q_desc1, k_desc, k_desc1, v_desc, v_desc1)
-    bufs = (q_smem, q_smem1, k_smem, k_smem1, v_smem, v_smem1)
+    if WGS == 3:
+        # One P tile per consumer (the K tiles' 128-byte-swizzled layout fits a (64, BLOCK_N) 16-bit tile too).
+        p_smem = gl.allocate_shared_memory(k_desc.dtype, [WGS, ROWS, BLOCK_N], k_desc.layout)
+        bufs = (q_smem, q_smem1, k_smem, k_smem1, v_smem, v_smem1, p_smem)
+    else:
+        bufs = (q_smem, q_smem1, k_smem, k_smem1, v_smem, v_smem1)
     place = (o_ptr, q_row, seq_start, stride_ot, head * (D0 + D1), (head // GROUP) * (D0 + D1),
              seq_len - pid_m * TILE_M, seq_len, _key_tiles(pid_m, seq_len, TILE_M, BLOCK_N, CAUSAL), qk_scale)
     # Constexprs go in the call itself: a tuple held in a variable turns them into runtime values.
@@ -215,12 +239,11 @@ def varlen_attention_gluon_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     by_length = triton_path.longest_first(batch, total_tokens, max_seqlen)
     order = triton_path.sequence_order(cu_seqlens) if by_length else cu_seqlens
     wgs = consumer_groups(head_dim, causal)
-    keys = block_n(head_dim, wgs)
     grid = (triton.cdiv(max_seqlen, block_m(wgs)), num_heads, batch)
-    qd, kd, vd = (_descriptors(q, ROWS_PER_WG, (d0, d1)), _descriptors(k, keys, (d0, d1)),
-                  _descriptors(v, keys, (d0, d1)))
+    qd, kd, vd = (_descriptors(q, ROWS_PER_WG, (d0, d1)), _descriptors(k, BLOCK_N, (d0, d1)),
+                  _descriptors(v, BLOCK_N, (d0, d1)))
     launch = gluon_path.direct_launch(_varlen_attention_fwd_ws_split, GROUP=num_heads // k.shape[1], D0=d0, D1=d1,
-                                      SORTED=by_length, ROWS=ROWS_PER_WG, BLOCK_N=keys,
+                                      SORTED=by_length, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N,
                                       STAGES=stages_for(head_dim, wgs), CONSUMER_REGS=consumer_regs(wgs),
                                       CAUSAL=bool(causal), WGS=wgs, num_warps=4)
     launch((qd[0], qd[1], kd[0], kd[1], vd[0], vd[1], out, cu_seqlens, order, out.stride(0), total_tokens,
@@ -232,12 +255,11 @@ def hopper_resources(head_dim: int, dtype: str = "bf16", causal: bool = False, w
     """``attention.gluon.hopper_resources`` for this kernel: compiled for sm_90a without a GPU."""
     d0, d1 = PARTS[head_dim]
     wgs = wgs or consumer_groups(head_dim, causal)
-    keys = block_n(head_dim, wgs)
     descs = {}
-    for name, rows in (("q_desc", ROWS_PER_WG), ("k_desc", keys), ("v_desc", keys)):
+    for name, rows in (("q_desc", ROWS_PER_WG), ("k_desc", BLOCK_N), ("v_desc", BLOCK_N)):
         descs[name] = tensordesc(dtype, rows, d0)
         descs[name + "1"] = tensordesc(dtype, rows, d1)
     res = compiled_resources(_varlen_attention_fwd_ws_split, descs, dtype,
                              dict(D0=d0, D1=d1, STAGES=stages_for(head_dim, wgs), CAUSAL=causal, WGS=wgs,
-                                  CONSUMER_REGS=consumer_regs(wgs), BLOCK_N=keys))
+                                  CONSUMER_REGS=consumer_regs(wgs)))
     return {"head_dim": head_dim, "dtype": dtype, "causal": causal, "wgs": wgs, "parts": [d0, d1], **res}

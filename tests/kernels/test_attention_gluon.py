@@ -25,7 +25,7 @@ SHARED_MEMORY_PER_BLOCK = 227 * 1024
 COMPILED = [(64, "bf16", False), (64, "fp16", False), (64, "bf16", True), (128, "bf16", False), (128, "fp16", False),
             (128, "bf16", True)]
 SPLIT_COMPILED = [(80, "bf16", False), (96, "bf16", False), (80, "fp16", False), (80, "bf16", True)]
-# Three warpgroups at D=80 (GUARDLINT_GLUON_WGS=3): 64-key tiles, so that each fits its 160 registers.
+# Three warpgroups at D=80 (GUARDLINT_GLUON_WGS=3): P through shared memory, so that each fits its 160 registers.
 THREE_WG_SPLIT = [(80, "bf16", False, 3), (80, "fp16", False, 3)]
 
 
@@ -107,7 +107,7 @@ def test_launch_grid_follows_the_warpgroup_count(monkeypatch, head_dim, causal, 
     (options, grid), = launches
     assert options["WGS"] == wgs and options["CONSUMER_REGS"] == gluon_path.consumer_regs(wgs)
     assert options["STAGES"] == gluon_path.stages_for(head_dim, wgs)
-    assert options["BLOCK_N"] == gluon_path.block_n(head_dim, wgs) == (64 if wgs == 3 and head_dim > 64 else 128)
+    assert options["BLOCK_N"] == 128
     assert grid == (-(-1000 // (64 * wgs)), 4, 4)
 
 
@@ -127,20 +127,22 @@ def test_anatomy_probes_compile_and_drop_what_they_name():
 
 @pytest.mark.parametrize("head_dim,dtype,causal,wgs", THREE_WG_SPLIT)
 def test_three_warpgroups_at_d80_fit_their_registers(resources, head_dim, dtype, causal, wgs):
-    """The opt-in three-warpgroup D=80 kernel: 64-key tiles keep S and P within the 160 registers per thread
-    that three consumers and the producer leave (with 128-key tiles it spills)."""
+    """The opt-in three-warpgroup D=80 kernel: with P in shared memory (not held in registers beside the next S)
+    each consumer fits the 160 registers per thread that three consumers and the producer leave (with P in
+    registers it spills); the P tiles fit shared memory beside Q and the K/V ring."""
     res = resources[("gluon_split", head_dim, dtype, causal, wgs)]
+    assert gluon_path.p_in_shared(head_dim, wgs)
     assert res["spill_bytes"] == 0 and res["shared_bytes"] <= SHARED_MEMORY_PER_BLOCK
     assert gluon_path.consumer_regs(3) in res["partition_registers"] and 24 in res["partition_registers"]
-    assert gluon_path.block_n(head_dim, wgs) == 64
 
 
 @pytest.mark.parametrize("head_dim,wgs", [(64, 2), (64, 3), (80, 2), (80, 3), (96, 2), (128, 2)])
 def test_the_kv_ring_fits_shared_memory(head_dim, wgs):
     stages = gluon_path.stages_for(head_dim, wgs)
     q_bytes = gluon_path.block_m(wgs) * head_dim * 2
+    p_bytes = gluon_path.block_m(wgs) * gluon_path.BLOCK_N * 2 if gluon_path.p_in_shared(head_dim, wgs) else 0
     assert stages >= 2
-    assert q_bytes + stages * 2 * gluon_path.block_n(head_dim, wgs) * head_dim * 2 <= SHARED_MEMORY_PER_BLOCK - 1024
+    assert q_bytes + p_bytes + stages * 2 * gluon_path.BLOCK_N * head_dim * 2 <= SHARED_MEMORY_PER_BLOCK - 1024
 
 
 @dataclass
