@@ -60,6 +60,7 @@ def all_cases(*, quick: bool = False, smoke: bool = False) -> list:
         return main + sweep
     main = [Case(f"6img-d{d}", IMAGES_6, d) for d in (80, 128)]
     main += [Case(f"6img-d{d}-causal", IMAGES_6, d, causal=True) for d in (80, 128)]
+    main += [Case("6img-d64", IMAGES_6, 64)]  # ViT-B-sized heads; a table entry of its own for auto
     main += [Case(f"64x256-d{d}", (256,) * 64, d) for d in (80, 128)]
     lengths = QUICK_SWEEP_LENGTHS if quick else SWEEP_LENGTHS
     sweep = [Case(f"sweep-8x{n}-d80", (n,) * 8, 80, sweep=True) for n in lengths]
