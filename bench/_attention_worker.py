@@ -2,7 +2,7 @@
 of everything after it). Prints progress to stderr and exactly one line ``RESULT <json rows>`` to stdout.
 
     python bench/_attention_worker.py --backend flashinfer-fa3 --cases 6img,64x256 [--quick] [--cpu-smoke]
-    python bench/_attention_worker.py --warm fa2,fa3      # only JIT-compile FlashInfer modules
+    python bench/_attention_worker.py --warm fa2,fa3 [--warm-head-dim 128,64]   # only JIT-compile FlashInfer modules
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def log(msg: str) -> None:
     print(f"[{time.time() - START:6.1f}s {os.path.basename(__file__)}] {msg}", file=sys.stderr, flush=True)
 
 
-def warm(variants: list, head_dim: int) -> list:
+def warm(variants: list, head_dims: list) -> list:
     """Build FlashInfer's JIT modules on a tiny batch so the timed workers find them cached."""
     import torch
 
@@ -30,16 +30,25 @@ def warm(variants: list, head_dim: int) -> list:
     if reason:
         return [{"warm": v, "ok": False, "note": reason} for v in variants]
     out = []
+    for head_dim in head_dims:
+        out += _warm_head_dim(fi, variants, head_dim)
+    return out
+
+
+def _warm_head_dim(fi, variants: list, head_dim: int) -> list:
+    import torch
+
+    out = []
     q = torch.randn(32, 16, head_dim, device="cuda", dtype=torch.bfloat16)
     for variant in variants:
         t0 = time.time()
         try:
             if not fi.supports(variant, head_dim, q.dtype, q.device):
-                out.append({"warm": variant, "ok": False, "note": "not supported here"})
+                out.append({"warm": variant, "ok": False, "note": f"D={head_dim} not supported here"})
                 continue
             fi.ragged(q, q, q, (0, 16, 32), head_dim ** -0.5, False, variant)
             torch.cuda.synchronize()
-            out.append({"warm": variant, "ok": True, "note": f"built in {time.time() - t0:.0f}s"})
+            out.append({"warm": variant, "ok": True, "note": f"D={head_dim} built in {time.time() - t0:.0f}s"})
         except Exception as exc:  # reported, not raised: the timed worker reports it again per case
             out.append({"warm": variant, "ok": False, "note": f"{type(exc).__name__}: {exc}"[:300]})
         log(out[-1]["note"])
@@ -110,7 +119,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend")
     parser.add_argument("--warm")
-    parser.add_argument("--warm-head-dim", type=int, default=128)
+    parser.add_argument("--warm-head-dim", default="128", help="comma-separated head dims to build for")
     parser.add_argument("--cases")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--cpu-smoke", action="store_true")
@@ -121,7 +130,7 @@ def main() -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
         if args.warm:
-            rows = warm(args.warm.split(","), args.warm_head_dim)
+            rows = warm(args.warm.split(","), [int(d) for d in args.warm_head_dim.split(",")])
         else:
             from _attention_cases import all_cases, select
 

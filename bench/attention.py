@@ -437,7 +437,10 @@ def main() -> int:
     if use_fi and cuda:
         # Files, not pipes: JIT build logs could fill a pipe and stall the child.
         out_file, err_file = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        proc = subprocess.Popen([sys.executable, str(HERE / "_attention_worker.py"), "--warm", "fa2,fa3"],
+        # Every head dim FlashInfer builds for among the cases, the reference case's 128 first.
+        dims = sorted({c.head_dim for c in cases if c.head_dim in (64, 128)} | {128}, reverse=True)
+        proc = subprocess.Popen([sys.executable, str(HERE / "_attention_worker.py"), "--warm", "fa2,fa3",
+                                 "--warm-head-dim", ",".join(map(str, dims))],
                                 cwd=ROOT, stdout=out_file, stderr=err_file, text=True)
         warm_proc = (proc, out_file, err_file)
     rows = local_rows(cases, args, cuda, warm_proc)
