@@ -44,7 +44,7 @@ for s in "$@"; do
     # Where the Gluon kernels' time goes: probes with one ingredient stripped, beside FA3 (bench/attention_anatomy.py).
     attention-anatomy) STEP_TIMEOUT=360 step attention-anatomy python3 bench/attention_anatomy.py --write ;;
     attention-quick) step attention-quick python3 bench/attention.py --quick --no-flashinfer --budget 200 --write ;;
-    attention) STEP_TIMEOUT=$(( ${ATTN_BUDGET:-420} + 40 )) step attention python3 bench/attention.py --write-dispatch --write --budget "${ATTN_BUDGET:-420}" ;;
+    attention) STEP_TIMEOUT=$(( ${ATTN_BUDGET:-480} + 40 )) step attention python3 bench/attention.py --write-dispatch --write --budget "${ATTN_BUDGET:-480}" ;;
     *) echo "unknown step $s"; rc=1 ;;
   esac
 done
