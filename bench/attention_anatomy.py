@@ -110,7 +110,8 @@ def probe_kernel(module, kernel: str, swaps: dict):
 
 
 def with_setting(module, name: str, value, call):
-    """``call`` run with ``module.<name>`` set to ``value`` (read at each call)."""
+    """``call`` run with ``module.<name>`` set to ``value``: a setting, or a kernel (the launch code looks both up
+    at each call)."""
     def run():
         saved = getattr(module, name)
         setattr(module, name, value)
@@ -118,18 +119,6 @@ def with_setting(module, name: str, value, call):
             return call()
         finally:
             setattr(module, name, saved)
-    return run
-
-
-def with_kernel(module, kernel: str, replacement, call):
-    """``call`` run with ``module.<kernel>`` replaced (the launch code looks the kernel up at each call)."""
-    def run():
-        saved = getattr(module, kernel)
-        setattr(module, kernel, replacement)
-        try:
-            return call()
-        finally:
-            setattr(module, kernel, saved)
     return run
 
 
@@ -174,7 +163,32 @@ def compile_check() -> int:
         if not ok:
             print(f"D={head_dim}: a probe compiled to the product's instructions", file=sys.stderr)
             rc = 1
+    # Shapes the README weighs and leaves out: the three-warpgroup D=80 candidate (P through shared memory), and
+    # two warpgroups with 256-key tiles (2 stages, to fit shared memory), which spill.
+    res = GS.hopper_resources(80, "bf16", False, 3)
+    print(f"variant D=80  3 consumer warpgroups, P in shared memory: spills {res['spill_bytes']}, "
+          f"shared {res['shared_bytes']} bytes")
+    for head_dim in (64, 80, 128):
+        res = _resources_256(head_dim)
+        print(f"variant D={head_dim:<4d}2 consumer warpgroups, 256-key tiles: spills {res['spill_bytes']}, "
+              f"shared {res['shared_bytes']} bytes")
     return rc
+
+
+def _resources_256(head_dim: int) -> dict:
+    """ptxas resources of the two-warpgroup kernel with 256-key tiles (2 stages), compiled for sm_90a."""
+    from guardlint.kernels._gluon import tensordesc
+
+    keys, constants = 256, dict(BLOCK_N=256, STAGES=2, CAUSAL=False, WGS=2)
+    if head_dim in GS.PARTS:
+        d0, d1 = GS.PARTS[head_dim]
+        descs = {}
+        for name, rows in (("q_desc", G.ROWS_PER_WG), ("k_desc", keys), ("v_desc", keys)):
+            descs[name], descs[name + "1"] = tensordesc("bf16", rows, d0), tensordesc("bf16", rows, d1)
+        return G.compiled_resources(GS._varlen_attention_fwd_ws_split, descs, "bf16", dict(constants, D0=d0, D1=d1))
+    descs = {name: tensordesc("bf16", rows, head_dim)
+             for name, rows in (("q_desc", G.ROWS_PER_WG), ("k_desc", keys), ("v_desc", keys))}
+    return G.compiled_resources(G._varlen_attention_fwd_ws, descs, "bf16", dict(constants, HEAD_DIM=head_dim))
 
 
 def _ptx_counts(ptx: str) -> dict:
@@ -241,7 +255,7 @@ def main() -> int:
             else:
                 notes[(case.name, "3 consumer warpgroups")] = f"WRONG RESULT (max abs error {err3:.3g}): not timed"
         for name, what, module, kernel, swaps in probes(case.head_dim):
-            calls[(case.name, name)] = with_kernel(module, kernel, probe_kernel(module, kernel, swaps), product)
+            calls[(case.name, name)] = with_setting(module, kernel, probe_kernel(module, kernel, swaps), product)
             calls[(case.name, name)]()
             notes[(case.name, name)] = what
         torch.cuda.synchronize()
