@@ -24,9 +24,10 @@ SHARED_MEMORY_PER_BLOCK = 227 * 1024
 
 COMPILED = [(64, "bf16", False), (64, "fp16", False), (64, "bf16", True), (128, "bf16", False), (128, "fp16", False),
             (128, "bf16", True)]
-SPLIT_COMPILED = [(80, "bf16", False), (96, "bf16", False), (80, "fp16", False), (80, "bf16", True)]
-# Three warpgroups at D=80 (GUARDLINT_GLUON_WGS=3): P through shared memory, so that each fits its 160 registers.
-THREE_WG_SPLIT = [(80, "bf16", False, 3), (80, "fp16", False, 3)]
+# (head_dim, dtype, causal, consumer warpgroups): non-causal D=80 runs three (P through shared memory, so that each
+# fits its 160 registers); two there (GUARDLINT_GLUON_WGS=2) stay compiled and checked.
+SPLIT_COMPILED = [(80, "bf16", False, 3), (96, "bf16", False, 2), (80, "fp16", False, 3), (80, "bf16", True, 2),
+                  (80, "bf16", False, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def resources():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json; from guardlint.kernels.attention import gluon, gluon_split; "
             f"print(json.dumps([dict(m.hopper_resources(d, t, c, *w), module=m.__name__.rsplit('.', 1)[1]) "
-            f"for m, configs in ((gluon, {COMPILED!r}), (gluon_split, {SPLIT_COMPILED + THREE_WG_SPLIT!r})) "
+            f"for m, configs in ((gluon, {COMPILED!r}), (gluon_split, {SPLIT_COMPILED!r})) "
             f"for d, t, c, *w in configs]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -59,33 +60,33 @@ def test_compiles_for_hopper_without_spills(resources, head_dim, dtype, causal):
     assert res["wgmma_waits"] == [0, 1]
 
 
-@pytest.mark.parametrize("head_dim,dtype,causal", SPLIT_COMPILED)
-def test_split_head_dims_compile_for_hopper_without_spills(resources, head_dim, dtype, causal):
+@pytest.mark.parametrize("head_dim,dtype,causal,wgs", SPLIT_COMPILED)
+def test_split_head_dims_compile_for_hopper_without_spills(resources, head_dim, dtype, causal, wgs):
     """80 = 64 + 16 and 96 = 64 + 32 (Gluon's tiles are powers of two): within the register and shared-memory
     budget, the producer's and consumers' register split as for the other head dims, and S_j waited on
     while both parts of P_{j-1} V_{j-1} stay in flight (two groups outstanding)."""
-    res = resources[("gluon_split", head_dim, dtype, causal, 2)]
+    res = resources[("gluon_split", head_dim, dtype, causal, wgs)]
     assert res["spill_bytes"] == 0 and res["shared_bytes"] <= SHARED_MEMORY_PER_BLOCK
-    assert gluon_path.CONSUMER_REGS in res["partition_registers"] and 24 in res["partition_registers"]
+    assert gluon_path.consumer_regs(wgs) in res["partition_registers"] and 24 in res["partition_registers"]
     assert res["wgmma_waits"] == [0, 2]
     assert sum(res["parts"]) == head_dim and all(p & (p - 1) == 0 for p in res["parts"])
 
 
 @pytest.mark.parametrize("setting,expected", [
-    ("", {(64, False): 3, (64, True): 2, (80, False): 2, (96, False): 2, (128, False): 2}),
-    ("2", {(64, False): 2, (64, True): 2, (80, False): 2, (128, False): 2}),
+    ("", {(64, False): 3, (64, True): 2, (80, False): 3, (80, True): 2, (96, False): 2, (128, False): 2}),
+    ("2", {(64, False): 2, (64, True): 2, (80, False): 2, (96, False): 2, (128, False): 2}),
     ("3", {(64, False): 3, (64, True): 2, (80, False): 3, (96, False): 2, (128, False): 2}),
 ])
 def test_consumer_warpgroups_per_head_dim(monkeypatch, setting, expected):
-    """Three consumer warpgroups for non-causal D=64 (measured faster), two elsewhere; GUARDLINT_GLUON_WGS=2 keeps
-    two everywhere, =3 allows three up to D=80; causal always two (key tiles as long as query tiles)."""
+    """Three consumer warpgroups for non-causal D=64 and D=80 (measured faster), two elsewhere; GUARDLINT_GLUON_WGS=2
+    keeps two everywhere, =3 three wherever they fit; causal always two (key tiles as long as query tiles)."""
     monkeypatch.setattr(gluon_path, "WGS_SETTING", setting)
     got = {key: gluon_path.consumer_groups(*key) for key in expected}
     assert got == expected
 
 
-@pytest.mark.parametrize("head_dim,causal,setting,wgs", [(64, False, "", 3), (64, True, "", 2), (80, False, "", 2),
-                                                        (80, False, "3", 3), (128, False, "", 2)])
+@pytest.mark.parametrize("head_dim,causal,setting,wgs", [(64, False, "", 3), (64, True, "", 2), (80, False, "", 3),
+                                                        (80, False, "2", 2), (128, False, "", 2)])
 def test_launch_grid_follows_the_warpgroup_count(monkeypatch, head_dim, causal, setting, wgs):
     """The host launch sizes the grid by the query tile (64 rows per consumer warpgroup) and hands the kernel
     the matching WGS, stages and register share (no GPU: the launch is recorded, not run)."""
@@ -125,11 +126,11 @@ def test_anatomy_probes_compile_and_drop_what_they_name():
     assert all(r[-1] == "0" for r in rows), "no probe spills"
 
 
-@pytest.mark.parametrize("head_dim,dtype,causal,wgs", THREE_WG_SPLIT)
+@pytest.mark.parametrize("head_dim,dtype,causal,wgs", [c for c in SPLIT_COMPILED if c[3] == 3])
 def test_three_warpgroups_at_d80_fit_their_registers(resources, head_dim, dtype, causal, wgs):
-    """The opt-in three-warpgroup D=80 kernel: with P in shared memory (not held in registers beside the next S)
-    each consumer fits the 160 registers per thread that three consumers and the producer leave (with P in
-    registers it spills); the P tiles fit shared memory beside Q and the K/V ring."""
+    """The three-warpgroup D=80 kernel (the non-causal default): with P in shared memory (not held in registers
+    beside the next S) each consumer fits the 160 registers per thread that three consumers and the producer leave
+    (with P in registers it spills); the P tiles fit shared memory beside Q and the K/V ring."""
     res = resources[("gluon_split", head_dim, dtype, causal, wgs)]
     assert gluon_path.p_in_shared(head_dim, wgs)
     assert res["spill_bytes"] == 0 and res["shared_bytes"] <= SHARED_MEMORY_PER_BLOCK

@@ -108,18 +108,20 @@ def test_gluon_matches_float64(head_dim, dtype, poisoned_gluon_output):
 @hopper_only
 @pytest.mark.parametrize("head_dim", [64, 80])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_gluon_three_warpgroups_match_float64(head_dim, dtype, poisoned_gluon_output, monkeypatch):
-    """Three consumer warpgroups (192-row query tiles, round-robin turns; the default at D=64, opt-in at D=80
-    with P through shared memory): partial, empty and one-row sequences, a query tile exactly full (192), GQA 8:2."""
+@pytest.mark.parametrize("wgs", [3, 2])
+def test_gluon_two_and_three_warpgroups_match_float64(head_dim, dtype, wgs, poisoned_gluon_output, monkeypatch):
+    """Three consumer warpgroups (192-row query tiles, round-robin turns; the default at D=64 and D=80, where P
+    goes through shared memory) and two (GUARDLINT_GLUON_WGS=2): partial, empty and one-row sequences, a query tile
+    exactly full (192), GQA 8:2."""
     from guardlint.kernels.attention import gluon as gluon_path
 
-    monkeypatch.setattr(gluon_path, "WGS_SETTING", "3")
+    monkeypatch.setattr(gluon_path, "WGS_SETTING", str(wgs))
     seen, real = [], gluon_path.direct_launch
     monkeypatch.setattr(gluon_path, "direct_launch", lambda fn, **options: seen.append(options) or real(fn, **options))
     q, k, v, cu, offsets = make_batch(LENGTHS + [192, 2048, 193], 8, 2, head_dim, dtype, seed=head_dim + 5)
     out = varlen_attention(q, k, v, cu, backend="gluon")
     assert_matches(out, q, k, v, offsets, False)
-    assert [o["WGS"] for o in seen] == [3]
+    assert [o["WGS"] for o in seen] == [wgs]
 
 
 @hopper_only
