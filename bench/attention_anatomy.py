@@ -13,9 +13,11 @@ globals, so the product itself is untouched):
 - ``S without its 16-wide part`` (D=80): ``Q K^T`` over the first 64 columns only: what the chained K=16 wgmma
   of the two-part head costs.
 
-Beside them: the same kernel through the public API (``varlen_attention(..., backend="gluon")``), and a candidate
-with the other consumer-warpgroup count where both are possible (D <= 80: two where the product runs three,
-``GUARDLINT_GLUON_WGS=2``; three where it runs two), checked against float64 like the product.
+Beside them: the same kernel through the public API (``varlen_attention(..., backend="gluon")``), and candidates
+checked against float64 like the product: the other consumer-warpgroup count where both are possible (D <= 80:
+two where the product runs three, ``GUARDLINT_GLUON_WGS=2``; three where it runs two), and 1, 2 or 3 of every 8
+of P's exponentials computed on the FMA units instead of the MUFU (``GUARDLINT_GLUON_EXP2_POLY``,
+``attention.softmax_exp2``).
 Probes compute made-up numbers: they are timings, not results (the product kernels are checked against float64
 first). Every row of a case is timed side by side, interleaved over ROUNDS rounds in rotated order; the table
 gives the median round and each row's ratio to the product kernel and to FA3 at D=128 on the same tokens.
@@ -50,6 +52,8 @@ from guardlint.kernels.attention import gluon as G  # noqa: E402
 from guardlint.kernels.attention import gluon_split as GS  # noqa: E402
 
 ROUNDS = 7
+# Exponentials of every 8 on the FMA units, tried beside the product (attention.softmax_exp2).
+EXP2_POLY_CANDIDATES = (1, 2, 3)
 START = time.time()
 
 
@@ -58,7 +62,7 @@ def log(msg: str) -> None:
 
 
 @gluon.jit
-def _softmax_no_exp(scores, m_i, l_i, qk_scale):
+def _softmax_no_exp(scores, m_i, l_i, qk_scale, POLY: gl.constexpr):
     """``_softmax_step`` with exp2(x) replaced by x: the same max, scaling, sums and rescale, no MUFU work."""
     m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
     p = scores * qk_scale - m_new[:, None]
@@ -67,7 +71,7 @@ def _softmax_no_exp(scores, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _softmax_none(scores, m_i, l_i, qk_scale):
+def _softmax_none(scores, m_i, l_i, qk_scale, POLY: gl.constexpr):
     """No softmax: P = S, the running max and sum untouched, a rescale by a constant 1 (folded away)."""
     return scores, m_i, gl.full(m_i.shape, 1.0, gl.float32, m_i.type.layout), l_i
 
@@ -168,6 +172,12 @@ def compile_check() -> int:
     res = GS.hopper_resources(80, "bf16", False, 2)
     print(f"variant D=80  2 consumer warpgroups, P in registers: spills {res['spill_bytes']}, "
           f"shared {res['shared_bytes']} bytes")
+    for head_dim in (128, 80, 64):
+        resources = GS.hopper_resources if head_dim in GS.PARTS else G.hopper_resources
+        for poly in EXP2_POLY_CANDIDATES:
+            res = resources(head_dim, "bf16", False, 0, poly)
+            print(f"variant D={head_dim:<4d}exp2 {poly} of {G.EXP2_PACK.value} on FMA: ex2 on the MUFU "
+                  f"{res['ex2_mufu']}, on the FMA units {res['ex2_fma']}, spills {res['spill_bytes']}")
     for head_dim in (64, 80, 128):
         res = _resources_256(head_dim)
         print(f"variant D={head_dim:<4d}2 consumer warpgroups, 256-key tiles: spills {res['spill_bytes']}, "
@@ -179,7 +189,7 @@ def _resources_256(head_dim: int) -> dict:
     """ptxas resources of the two-warpgroup kernel with 256-key tiles (2 stages), compiled for sm_90a."""
     from guardlint.kernels._gluon import tensordesc
 
-    keys, constants = 256, dict(BLOCK_N=256, STAGES=2, CAUSAL=False, WGS=2)
+    keys, constants = 256, dict(BLOCK_N=256, STAGES=2, CAUSAL=False, WGS=2, EXP2_POLY=0)
     if head_dim in GS.PARTS:
         d0, d1 = GS.PARTS[head_dim]
         descs = {}
@@ -243,16 +253,20 @@ def main() -> int:
         calls[(case.name, "public API")] = lambda q=q, k=k, v=v, cu=cu, plan=plan: varlen_attention(
             q, k, v, cu, metadata=plan, backend="gluon")
         notes[(case.name, "public API")] = "varlen_attention(..., backend='gluon'), prepared plan: the same kernel"
-        wgs = G.consumer_groups(case.head_dim, False)
-        other = 2 if wgs == 3 else 3
-        if other == 2 or case.head_dim <= G.THREE_WG_MAX_HEAD_DIM:
-            # A candidate, not a probe: the other consumer-warpgroup count (GUARDLINT_GLUON_WGS), checked like the
-            # product, so that the count each head dim runs is measured against the other in the same run.
-            label = f"{other} consumer warpgroups"
-            alt = with_setting(G, "WGS_SETTING", str(other), product)
+        # Candidates, not probes: the product with one setting changed, checked against float64 like it. The other
+        # consumer-warpgroup count (GUARDLINT_GLUON_WGS) where both are possible, so that the count each head dim
+        # runs is measured against the other in the same run; some of P's exponentials on the FMA units
+        # (GUARDLINT_GLUON_EXP2_POLY, attention.softmax_exp2).
+        other = 2 if G.consumer_groups(case.head_dim, False) == 3 else 3
+        settings = [(f"{other} consumer warpgroups", "WGS_SETTING", str(other))] if (
+            other == 2 or case.head_dim <= G.THREE_WG_MAX_HEAD_DIM) else []
+        settings += [(f"exp2 {poly} of {G.EXP2_PACK.value} on FMA", "EXP2_POLY_SETTING", str(poly))
+                     for poly in EXP2_POLY_CANDIDATES if poly != G.exp2_poly(case.head_dim, False)]
+        for label, name, value in settings:
+            alt = with_setting(G, name, value, product)
             err_alt = max_abs_error(alt(), reference(case, q, k, v, offsets))
             log(f"{case.name} gluon, {label}: max abs error {err_alt:.3g} against float64")
-            described = with_setting(G, "WGS_SETTING", str(other), lambda d=case.head_dim: G.describe(d))()
+            described = with_setting(G, name, value, lambda d=case.head_dim: G.describe(d))()
             if passes(err_alt):
                 calls[(case.name, label)] = alt
                 notes[(case.name, label)] = f"candidate ({described}); max abs error {err_alt:.2g}"

@@ -28,6 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._gluon import compile_sm90, is_hopper, smem_layout, tensordesc
+from . import softmax_exp2
 from .._launch import DirectLaunch
 from . import triton as triton_path
 
@@ -52,6 +53,15 @@ CONSUMER_REGS = 240
 # P). GUARDLINT_GLUON_WGS=2: two everywhere; =3: three wherever they fit (today the default's head dims).
 THREE_WG_HEAD_DIMS = (64, 80)
 THREE_WG_MAX_HEAD_DIM = 80
+# Of every EXP2_PACK exponentials of P, EXP2_POLY (a kernel constexpr, 0 to 4) are a cubic on the FMA units
+# instead of the MUFU (``attention.softmax_exp2``). GUARDLINT_GLUON_EXP2_POLY sets it (default 0: all on the MUFU).
+EXP2_PACK = gl.constexpr(8)
+EXP2_POLY_SETTING = os.environ.get("GUARDLINT_GLUON_EXP2_POLY", "")
+EXP2_CONSTRAINTS = gl.constexpr(softmax_exp2.constraints(EXP2_PACK.value))
+EXP2_ASM1 = gl.constexpr(softmax_exp2.asm(EXP2_PACK.value, 1))
+EXP2_ASM2 = gl.constexpr(softmax_exp2.asm(EXP2_PACK.value, 2))
+EXP2_ASM3 = gl.constexpr(softmax_exp2.asm(EXP2_PACK.value, 3))
+EXP2_ASM4 = gl.constexpr(softmax_exp2.asm(EXP2_PACK.value, 4))
 THREE_WG_REGS = 160
 WGS_SETTING = os.environ.get("GUARDLINT_GLUON_WGS", "")
 
@@ -64,6 +74,16 @@ def consumer_groups(head_dim: int, causal: bool) -> int:
     if head_dim in THREE_WG_HEAD_DIMS or (WGS_SETTING == "3" and head_dim <= THREE_WG_MAX_HEAD_DIM):
         return 3
     return 2
+
+
+def exp2_poly(head_dim: int, causal: bool) -> int:
+    """Exponentials of P per EXP2_PACK that go to the FMA units (``attention.softmax_exp2``)."""
+    if EXP2_POLY_SETTING:
+        value = int(EXP2_POLY_SETTING)
+        if not 0 <= value <= 4:
+            raise ValueError(f"GUARDLINT_GLUON_EXP2_POLY must be 0 to 4, got {EXP2_POLY_SETTING!r}")
+        return value
+    return 0
 
 
 def block_m(wgs: int) -> int:
@@ -89,7 +109,7 @@ def stages_for(head_dim: int, wgs: int = 2) -> int:
     return max(2, min(4, (226 * 1024 - q_bytes) // per_stage))
 
 
-# Every partition takes (descs, bufs, bars, place, WG, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL): worker
+# Every partition takes (descs, bufs, bars, place, WG, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, EXP2_POLY): worker
 # partitions must share one signature. descs: TMA descriptors of q, k, v; bufs: shared-memory Q tiles (one per
 # consumer) and the K, V rings; bars: mbarriers (Q ready per consumer, K ready, V ready, stage free,
 # ping-pong turns); place: (o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles,
@@ -99,7 +119,8 @@ def stages_for(head_dim: int, wgs: int = 2) -> int:
 
 @gluon.jit
 def _producer(descs, bufs, bars, place, WG: gl.constexpr, WGS: gl.constexpr, ROWS: gl.constexpr,
-              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              EXP2_POLY: gl.constexpr):
     q_desc, k_desc, v_desc = descs
     q_smem, k_smem, v_smem = bufs
     q_bars, k_bars, v_bars, free_bars, turn_bars = bars
@@ -158,10 +179,26 @@ def _await_tile(j, k_bars, v_bars, turn_bars, WG: gl.constexpr, STAGES: gl.const
 
 
 @gluon.jit
-def _softmax_step(scores, m_i, l_i, qk_scale):
+def _exp2_p(x, POLY: gl.constexpr):
+    """exp2 of a tile of P's exponents: on the MUFU, or POLY of every EXP2_PACK on the FMA units."""
+    if POLY == 0:
+        return gl.exp2(x)
+    elif POLY == 1:
+        return gl.inline_asm_elementwise(EXP2_ASM1, EXP2_CONSTRAINTS, [x], gl.float32, True, EXP2_PACK)
+    elif POLY == 2:
+        return gl.inline_asm_elementwise(EXP2_ASM2, EXP2_CONSTRAINTS, [x], gl.float32, True, EXP2_PACK)
+    elif POLY == 3:
+        return gl.inline_asm_elementwise(EXP2_ASM3, EXP2_CONSTRAINTS, [x], gl.float32, True, EXP2_PACK)
+    else:
+        gl.static_assert(POLY == 4, "0 to 4 exponentials of 8 on the FMA units")
+        return gl.inline_asm_elementwise(EXP2_ASM4, EXP2_CONSTRAINTS, [x], gl.float32, True, EXP2_PACK)
+
+
+@gluon.jit
+def _softmax_step(scores, m_i, l_i, qk_scale, POLY: gl.constexpr):
     """Online softmax over one more key tile: (P, new row max, rescale factor of the old sums, new row sum)."""
     m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
-    p = gl.exp2(scores * qk_scale - m_new[:, None])
+    p = _exp2_p(scores * qk_scale - m_new[:, None], POLY)
     alpha = gl.exp2(m_i - m_new)
     return p, m_new, alpha, l_i * alpha + gl.sum(p, 1)
 
@@ -170,7 +207,7 @@ def _softmax_step(scores, m_i, l_i, qk_scale):
 def _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_i, l_i, p_op, seq_len, qk_scale,
              row0, WG: gl.constexpr, WGS: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, MASK: gl.constexpr,
-             CAUSAL: gl.constexpr):
+             CAUSAL: gl.constexpr, EXP2_POLY: gl.constexpr):
     """Issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; softmax of S_j while the PV product runs."""
     s, prev = _await_tile(j, k_bars, v_bars, turn_bars, WG, STAGES)
     s_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
@@ -181,7 +218,7 @@ def _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_
     scores, _ = warpgroup_mma_wait(1, deps=[s_tok, k_smem.index(s)])
     if MASK:
         scores = _mask(scores, j, row0, seq_len, ROWS, BLOCK_N, s_layout, CAUSAL)
-    p, m_new, alpha, l_i = _softmax_step(scores, m_i, l_i, qk_scale)
+    p, m_new, alpha, l_i = _softmax_step(scores, m_i, l_i, qk_scale, EXP2_POLY)
     acc, _, _ = warpgroup_mma_wait(0, deps=[acc, p_op, v_smem.index(prev)])
     mbarrier.arrive(free_bars.index(prev), count=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -191,7 +228,8 @@ def _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_
 
 @gluon.jit
 def _consumer(descs, bufs, bars, place, WG: gl.constexpr, WGS: gl.constexpr, ROWS: gl.constexpr,
-              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              EXP2_POLY: gl.constexpr):
     q_smem, k_smem, v_smem = bufs
     q_bars, k_bars, v_bars, free_bars, turn_bars = bars
     o_ptr, q_row, kv_row, stride_ot, q_col, kv_col, rows_left, seq_len, n_tiles, qk_scale = place
@@ -216,7 +254,7 @@ def _consumer(descs, bufs, bars, place, WG: gl.constexpr, WGS: gl.constexpr, ROW
     scores, _, _ = warpgroup_mma_wait(0, deps=[s_tok, q, k_smem.index(0)])
     scores = _mask(scores, 0, row0, seq_len, ROWS, BLOCK_N, s_layout, CAUSAL)
     m_i = gl.max(scores, 1) * qk_scale
-    p = gl.exp2(scores * qk_scale - m_i[:, None])
+    p = _exp2_p(scores * qk_scale - m_i[:, None], EXP2_POLY)
     l_i = gl.sum(p, 1)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
@@ -225,11 +263,11 @@ def _consumer(descs, bufs, bars, place, WG: gl.constexpr, WGS: gl.constexpr, ROW
     for j in range(1, n_tiles - 1):
         acc, m_i, l_i, p_op = _kv_step(j, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc, m_i, l_i,
                                        p_op, seq_len, qk_scale, row0, WG, WGS, ROWS, BLOCK_N, STAGES, s_layout,
-                                       o_layout, p_layout, False, CAUSAL)
+                                       o_layout, p_layout, False, CAUSAL, EXP2_POLY)
     if n_tiles > 1:
         acc, m_i, l_i, p_op = _kv_step(n_tiles - 1, q, k_smem, v_smem, k_bars, v_bars, free_bars, turn_bars, acc,
                                        m_i, l_i, p_op, seq_len, qk_scale, row0, WG, WGS, ROWS, BLOCK_N, STAGES,
-                                       s_layout, o_layout, p_layout, True, CAUSAL)
+                                       s_layout, o_layout, p_layout, True, CAUSAL, EXP2_POLY)
 
     last = (n_tiles - 1) % STAGES
     mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // STAGES) & 1)
@@ -309,7 +347,8 @@ def _barriers(STAGES: gl.constexpr, WGS: gl.constexpr):
 def _varlen_attention_fwd_ws(q_desc, k_desc, v_desc, o_ptr, cu_seqlens, seq_order, stride_ot, total_tokens,
                              qk_scale, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, SORTED: gl.constexpr,
                              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr, WGS: gl.constexpr):
+                             CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr, WGS: gl.constexpr,
+                             EXP2_POLY: gl.constexpr):
     TILE_M: gl.constexpr = WGS * ROWS
     pid_m, head, seq = _program(CAUSAL)
     seq_start, seq_len = _sequence(cu_seqlens, seq_order, seq, total_tokens, SORTED)
@@ -328,17 +367,17 @@ def _varlen_attention_fwd_ws(q_desc, k_desc, v_desc, o_ptr, cu_seqlens, seq_orde
     # Constexprs go in the call itself: a tuple held in a variable turns them into runtime values.
     if WGS == 3:
         gl.warp_specialize([
-            (_consumer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-            (_consumer, (descs, bufs, bars, place, 1, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-            (_consumer, (descs, bufs, bars, place, 2, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-            (_producer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+            (_consumer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, EXP2_POLY)),
+            (_consumer, (descs, bufs, bars, place, 1, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, EXP2_POLY)),
+            (_consumer, (descs, bufs, bars, place, 2, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, EXP2_POLY)),
+            (_producer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, EXP2_POLY)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
     else:
         gl.static_assert(WGS == 2, "two or three consumer warpgroups")
         gl.warp_specialize([
-            (_consumer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-            (_consumer, (descs, bufs, bars, place, 1, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-            (_producer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+            (_consumer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, EXP2_POLY)),
+            (_consumer, (descs, bufs, bars, place, 1, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, EXP2_POLY)),
+            (_producer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, EXP2_POLY)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -370,7 +409,8 @@ def describe(head_dim: int, causal: bool = False) -> str:
     wgs = consumer_groups(head_dim, causal)
     return (f"{wgs} consumer warpgroups x {ROWS_PER_WG} rows + 1 TMA warp, BLOCK_N={BLOCK_N}, "
             f"stages={stages_for(head_dim, wgs)}, {'ping-pong' if wgs == 2 else 'round-robin'}"
-            + (", P through shared memory" if p_in_shared(head_dim, wgs) else ""))
+            + (", P through shared memory" if p_in_shared(head_dim, wgs) else "")
+            + (f", exp2 {poly} of {EXP2_PACK.value} on the FMA units" if (poly := exp2_poly(head_dim, causal)) else ""))
 
 
 def new_output(q: torch.Tensor) -> torch.Tensor:
@@ -397,7 +437,8 @@ def varlen_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     grid = (triton.cdiv(max_seqlen, block_m(wgs)), num_heads, batch)
     launch = direct_launch(_varlen_attention_fwd_ws, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim,
                            SORTED=by_length, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N, STAGES=stages_for(head_dim, wgs),
-                           CONSUMER_REGS=consumer_regs(wgs), CAUSAL=bool(causal), WGS=wgs, num_warps=4)
+                           CONSUMER_REGS=consumer_regs(wgs), CAUSAL=bool(causal), WGS=wgs,
+                           EXP2_POLY=exp2_poly(head_dim, causal), num_warps=4)
     launch((_descriptor(q, ROWS_PER_WG), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, cu_seqlens, order,
             out.stride(0), total_tokens, softmax_scale * triton_path.LOG2E), grid)
     return out
@@ -418,17 +459,19 @@ def direct_launch(fn, **options) -> DirectLaunch:
     return launch
 
 
-def hopper_resources(head_dim: int, dtype: str = "bf16", causal: bool = False, wgs: int = 0) -> dict:
+def hopper_resources(head_dim: int, dtype: str = "bf16", causal: bool = False, wgs: int = 0,
+                     poly: int | None = None) -> dict:
     """Compile the kernel for sm_90a without a GPU and read its resources: registers per thread at launch
     (setmaxnreg then moves them between partitions), spill bytes, shared memory, the per-partition register
     counts and the wgmma wait depths. Call it in a process without TRITON_INTERPRET (the tests spawn one)."""
     wgs = wgs or consumer_groups(head_dim, causal)
+    poly = exp2_poly(head_dim, causal) if poly is None else poly
     descs = dict(q_desc=tensordesc(dtype, ROWS_PER_WG, head_dim), k_desc=tensordesc(dtype, BLOCK_N, head_dim),
                  v_desc=tensordesc(dtype, BLOCK_N, head_dim))
     res = compiled_resources(_varlen_attention_fwd_ws, descs, dtype,
                              dict(HEAD_DIM=head_dim, STAGES=stages_for(head_dim, wgs), CAUSAL=causal, WGS=wgs,
-                                  CONSUMER_REGS=consumer_regs(wgs)))
-    return {"head_dim": head_dim, "dtype": dtype, "causal": causal, "wgs": wgs, **res}
+                                  CONSUMER_REGS=consumer_regs(wgs), EXP2_POLY=poly))
+    return {"head_dim": head_dim, "dtype": dtype, "causal": causal, "wgs": wgs, "poly": poly, **res}
 
 
 def compiled_resources(fn, descs: dict, dtype: str, constants: dict) -> dict:
@@ -448,4 +491,6 @@ def compiled_resources(fn, descs: dict, dtype: str, constants: dict) -> dict:
     return {**res,
             "partition_registers": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                                       ptx)}),
-            "wgmma_waits": sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)})}
+            "wgmma_waits": sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}),
+            # exponentials on the MUFU and on the FMA units (attention.softmax_exp2), per compiled kernel
+            "ex2_mufu": len(re.findall(r"\bex2\.approx", ptx)), "ex2_fma": len(re.findall(r"\bmax\.NaN\.f32", ptx))}

@@ -26,15 +26,16 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .._gluon import smem_layout, tensordesc
 from . import gluon as gluon_path
 from . import triton as triton_path
-from .gluon import (BLOCK_N, ROWS_PER_WG, _await_tile, _barriers, _key_tiles, _mask, _pass_turn, _program,
+from .gluon import (BLOCK_N, ROWS_PER_WG, _await_tile, _barriers, _exp2_p, _key_tiles, _mask, _pass_turn, _program,
                     _sequence, _softmax_step, _store, _wait_turn, block_m, compiled_resources, consumer_groups,
-                    consumer_regs, stages_for)
+                    consumer_regs, exp2_poly, stages_for)
 
 # head dim -> (first part, second part), both powers of two (attention.gluon.SPLIT_HEAD_DIMS).
 PARTS = {80: (64, 16), 96: (64, 32)}
 
 
-# Partitions share one signature: (descs, bufs, bars, place, WG, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL). descs and
+# Partitions share one signature: (descs, bufs, bars, place, WG, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL,
+# EXP2_POLY). descs and
 # bufs hold each of q, k, v as (first part, second part); with three consumer warpgroups bufs also holds one P tile
 # per consumer in shared memory: the P V products read P from there (both operands in shared memory), so P does not
 # hold registers while the next S and its softmax are in flight (three warpgroups have 160 registers each).
@@ -42,7 +43,8 @@ PARTS = {80: (64, 16), 96: (64, 32)}
 
 @gluon.jit
 def _producer(descs, bufs, bars, place, WG: gl.constexpr, WGS: gl.constexpr, ROWS: gl.constexpr,
-              BLOCK_N: gl.constexpr, D0: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+              BLOCK_N: gl.constexpr, D0: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              EXP2_POLY: gl.constexpr):
     q_desc, q_desc1, k_desc, k_desc1, v_desc, v_desc1 = descs
     q_smem, q_smem1, k_smem, k_smem1, v_smem, v_smem1 = bufs[0], bufs[1], bufs[2], bufs[3], bufs[4], bufs[5]
     q_bars, k_bars, v_bars, free_bars, turn_bars = bars
@@ -89,7 +91,7 @@ def _kv_step(j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_ba
              l_i, p_op, p_op1, p_view, seq_len, qk_scale, row0, WG: gl.constexpr, WGS: gl.constexpr,
              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
              o_layout: gl.constexpr, o_layout1: gl.constexpr, p_layout: gl.constexpr, p_layout1: gl.constexpr,
-             MASK: gl.constexpr, CAUSAL: gl.constexpr, P_SMEM: gl.constexpr):
+             MASK: gl.constexpr, CAUSAL: gl.constexpr, P_SMEM: gl.constexpr, EXP2_POLY: gl.constexpr):
     """Issue S_j and O += P_{j-1} V_{j-1} (both parts); softmax of S_j while the PV products run."""
     s, prev = _await_tile(j, k_bars, v_bars, turn_bars, WG, STAGES)
     s_tok = _scores(q, q1, k_smem.index(s), k_smem1.index(s), ROWS, BLOCK_N, s_layout)
@@ -100,7 +102,7 @@ def _kv_step(j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_ba
     scores, _, _ = warpgroup_mma_wait(2, deps=[s_tok, k_smem.index(s), k_smem1.index(s)])
     if MASK:
         scores = _mask(scores, j, row0, seq_len, ROWS, BLOCK_N, s_layout, CAUSAL)
-    p, m_new, alpha, l_i = _softmax_step(scores, m_i, l_i, qk_scale)
+    p, m_new, alpha, l_i = _softmax_step(scores, m_i, l_i, qk_scale, EXP2_POLY)
     acc, acc1, _, _, _, _ = warpgroup_mma_wait(0, deps=[acc, acc1, p_op, p_op1, v_smem.index(prev),
                                                         v_smem1.index(prev)])
     mbarrier.arrive(free_bars.index(prev), count=1)
@@ -112,7 +114,8 @@ def _kv_step(j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_ba
 
 @gluon.jit
 def _consumer(descs, bufs, bars, place, WG: gl.constexpr, WGS: gl.constexpr, ROWS: gl.constexpr,
-              BLOCK_N: gl.constexpr, D0: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+              BLOCK_N: gl.constexpr, D0: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              EXP2_POLY: gl.constexpr):
     q_smem, q_smem1, k_smem, k_smem1, v_smem, v_smem1 = bufs[0], bufs[1], bufs[2], bufs[3], bufs[4], bufs[5]
     P_SMEM: gl.constexpr = WGS == 3
     q_bars, k_bars, v_bars, free_bars, turn_bars = bars
@@ -146,7 +149,7 @@ def _consumer(descs, bufs, bars, place, WG: gl.constexpr, WGS: gl.constexpr, ROW
     scores, _, _, _, _ = warpgroup_mma_wait(0, deps=[s_tok, q, q1, k_smem.index(0), k_smem1.index(0)])
     scores = _mask(scores, 0, row0, seq_len, ROWS, BLOCK_N, s_layout, CAUSAL)
     m_i = gl.max(scores, 1) * qk_scale
-    p = gl.exp2(scores * qk_scale - m_i[:, None])
+    p = _exp2_p(scores * qk_scale - m_i[:, None], EXP2_POLY)
     l_i = gl.sum(p, 1)
     p_op, p_op1 = _p_operands(p.to(dtype), p_view, p_layout, p_layout1, P_SMEM)
 
@@ -155,12 +158,12 @@ def _consumer(descs, bufs, bars, place, WG: gl.constexpr, WGS: gl.constexpr, ROW
         acc, acc1, m_i, l_i, p_op, p_op1 = _kv_step(
             j, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_bars, turn_bars, acc, acc1, m_i, l_i,
             p_op, p_op1, p_view, seq_len, qk_scale, row0, WG, WGS, ROWS, BLOCK_N, STAGES, s_layout, o_layout,
-            o_layout1, p_layout, p_layout1, False, CAUSAL, P_SMEM)
+            o_layout1, p_layout, p_layout1, False, CAUSAL, P_SMEM, EXP2_POLY)
     if n_tiles > 1:
         acc, acc1, m_i, l_i, p_op, p_op1 = _kv_step(
             n_tiles - 1, q, q1, k_smem, k_smem1, v_smem, v_smem1, k_bars, v_bars, free_bars, turn_bars, acc, acc1,
             m_i, l_i, p_op, p_op1, p_view, seq_len, qk_scale, row0, WG, WGS, ROWS, BLOCK_N, STAGES, s_layout,
-            o_layout, o_layout1, p_layout, p_layout1, True, CAUSAL, P_SMEM)
+            o_layout, o_layout1, p_layout, p_layout1, True, CAUSAL, P_SMEM, EXP2_POLY)
 
     last = (n_tiles - 1) % STAGES
     mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // STAGES) & 1)
@@ -179,7 +182,7 @@ def _varlen_attention_fwd_ws_split(q_desc, q_desc1, k_desc, k_desc1, v_desc, v_d
                                    stride_ot, total_tokens, qk_scale, GROUP: gl.constexpr, D0: gl.constexpr,
                                    D1: gl.constexpr, SORTED: gl.constexpr, ROWS: gl.constexpr,
                                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                   CAUSAL: gl.constexpr, WGS: gl.constexpr):
+                                   CAUSAL: gl.constexpr, WGS: gl.constexpr, EXP2_POLY: gl.constexpr):
     TILE_M: gl.constexpr = WGS * ROWS
     pid_m, head, seq = _program(CAUSAL)
     seq_start, seq_len = _sequence(cu_seqlens, seq_order, seq, total_tokens, SORTED)
@@ -206,17 +209,17 @@ def _varlen_attention_fwd_ws_split(q_desc, q_desc1, k_desc, k_desc1, v_desc, v_d
     # Constexprs go in the call itself: a tuple held in a variable turns them into runtime values.
     if WGS == 3:
         gl.warp_specialize([
-            (_consumer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
-            (_consumer, (descs, bufs, bars, place, 1, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
-            (_consumer, (descs, bufs, bars, place, 2, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
-            (_producer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
+            (_consumer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL, EXP2_POLY)),
+            (_consumer, (descs, bufs, bars, place, 1, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL, EXP2_POLY)),
+            (_consumer, (descs, bufs, bars, place, 2, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL, EXP2_POLY)),
+            (_producer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL, EXP2_POLY)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
     else:
         gl.static_assert(WGS == 2, "two or three consumer warpgroups")
         gl.warp_specialize([
-            (_consumer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
-            (_consumer, (descs, bufs, bars, place, 1, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
-            (_producer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL)),
+            (_consumer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL, EXP2_POLY)),
+            (_consumer, (descs, bufs, bars, place, 1, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL, EXP2_POLY)),
+            (_producer, (descs, bufs, bars, place, 0, WGS, ROWS, BLOCK_N, D0, D1, STAGES, CAUSAL, EXP2_POLY)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -246,21 +249,25 @@ def varlen_attention_gluon_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     launch = gluon_path.direct_launch(_varlen_attention_fwd_ws_split, GROUP=num_heads // k.shape[1], D0=d0, D1=d1,
                                       SORTED=by_length, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N,
                                       STAGES=stages_for(head_dim, wgs), CONSUMER_REGS=consumer_regs(wgs),
-                                      CAUSAL=bool(causal), WGS=wgs, num_warps=4)
+                                      CAUSAL=bool(causal), WGS=wgs, EXP2_POLY=exp2_poly(head_dim, causal),
+                                      num_warps=4)
     launch((qd[0], qd[1], kd[0], kd[1], vd[0], vd[1], out, cu_seqlens, order, out.stride(0), total_tokens,
             softmax_scale * triton_path.LOG2E), grid)
     return out
 
 
-def hopper_resources(head_dim: int, dtype: str = "bf16", causal: bool = False, wgs: int = 0) -> dict:
+def hopper_resources(head_dim: int, dtype: str = "bf16", causal: bool = False, wgs: int = 0,
+                     poly: int | None = None) -> dict:
     """``attention.gluon.hopper_resources`` for this kernel: compiled for sm_90a without a GPU."""
     d0, d1 = PARTS[head_dim]
     wgs = wgs or consumer_groups(head_dim, causal)
+    poly = exp2_poly(head_dim, causal) if poly is None else poly
     descs = {}
     for name, rows in (("q_desc", ROWS_PER_WG), ("k_desc", BLOCK_N), ("v_desc", BLOCK_N)):
         descs[name] = tensordesc(dtype, rows, d0)
         descs[name + "1"] = tensordesc(dtype, rows, d1)
     res = compiled_resources(_varlen_attention_fwd_ws_split, descs, dtype,
                              dict(D0=d0, D1=d1, STAGES=stages_for(head_dim, wgs), CAUSAL=causal, WGS=wgs,
-                                  CONSUMER_REGS=consumer_regs(wgs)))
-    return {"head_dim": head_dim, "dtype": dtype, "causal": causal, "wgs": wgs, "parts": [d0, d1], **res}
+                                  CONSUMER_REGS=consumer_regs(wgs), EXP2_POLY=poly))
+    return {"head_dim": head_dim, "dtype": dtype, "causal": causal, "wgs": wgs, "poly": poly, "parts": [d0, d1],
+            **res}

@@ -107,6 +107,7 @@ def test_launch_grid_follows_the_warpgroup_count(monkeypatch, head_dim, causal, 
     gluon_path.varlen_attention_gluon(q, q, q, cu, max(lengths), 0.1, causal)
     (options, grid), = launches
     assert options["WGS"] == wgs and options["CONSUMER_REGS"] == gluon_path.consumer_regs(wgs)
+    assert options["EXP2_POLY"] == gluon_path.exp2_poly(head_dim, causal)
     assert options["STAGES"] == gluon_path.stages_for(head_dim, wgs)
     assert options["BLOCK_N"] == 128
     assert grid == (-(-1000 // (64 * wgs)), 4, 4)
@@ -135,6 +136,39 @@ def test_three_warpgroups_at_d80_fit_their_registers(resources, head_dim, dtype,
     assert gluon_path.p_in_shared(head_dim, wgs)
     assert res["spill_bytes"] == 0 and res["shared_bytes"] <= SHARED_MEMORY_PER_BLOCK
     assert gluon_path.consumer_regs(3) in res["partition_registers"] and 24 in res["partition_registers"]
+
+
+def test_exponentials_split_between_mufu_and_fma_units_compile_without_spills():
+    """GUARDLINT_GLUON_EXP2_POLY (attention.softmax_exp2): the kernels with some of P's exponentials on the FMA
+    units build for sm_90a without spills, D=80 with three warpgroups (the tightest registers) too, and move
+    exactly poly of every 8 of P's exponentials off the MUFU (the rescale factors stay there)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    configs = [("gluon_split", 80, 3, 0), ("gluon_split", 80, 3, 2), ("gluon_split", 80, 3, 4), ("gluon", 128, 2, 0),
+               ("gluon", 128, 2, 4)]
+    code = ("import json; from guardlint.kernels.attention import gluon, gluon_split; "
+            f"print(json.dumps([dict(getattr(__import__('guardlint.kernels.attention.' + m, fromlist=['x']), "
+            f"'hopper_resources')(d, 'bf16', False, w, p), module=m) for m, d, w, p in {configs!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = {(r["module"], r["head_dim"], r["poly"]): r for r in json.loads(done.stdout.strip().splitlines()[-1])}
+    for (module, head_dim, poly), r in res.items():
+        base = res[(module, head_dim, 0)]
+        assert r["spill_bytes"] == 0, (module, head_dim, poly)
+        assert r["ex2_mufu"] + r["ex2_fma"] == base["ex2_mufu"] and base["ex2_fma"] == 0
+        p_exps = res[(module, head_dim, 4)]["ex2_fma"] * 2  # 4 of 8 of P's exponentials
+        assert r["ex2_fma"] * 8 == poly * p_exps
+
+
+@pytest.mark.parametrize("setting,expected", [("", 0), ("0", 0), ("3", 3), ("4", 4)])
+def test_exp2_poly_setting(monkeypatch, setting, expected):
+    monkeypatch.setattr(gluon_path, "EXP2_POLY_SETTING", setting)
+    assert gluon_path.exp2_poly(80, False) == expected
+
+
+def test_an_exp2_poly_setting_out_of_range_is_refused(monkeypatch):
+    monkeypatch.setattr(gluon_path, "EXP2_POLY_SETTING", "5")
+    with pytest.raises(ValueError, match="GUARDLINT_GLUON_EXP2_POLY must be 0 to 4, got '5'"):
+        gluon_path.exp2_poly(80, False)
 
 
 @pytest.mark.parametrize("head_dim,wgs", [(64, 2), (64, 3), (80, 2), (80, 3), (96, 2), (128, 2)])

@@ -125,6 +125,25 @@ def test_gluon_two_and_three_warpgroups_match_float64(head_dim, dtype, wgs, pois
 
 
 @hopper_only
+@pytest.mark.parametrize("head_dim,dtype,causal", [(64, torch.bfloat16, False), (80, torch.bfloat16, False),
+                                                  (128, torch.bfloat16, False), (80, torch.float16, False),
+                                                  (80, torch.bfloat16, True), (128, torch.float16, True)], ids=str)
+def test_gluon_exponentials_on_the_fma_units_match_float64(head_dim, dtype, causal, poisoned_gluon_output,
+                                                          monkeypatch):
+    """GUARDLINT_GLUON_EXP2_POLY=3 (attention.softmax_exp2: 3 of every 8 of P's exponentials as a cubic on the FMA
+    units): the same batches as the product, partial and empty sequences, GQA 8:2, NaN-poisoned output."""
+    from guardlint.kernels.attention import gluon as gluon_path
+
+    monkeypatch.setattr(gluon_path, "EXP2_POLY_SETTING", "3")
+    seen, real = [], gluon_path.direct_launch
+    monkeypatch.setattr(gluon_path, "direct_launch", lambda fn, **options: seen.append(options) or real(fn, **options))
+    q, k, v, cu, offsets = make_batch(LENGTHS + [192, 2048, 193], 8, 2, head_dim, dtype, seed=head_dim + 11)
+    out = varlen_attention(q, k, v, cu, backend="gluon", causal=causal)
+    assert_matches(out, q, k, v, offsets, causal)
+    assert [o["EXP2_POLY"] for o in seen] == [3]
+
+
+@hopper_only
 @pytest.mark.parametrize("head_dim", [80, 96])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gluon_split_head_dims_match_float64(head_dim, dtype, poisoned_gluon_output, monkeypatch):
