@@ -19,8 +19,9 @@ two where the product runs three, ``GUARDLINT_GLUON_WGS=2``; three where it runs
 of P's exponentials computed on the FMA units instead of the MUFU (``GUARDLINT_GLUON_EXP2_POLY``,
 ``attention.softmax_exp2``).
 Probes compute made-up numbers: they are timings, not results (the product kernels are checked against float64
-first). Every row of a case is timed side by side, interleaved over ROUNDS rounds in rotated order; the table
-gives the median round and each row's ratio to the product kernel and to FA3 at D=128 on the same tokens.
+first). Every row is timed side by side over ROUNDS rounds, each in a shuffled order (a row's time can depend on
+the row before it); the table gives the median round and each row's ratio to the product kernel and to FA3 at
+D=128 on the same tokens, and the median ratio to the product over PAIRS back-to-back pairs (x_gluon_paired).
 
     python bench/attention_anatomy.py [--write]        # on an H200
     python bench/attention_anatomy.py --compile-check  # anywhere: builds every probe for sm_90a, no GPU
@@ -33,6 +34,7 @@ from _util import WRITE_HELP, require
 require("torch", "triton", "guardlint")  # a clear message outside the venv
 
 import argparse  # noqa: E402
+import random  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -51,7 +53,8 @@ from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # no
 from guardlint.kernels.attention import gluon as G  # noqa: E402
 from guardlint.kernels.attention import gluon_split as GS  # noqa: E402
 
-ROUNDS = 7
+ROUNDS = 9
+PAIRS = 10
 # Exponentials of every 8 on the FMA units, tried beside the product (attention.softmax_exp2).
 EXP2_POLY_CANDIDATES = (1, 2, 3)
 START = time.time()
@@ -303,11 +306,23 @@ def main() -> int:
     keys = list(calls)
     times = {key: [] for key in keys}
     for r in range(ROUNDS):
-        shift = r % len(keys)
-        for key in keys[shift:] + keys[:shift]:
+        # A fresh order each round: a row's time can depend on the row before it (clocks after a heavy kernel).
+        for key in random.Random(r).sample(keys, len(keys)):
             times[key].append(cuda_time_us(calls[key], warmup=3, iters=20))
         log(f"round {r + 1}/{ROUNDS}")
     us = {key: statistics.median(t) for key, t in times.items()}
+    # Each row against its case's product, back to back in alternating order: the median ratio of PAIRS pairs.
+    paired = {}
+    for key in keys:
+        if key[1] == "gluon":
+            continue
+        product_call, ratios = calls[(key[0], "gluon")], []
+        for i in range(PAIRS):
+            first, second = (product_call, calls[key]) if i % 2 == 0 else (calls[key], product_call)
+            a, b = cuda_time_us(first, warmup=2, iters=8), cuda_time_us(second, warmup=2, iters=8)
+            ratios.append(b / a if i % 2 == 0 else a / b)
+        paired[key] = statistics.median(ratios)
+    log("pairs timed")
     fa3_128 = us.get(("6img-d128", "flashinfer-fa3"))
     rows = []
     for case in cases:
@@ -320,12 +335,15 @@ def main() -> int:
                 continue
             rows.append({"case": case.name, "probe": key[1], "what": notes[key], "us": us[key],
                          "tflops": case.flops / (us[key] * 1e-6) / 1e12, "x_gluon": us[key] / product,
+                         "x_gluon_paired": paired.get(key, 1.0),
                          "x_fa3_d128": us[key] / fa3_128 if fa3_128 else None})
     meta = env_meta()
     meta.update(case="6 images 1024/4096/256/2304/576/8192 tokens, 16 heads, bf16, non-causal",
-                timing=f"median of per-call CUDA events (3 warm-up, 20 calls), median of {ROUNDS} interleaved rounds",
+                timing=f"median of per-call CUDA events (3 warm-up, 20 calls), median of {ROUNDS} rounds, each in a "
+                       f"shuffled order; x_gluon_paired: median ratio to the product over {PAIRS} back-to-back pairs "
+                       f"(8 calls each, alternating which runs first)",
                 tflops="of the case's full attention FLOPs (4 L^2 H D per sequence), probes too")
-    columns = ["case", "probe", "what", "us", "tflops", "x_gluon", "x_fa3_d128"]
+    columns = ["case", "probe", "what", "us", "tflops", "x_gluon", "x_gluon_paired", "x_fa3_d128"]
     table = write_results("attention_anatomy", rows, columns, meta=meta,
                           title="Where the Gluon attention kernels' time goes (6 images, bf16, device us per call)",
                           out_dir=None)
