@@ -5,7 +5,7 @@ instructions are spelled out instead of left to the compiler. This kernel uses t
 the Triton kernel cannot get from its compiler on Hopper (every wgmma there is waited on at once):
 
 - **warp specialization**: one producer warp issues TMA loads of K/V tiles into a ring of shared-memory
-  stages; two consumer warpgroups (three at non-causal D=64 and D=80), each owning 64 query rows of a
+  stages; two consumer warpgroups (three at non-causal D=64), each owning 64 query rows of a
   128-row (192-row) tile, run on their own (each is its own partition, synchronised only through mbarriers) and
   issue their matrix multiplies in turn, so one's softmax overlaps the others' matrix multiplies on the SM;
 - **in-warpgroup pipelining**: a consumer issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, waits
@@ -45,13 +45,13 @@ CAUSAL_ENABLED = os.environ.get("GUARDLINT_GLUON_CAUSAL", "1") not in ("", "0")
 # Registers per thread of each consumer warpgroup (setmaxnreg); the producer warp keeps 24.
 CONSUMER_REGS = 240
 # Three consumer warpgroups (192 query rows per program: while one runs its matrix multiplies, two can run their
-# softmax) for non-causal D=64 and D=80, where softmax is the larger share of a key tile's work. On the 6-image
-# case (H200, bench/results/attention_anatomy.md): D=64 750 against 941 us with two; D=80 1042 against 1137 us
-# (1072 us through the public API in the same run). Two of them get 160 registers (setmaxnreg), the third the
-# rest of the 64 K; at D=80 that only holds with P going through shared memory (with P in registers they spilled
-# and ran 1.44x slower than two). D=96 and D=128 keep two (their K/V tiles leave no room for a third Q tile and
-# P). GUARDLINT_GLUON_WGS=2: two everywhere; =3: three wherever they fit (today the default's head dims).
-THREE_WG_HEAD_DIMS = (64, 80)
+# softmax) for non-causal D=64, where softmax is the larger share of a key tile's work: two take 1.19x the time
+# of three on the 6-image case (H200, bench/results/attention_anatomy.md, back-to-back pairs). Two of them get
+# 160 registers (setmaxnreg), the third the rest of the 64 K. At D=80 three fit only with P going through shared
+# memory, and they tie with two there (0.99x, the same pairs), so D=80 keeps two: 128-row query tiles waste less
+# on short sequences (256 tokens: two tiles of 128 against two of 192). D=96 and D=128 keep two (their K/V tiles
+# leave no room for a third Q tile and P). GUARDLINT_GLUON_WGS=2: two everywhere; =3: three up to D=80.
+THREE_WG_HEAD_DIMS = (64,)
 THREE_WG_MAX_HEAD_DIM = 80
 # Of every EXP2_PACK exponentials of P, EXP2_POLY (a kernel constexpr, 0 to 4) are a cubic on the FMA units
 # instead of the MUFU (``attention.softmax_exp2``). GUARDLINT_GLUON_EXP2_POLY sets it (default 0: all on the MUFU).
@@ -67,8 +67,8 @@ WGS_SETTING = os.environ.get("GUARDLINT_GLUON_WGS", "")
 
 
 def consumer_groups(head_dim: int, causal: bool) -> int:
-    """Consumer warpgroups per program: 3 for non-causal D=64 and D=80, else 2 (causal masking expects key tiles as
-    long as query tiles); GUARDLINT_GLUON_WGS=2 keeps two everywhere."""
+    """Consumer warpgroups per program: 3 for non-causal D=64 (up to D=80 with GUARDLINT_GLUON_WGS=3), else 2
+    (causal masking expects key tiles as long as query tiles); GUARDLINT_GLUON_WGS=2 keeps two everywhere."""
     if causal or WGS_SETTING == "2":
         return 2
     if head_dim in THREE_WG_HEAD_DIMS or (WGS_SETTING == "3" and head_dim <= THREE_WG_MAX_HEAD_DIM):

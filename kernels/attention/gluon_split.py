@@ -6,8 +6,8 @@ is carried as a 64-wide and a 16-wide part (96: 64 + 32), read by two TMA descri
 (boxes of 128 and 32 bytes). ``S = Q K^T`` is a chain of two wgmmas (K = 64, then 16) into one accumulator;
 ``O`` is two accumulators (N = 64 and N = 16) that ``P V`` fills with two wgmmas each step. Everything
 else (the consumer warpgroups taking turns, the producer warp's K/V ring, the in-warpgroup pipelining of S_j
-with P_{j-1} V_{j-1}) is ``attention.gluon``'s. Non-causal D=80 runs three consumer warpgroups whose P V products
-read P from shared memory (``attention.gluon.p_in_shared``).
+with P_{j-1} V_{j-1}) is ``attention.gluon``'s. With three consumer warpgroups (``GUARDLINT_GLUON_WGS=3``, D=80)
+the P V products read P from shared memory (``attention.gluon.p_in_shared``).
 
 Checked for spills and shared memory on the CPU (``hopper_resources``: compiled for sm_90a) and against
 float64 on an H200 (tests/kernels/test_attention_gpu.py). ``GUARDLINT_GLUON_SPLIT=0``

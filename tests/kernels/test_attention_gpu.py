@@ -110,8 +110,8 @@ def test_gluon_matches_float64(head_dim, dtype, poisoned_gluon_output):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("wgs", [3, 2])
 def test_gluon_two_and_three_warpgroups_match_float64(head_dim, dtype, wgs, poisoned_gluon_output, monkeypatch):
-    """Three consumer warpgroups (192-row query tiles, round-robin turns; the default at D=64 and D=80, where P
-    goes through shared memory) and two (GUARDLINT_GLUON_WGS=2): partial, empty and one-row sequences, a query tile
+    """Three consumer warpgroups (192-row query tiles, round-robin turns; the default at D=64, at D=80 with P
+    through shared memory) and two (the default at D=80): partial, empty and one-row sequences, a query tile
     exactly full (192), GQA 8:2."""
     from guardlint.kernels.attention import gluon as gluon_path
 
