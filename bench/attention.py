@@ -21,6 +21,7 @@ require("torch", "triton", "guardlint")  # a clear message outside the venv
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -162,7 +163,7 @@ def local_rows(cases, args, cuda: bool, warm_proc) -> list:
 def side_by_side(cases, args, cuda: bool, entries: list, rows: list) -> list:
     """``auto`` per case, once the table of this run is loaded, timed in this process in alternation with
     every backend that passed here or in its subprocess: ``AUTO_ROUNDS`` rounds, each timing every one of
-    them once in a rotated order (the same timer as every other row), median per backend. The first,
+    them once in a shuffled order (the same timer as every other row), median per backend. The first,
     separate measurements (``alone_us``) built the table; the side-by-side medians replace them in
     ``time_us``, so the ratios in the table and the goals come from one process, one timer and interleaved
     calls (the GPU's clocks drift by several percent over a run). Returns the auto rows; the others are
@@ -210,8 +211,9 @@ def side_by_side(cases, args, cuda: bool, entries: list, rows: list) -> list:
             times = {name: [] for name in calls}
             names = list(calls)
             for i in range(AUTO_ROUNDS):
-                # Each round starts one backend later: none is always first after a pause (clocks ramp).
-                for name in names[i % len(names):] + names[:i % len(names)]:
+                # A fresh order each round: none is always first after a pause (clocks ramp) or always after the
+                # same heavy kernel (bench/attention_anatomy.py saw a row's time follow the row before it).
+                for name in random.Random(i).sample(names, len(names)):
                     times[name].append(time_us(calls[name], cuda=cuda, warmup=args.warmup, iters=args.iters))
             medians = {name: statistics.median(t) for name, t in times.items()}
             for backend, r in others.items():
