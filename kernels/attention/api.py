@@ -434,6 +434,28 @@ def _for_grad(backend: str, grad: Optional[str], function: str) -> str:
 
 def _plan_call(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend,
                eager: bool, grad: Optional[str] = None, capturing: bool = False) -> tuple:
+    """(run, scale, backend name) of a call: its inputs checked, its backend resolved (``capturing``: as a call
+    under CUDA-graph capture), its launch planned where ``eager`` (a call whose plan is kept)."""
+    backend, scale = _checked_call(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend, grad)
+    return _plan_backend(function, q, k, cu_seqlens, max_seqlen, scale, causal, backend, eager, capturing)
+
+
+def _plan_calls(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend,
+                grad: Optional[str]) -> tuple:
+    """(the plan of an eager call, the plan of a call under CUDA-graph capture or None where it is the same
+    backend): both made at once, outside capture, so that later calls ask whether the stream is capturing only
+    where it matters."""
+    backend, scale = _checked_call(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend, grad)
+    run, scale, name = _plan_backend(function, q, k, cu_seqlens, max_seqlen, scale, causal, backend, True, False)
+    if backend not in _CHOOSING:
+        return (run, scale), None
+    captured = _plan_backend(function, q, k, cu_seqlens, max_seqlen, scale, causal, backend, True, True)
+    return (run, scale), (None if captured[2] == name else captured[:2])
+
+
+def _checked_call(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend,
+                  grad: Optional[str]) -> tuple:
+    """(backend, scale) of a call whose arguments pass the checks (``sdpa`` for ``auto`` where grad is needed)."""
     _check_inputs(function, q, k, v, cu_seqlens)
     _check_call(function, max_seqlen, softmax_scale, causal, backend)
     backend = _for_grad(backend, grad, function)
@@ -445,12 +467,17 @@ def _plan_call(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, ca
         # sized by max_seqlen would launch nothing and leave the output unwritten.
         raise GuardError("GL103", argument="max_seqlen", function=function,
                          expected=f"the longest sequence length (q has {q.shape[0]} tokens)", got="max_seqlen=0")
+    return backend, scale
+
+
+def _plan_backend(function: str, q, k, cu_seqlens, max_seqlen, scale: float, causal, backend: str, eager: bool,
+                  capturing: bool) -> tuple:
     name = _resolve(backend, q, k, cu_seqlens, max_seqlen, scale, causal, function,
                     eager=not (capturing or torch.compiler.is_compiling()))
     run = _runner(name, q, cu_seqlens, function)
     if run is _run_triton_backend and eager:
         run = _planned_triton(q, k, cu_seqlens, max_seqlen, scale, causal)
-    return run, scale
+    return run, scale, name
 
 
 # -- public entry points ----------------------------------------------------------------------------
@@ -494,22 +521,28 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and type(cu_seqlens) is Tensor
             and type(max_seqlen) is int and type(causal) is bool and type(backend) is str
             and type(softmax_scale) in _SCALE_TYPES and not torch.compiler.is_compiling()):
-        # auto picks apart eager calls and calls captured into a CUDA graph (no host time per replay).
-        capturing = backend in _CHOOSING and _capturing(q)
         signature = (backend, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, cu_seqlens.dtype, q.device,
                      k.device, v.device, cu_seqlens.device, cu_seqlens.shape, max_seqlen, softmax_scale, causal,
-                     grad, capturing)
-        planned = _calls.get(signature)
-    else:
-        planned = None
-        capturing = backend in _CHOOSING and _capturing(q)
-    if planned is None:
-        planned = _plan_call(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend,
-                             signature is not None, grad, capturing)
-        if signature is not None:
+                     grad)
+        plans = _calls.get(signature)
+        if plans is not None:
+            eager_plan, capture_plan = plans
+            # auto picks apart eager calls and calls captured into a CUDA graph (no host time per replay); the
+            # capture query (a driver call) is made only where the two picks differ.
+            planned = capture_plan if capture_plan is not None and _capturing(q) else eager_plan
+        elif backend in _CHOOSING and _capturing(q):
+            # First seen under capture: only the captured call is planned (nothing kept; an eager call plans both).
+            planned = _plan_call(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend, True,
+                                 grad, True)[:2]
+        else:
+            plans = _plan_calls(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend, grad)
             if len(_calls) >= _MAX_CALLS:
                 _calls.clear()
-            _calls[signature] = planned
+            _calls[signature] = plans
+            planned = plans[0]
+    else:
+        planned = _plan_call(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend, False,
+                             grad, backend in _CHOOSING and _capturing(q))[:2]
     if metadata is not None:
         total = q.shape[0]
         if getattr(metadata, "total_tokens", total) != total:

@@ -372,14 +372,15 @@ def test_varlen_attention_plans_once_per_call_signature(counted_planning):
     first = varlen_attention(q, k, v, cu, metadata=plan, backend="auto")
     for _layer in range(3):
         assert torch.equal(varlen_attention(q, k, v, cu, metadata=plan, backend="auto"), first)
-    assert counted_planning == {"checks": 1, "resolves": 1}
+    # auto resolves its pick for eager calls and for calls under CUDA-graph capture once, together.
+    assert counted_planning == {"checks": 1, "resolves": 2}
     assert_close_to_reference(first, q, k, v, offsets, False)
     # Anything the checks or the choice depend on makes a new plan: max_seqlen, scale, causal, backend.
     varlen_attention(q, k, v, cu, max_seqlen=20, sequence_lengths=plan.sequence_lengths, backend="auto")
     varlen_attention(q, k, v, cu, metadata=plan, softmax_scale=0.5, backend="auto")
     varlen_attention(q, k, v, cu, metadata=plan, causal=True, backend="auto")
     varlen_attention(q, k, v, cu, metadata=plan, backend="sdpa")
-    assert counted_planning == {"checks": 5, "resolves": 5}
+    assert counted_planning == {"checks": 5, "resolves": 9}
 
 
 def test_varlen_attention_planned_signature_still_rejects_bad_arguments(counted_planning):
@@ -400,6 +401,48 @@ def test_varlen_attention_planned_signature_still_rejects_bad_arguments(counted_
     with pytest.raises(GuardError) as err:  # same shapes, another dtype: another signature
         varlen_attention(q, k.half(), v, cu, metadata=plan, softmax_scale=1.0, causal=True)
     assert err.value.argument == "k"
+
+
+@pytest.mark.parametrize("captured_pick", ["sdpa", "triton"])
+def test_auto_asks_whether_the_stream_is_capturing_only_where_the_picks_differ(monkeypatch, captured_pick):
+    """auto's pick for an eager call and for one under CUDA-graph capture are planned together; a planned call
+    queries the capture state (a driver call on CUDA) only when they differ, and then runs the right one."""
+    ran, queries, capturing = [], [], [False]
+
+    def resolve(backend, q, k, cu, max_seqlen, scale, causal, function, eager=True):
+        return "sdpa" if eager else captured_pick
+
+    def runner(name, q, cu, function):
+        return lambda q, *args: ran.append(name) or torch.zeros_like(q)
+
+    monkeypatch.setattr(attention, "_resolve", resolve)
+    monkeypatch.setattr(attention, "_runner", runner)
+    monkeypatch.setattr(attention, "_capturing", lambda q: queries.append(1) or capturing[0])
+    dispatch.reset()
+    q, k, v, cu, _ = make_batch([5, 7], head_dim=64)
+    for _ in range(3):
+        varlen_attention(q, k, v, cu, backend="auto")
+    capturing[0] = True
+    varlen_attention(q, k, v, cu, backend="auto")
+    differ = captured_pick != "sdpa"
+    assert ran == ["sdpa"] * 3 + [captured_pick]
+    # the first call asks once (it is not planning under capture); later ones only where the picks differ
+    assert len(queries) == 1 + (3 if differ else 0)
+
+
+def test_auto_first_seen_under_capture_plans_only_the_captured_call(monkeypatch):
+    eagers = []
+
+    def resolve(backend, q, k, cu, max_seqlen, scale, causal, function, eager=True):
+        eagers.append(eager)
+        return "sdpa"
+
+    monkeypatch.setattr(attention, "_resolve", resolve)
+    monkeypatch.setattr(attention, "_capturing", lambda q: True)
+    dispatch.reset()
+    q, k, v, cu, _ = make_batch([5, 7], head_dim=64)
+    varlen_attention(q, k, v, cu, backend="auto")
+    assert eagers == [False] and not attention._calls  # nothing kept: an eager call plans both
 
 
 def test_dispatch_reset_forgets_planned_calls():

@@ -60,6 +60,32 @@ def test_triton_bf16_every_head_dim_split(head_dim, causal, poisoned_output):
     assert_matches(out, q, k, v, offsets, causal)
 
 
+@pytest.mark.parametrize("lengths,head_dim", [([256] * 8, 80), ([4096, 2304, 1024], 128)])
+def test_auto_runs_its_captured_pick_inside_cuda_graph_capture(lengths, head_dim):
+    """auto plans its eager pick and its pick under capture together, at the first eager call; under
+    torch.cuda.graph the planned call asks the stream and runs the captured pick (checked against float64 after
+    a replay on new values); eager calls afterwards run the eager pick again."""
+    from guardlint.kernels.attention.api import select_backend
+
+    q, k, v, cu, offsets = make_batch(lengths, 16, 16, head_dim, torch.bfloat16, seed=head_dim)
+    plan = prepare_varlen_metadata(cu, q)
+    eager = varlen_attention(q, k, v, cu, metadata=plan, backend="auto")
+    assert_matches(eager, q, k, v, offsets, False)
+    eager_pick = select_backend(q, k, cu, plan.max_seqlen, backend="auto")
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):  # nothing captured: only the pick under capture
+        captured_pick = select_backend(q, k, cu, plan.max_seqlen, backend="auto")
+    varlen_attention(q, k, v, cu, metadata=plan, backend=captured_pick)  # its kernels built before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = varlen_attention(q, k, v, cu, metadata=plan, backend="auto")
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches(captured, q, k, v, offsets, False)
+    assert_matches(varlen_attention(q, k, v, cu, metadata=plan, backend="auto"), q, k, v, offsets, False)
+    assert select_backend(q, k, cu, plan.max_seqlen, backend="auto") == eager_pick
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_triton_other_dtypes(dtype, poisoned_output):
     q, k, v, cu, offsets = make_batch(LENGTHS, 4, 4, 80, dtype, seed=1)
