@@ -399,6 +399,7 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=420.0,
                         help="seconds for the whole run; subprocess timeouts shrink to fit (default 420)")
     parser.add_argument("--out", type=Path, help="also copy the result files and dispatch table into this folder")
+    parser.add_argument("--name", help="result file name (default attention): a subset run beside the full table")
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--iters", type=int)
     args = parser.parse_args()
@@ -423,7 +424,7 @@ def main() -> int:
     if not cases:
         print(f"--cases {args.cases!r} matches no case", file=sys.stderr)
         return 2
-    name = "attention_smoke" if args.cpu_smoke else "attention"
+    name = args.name or ("attention_smoke" if args.cpu_smoke else "attention")
     meta = env_meta()
     meta.update(heads=16 if not args.cpu_smoke else 2, dtype="bfloat16", warmup=args.warmup, iters=args.iters,
                 timing="median of per-call CUDA events, calls queued back to back (bench/_util.cuda_time_us), "
