@@ -265,7 +265,7 @@ def main() -> int:
         settings = [(f"{other} consumer warpgroups", "WGS_SETTING", str(other))] if (
             other == 2 or case.head_dim <= G.THREE_WG_MAX_HEAD_DIM) else []
         settings += [(f"exp2 {poly} of {G.EXP2_PACK.value} on FMA", "EXP2_POLY_SETTING", str(poly))
-                     for poly in EXP2_POLY_CANDIDATES if poly != G.exp2_poly(case.head_dim, False)]
+                     for poly in EXP2_POLY_CANDIDATES if poly != G.exp2_poly()]
         for label, name, value in settings:
             alt = with_setting(G, name, value, product)
             err_alt = max_abs_error(alt(), reference(case, q, k, v, offsets))

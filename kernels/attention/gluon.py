@@ -58,10 +58,7 @@ THREE_WG_MAX_HEAD_DIM = 80
 EXP2_PACK = gl.constexpr(8)
 EXP2_POLY_SETTING = os.environ.get("GUARDLINT_GLUON_EXP2_POLY", "")
 EXP2_CONSTRAINTS = gl.constexpr(softmax_exp2.constraints(EXP2_PACK.value))
-EXP2_ASM1 = gl.constexpr(softmax_exp2.asm(EXP2_PACK.value, 1))
-EXP2_ASM2 = gl.constexpr(softmax_exp2.asm(EXP2_PACK.value, 2))
-EXP2_ASM3 = gl.constexpr(softmax_exp2.asm(EXP2_PACK.value, 3))
-EXP2_ASM4 = gl.constexpr(softmax_exp2.asm(EXP2_PACK.value, 4))
+EXP2_ASM = gl.constexpr(tuple(softmax_exp2.asm(EXP2_PACK.value, poly) for poly in range(5)))
 THREE_WG_REGS = 160
 WGS_SETTING = os.environ.get("GUARDLINT_GLUON_WGS", "")
 
@@ -76,14 +73,13 @@ def consumer_groups(head_dim: int, causal: bool) -> int:
     return 2
 
 
-def exp2_poly(head_dim: int, causal: bool) -> int:
+def exp2_poly() -> int:
     """Exponentials of P per EXP2_PACK that go to the FMA units (``attention.softmax_exp2``)."""
-    if EXP2_POLY_SETTING:
-        value = int(EXP2_POLY_SETTING)
-        if not 0 <= value <= 4:
-            raise ValueError(f"GUARDLINT_GLUON_EXP2_POLY must be 0 to 4, got {EXP2_POLY_SETTING!r}")
-        return value
-    return 0
+    if not EXP2_POLY_SETTING:
+        return 0
+    if EXP2_POLY_SETTING not in ("0", "1", "2", "3", "4"):
+        raise ValueError(f"GUARDLINT_GLUON_EXP2_POLY must be 0 to 4, got {EXP2_POLY_SETTING!r}")
+    return int(EXP2_POLY_SETTING)
 
 
 def block_m(wgs: int) -> int:
@@ -181,17 +177,11 @@ def _await_tile(j, k_bars, v_bars, turn_bars, WG: gl.constexpr, STAGES: gl.const
 @gluon.jit
 def _exp2_p(x, POLY: gl.constexpr):
     """exp2 of a tile of P's exponents: on the MUFU, or POLY of every EXP2_PACK on the FMA units."""
+    gl.static_assert(POLY >= 0 and POLY <= 4, "0 to 4 exponentials of 8 on the FMA units")
     if POLY == 0:
         return gl.exp2(x)
-    elif POLY == 1:
-        return gl.inline_asm_elementwise(EXP2_ASM1, EXP2_CONSTRAINTS, [x], gl.float32, True, EXP2_PACK)
-    elif POLY == 2:
-        return gl.inline_asm_elementwise(EXP2_ASM2, EXP2_CONSTRAINTS, [x], gl.float32, True, EXP2_PACK)
-    elif POLY == 3:
-        return gl.inline_asm_elementwise(EXP2_ASM3, EXP2_CONSTRAINTS, [x], gl.float32, True, EXP2_PACK)
     else:
-        gl.static_assert(POLY == 4, "0 to 4 exponentials of 8 on the FMA units")
-        return gl.inline_asm_elementwise(EXP2_ASM4, EXP2_CONSTRAINTS, [x], gl.float32, True, EXP2_PACK)
+        return gl.inline_asm_elementwise(EXP2_ASM[POLY], EXP2_CONSTRAINTS, [x], gl.float32, True, EXP2_PACK)
 
 
 @gluon.jit
@@ -410,7 +400,7 @@ def describe(head_dim: int, causal: bool = False) -> str:
     return (f"{wgs} consumer warpgroups x {ROWS_PER_WG} rows + 1 TMA warp, BLOCK_N={BLOCK_N}, "
             f"stages={stages_for(head_dim, wgs)}, {'ping-pong' if wgs == 2 else 'round-robin'}"
             + (", P through shared memory" if p_in_shared(head_dim, wgs) else "")
-            + (f", exp2 {poly} of {EXP2_PACK.value} on the FMA units" if (poly := exp2_poly(head_dim, causal)) else ""))
+            + (f", exp2 {poly} of {EXP2_PACK.value} on the FMA units" if (poly := exp2_poly()) else ""))
 
 
 def new_output(q: torch.Tensor) -> torch.Tensor:
@@ -438,7 +428,7 @@ def varlen_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     launch = direct_launch(_varlen_attention_fwd_ws, GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim,
                            SORTED=by_length, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N, STAGES=stages_for(head_dim, wgs),
                            CONSUMER_REGS=consumer_regs(wgs), CAUSAL=bool(causal), WGS=wgs,
-                           EXP2_POLY=exp2_poly(head_dim, causal), num_warps=4)
+                           EXP2_POLY=exp2_poly(), num_warps=4)
     launch((_descriptor(q, ROWS_PER_WG), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, cu_seqlens, order,
             out.stride(0), total_tokens, softmax_scale * triton_path.LOG2E), grid)
     return out
@@ -465,7 +455,7 @@ def hopper_resources(head_dim: int, dtype: str = "bf16", causal: bool = False, w
     (setmaxnreg then moves them between partitions), spill bytes, shared memory, the per-partition register
     counts and the wgmma wait depths. Call it in a process without TRITON_INTERPRET (the tests spawn one)."""
     wgs = wgs or consumer_groups(head_dim, causal)
-    poly = exp2_poly(head_dim, causal) if poly is None else poly
+    poly = exp2_poly() if poly is None else poly
     descs = dict(q_desc=tensordesc(dtype, ROWS_PER_WG, head_dim), k_desc=tensordesc(dtype, BLOCK_N, head_dim),
                  v_desc=tensordesc(dtype, BLOCK_N, head_dim))
     res = compiled_resources(_varlen_attention_fwd_ws, descs, dtype,

@@ -249,7 +249,7 @@ def varlen_attention_gluon_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     launch = gluon_path.direct_launch(_varlen_attention_fwd_ws_split, GROUP=num_heads // k.shape[1], D0=d0, D1=d1,
                                       SORTED=by_length, ROWS=ROWS_PER_WG, BLOCK_N=BLOCK_N,
                                       STAGES=stages_for(head_dim, wgs), CONSUMER_REGS=consumer_regs(wgs),
-                                      CAUSAL=bool(causal), WGS=wgs, EXP2_POLY=exp2_poly(head_dim, causal),
+                                      CAUSAL=bool(causal), WGS=wgs, EXP2_POLY=exp2_poly(),
                                       num_warps=4)
     launch((qd[0], qd[1], kd[0], kd[1], vd[0], vd[1], out, cu_seqlens, order, out.stride(0), total_tokens,
             softmax_scale * triton_path.LOG2E), grid)
@@ -261,7 +261,7 @@ def hopper_resources(head_dim: int, dtype: str = "bf16", causal: bool = False, w
     """``attention.gluon.hopper_resources`` for this kernel: compiled for sm_90a without a GPU."""
     d0, d1 = PARTS[head_dim]
     wgs = wgs or consumer_groups(head_dim, causal)
-    poly = exp2_poly(head_dim, causal) if poly is None else poly
+    poly = exp2_poly() if poly is None else poly
     descs = {}
     for name, rows in (("q_desc", ROWS_PER_WG), ("k_desc", BLOCK_N), ("v_desc", BLOCK_N)):
         descs[name] = tensordesc(dtype, rows, d0)

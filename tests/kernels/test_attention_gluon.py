@@ -107,7 +107,7 @@ def test_launch_grid_follows_the_warpgroup_count(monkeypatch, head_dim, causal, 
     gluon_path.varlen_attention_gluon(q, q, q, cu, max(lengths), 0.1, causal)
     (options, grid), = launches
     assert options["WGS"] == wgs and options["CONSUMER_REGS"] == gluon_path.consumer_regs(wgs)
-    assert options["EXP2_POLY"] == gluon_path.exp2_poly(head_dim, causal)
+    assert options["EXP2_POLY"] == gluon_path.exp2_poly()
     assert options["STAGES"] == gluon_path.stages_for(head_dim, wgs)
     assert options["BLOCK_N"] == 128
     assert grid == (-(-1000 // (64 * wgs)), 4, 4)
@@ -162,13 +162,14 @@ def test_exponentials_split_between_mufu_and_fma_units_compile_without_spills():
 @pytest.mark.parametrize("setting,expected", [("", 0), ("0", 0), ("3", 3), ("4", 4)])
 def test_exp2_poly_setting(monkeypatch, setting, expected):
     monkeypatch.setattr(gluon_path, "EXP2_POLY_SETTING", setting)
-    assert gluon_path.exp2_poly(80, False) == expected
+    assert gluon_path.exp2_poly() == expected
 
 
-def test_an_exp2_poly_setting_out_of_range_is_refused(monkeypatch):
-    monkeypatch.setattr(gluon_path, "EXP2_POLY_SETTING", "5")
-    with pytest.raises(ValueError, match="GUARDLINT_GLUON_EXP2_POLY must be 0 to 4, got '5'"):
-        gluon_path.exp2_poly(80, False)
+@pytest.mark.parametrize("setting", ["5", "-1", "two", "2.0"])
+def test_an_exp2_poly_setting_out_of_range_is_refused(monkeypatch, setting):
+    monkeypatch.setattr(gluon_path, "EXP2_POLY_SETTING", setting)
+    with pytest.raises(ValueError, match=f"GUARDLINT_GLUON_EXP2_POLY must be 0 to 4, got '{setting}'"):
+        gluon_path.exp2_poly()
 
 
 @pytest.mark.parametrize("head_dim,wgs", [(64, 2), (64, 3), (80, 2), (80, 3), (96, 2), (128, 2)])
