@@ -297,6 +297,7 @@ GL101 = Contract(
     ),
     params=VISION_PARAMS,
     require=(("forward_metadata",), ("sequence_lengths",)),
+    subject=("sequence_lengths",),
     derivations=(ENGINE_PREPARE_CUDNN, PREPARE_CUDNN, SEQUENCE_LENGTHS),
     fix_safety="unsafe",
     diagnosis=Diagnosis(
@@ -331,6 +332,7 @@ GL102 = Contract(
     targets=(Target(VISION_FI, "instance"), Target(QKV_BACKENDS, "instance"), Target(OUR_CUDNN, "function")),
     params=VISION_PARAMS,
     require=(("forward_metadata",), ("max_seqlen",)),
+    subject=("max_seqlen",),
     derivations=(ENGINE_PREPARE_CUDNN, PREPARE_CUDNN, MAX_SEQLEN),
     fix_safety="unsafe",
     diagnosis=Diagnosis(
@@ -401,6 +403,7 @@ GL104 = Contract(
     severity="warning",
     diagnosis=Diagnosis(
         message="host sync in a per-layer forward: read the lengths once per model forward",
+        headline="host sync per layer",
         what_it_means=(
             ".item(), .tolist(), int(t), bool(t), float(t), int(t.max()) or an if/while test of "
             "cu_seqlens-like tensors copies a value from the GPU and "
@@ -653,6 +656,7 @@ GL109 = Contract(
     require=(("forward_metadata",), ("max_seqlen",)),
     diagnosis=Diagnosis(
         message="VisionAttention without forward_metadata derives max_seqlen with a host read in every block",
+        headline="a host read of max_seqlen in every block",
         what_it_means=(
             "Without forward_metadata (or a max_seqlen keyword) the FA3/FA4/Triton backends compute "
             "max_seqlen from cu_seqlens on the GPU in each block (sglang's resolve_precomputed_max_seqlen "
@@ -806,6 +810,7 @@ GL202 = Contract(
     fix_safety="unsafe",
     diagnosis=Diagnosis(
         message="LoRABatchInfo takes keywords: its field order changed between releases",
+        headline="field order differs between releases",
         what_it_means=(
             "LoRABatchInfo's field order is not stable across engine releases (max_len and seg_lens moved, "
             "permutation was added; sglang 0.5.23 has 16 fields, ten as before and then expected_tokens, "
@@ -857,6 +862,7 @@ GL203 = Contract(
     ),
     diagnosis=Diagnosis(
         message="max_len=0 launches an empty grid: the LoRA kernels silently do nothing",
+        headline="an empty launch grid",
         what_it_means=(
             "max_len sizes the grid. 0 passes the 'is not None' check, so no error is raised, but no "
             "program runs: the LoRA delta is never added and outputs stay as they were."
@@ -1013,9 +1019,17 @@ BUILTIN: tuple[Contract, ...] = (
 class EngineError(NamedTuple):
     """For ``guardlint diagnose``: an engine error that names no argument or no rule (a TypeError on None, a
     bare assert, a CUDA fault, the engine's own wording). It means ``code`` when an exception line matches
-    ``exception`` and, if ``file`` is set, the innermost frame whose path matches ``file`` quotes a source
-    line matching ``source``. ``engine`` picks the fix (the solution starting "In <engine>:") when no frame
-    shows it; ``confirm`` marks the rule as one possible cause among several and says how to tell."""
+    ``exception`` and, where set:
+    ``file``: the innermost frame whose path matches it raised the error (a fault told apart by where);
+    ``source``: the line that raised it, quoted by the innermost frame in any file (forks and copies of the
+    engine's code raise it from their own files); ``callee``: the function it is raised inside (its
+    innermost frame, e.g. triton's ``cdiv``), so that ``source`` is the line of the nearest frame that
+    calls it, and a caller that passes something else is another error; without ``source``, the entry
+    applies only when no frame shows the call; ``alone``: ``source`` is the whole error text (an assert
+    without a message): that line pasted alone, with or without the exception line, means ``code``.
+    ``engine``: whose shape it is; it picks the fix (the solutions starting "In <engine>:") when no frame
+    shows the engine. ``confirm`` marks the rule as one possible cause among several and says how to tell.
+    ``summary``: what the engine checks, in its terms, for the answer's first line."""
 
     code: str
     exception: str
@@ -1023,11 +1037,14 @@ class EngineError(NamedTuple):
     source: str = ""
     engine: str = ""
     confirm: str = ""
+    callee: str = ""
+    alone: bool = False
+    summary: str = ""
 
 
-_SGLANG_VISION = r"(?:^|/)sglang/srt/layers/attention/vision\.py$"
-_SGLANG_LORA = r"(?:^|/)sglang/(?:srt/lora|kernels/ops/lora)/"
-_VLLM_VIT = r"(?:^|/)vllm/v1/attention/ops/vit_attn_wrappers\.py$"
+# Any spelling of a max_len passed to cdiv: triton.cdiv(max_len, ...), cdiv(self.batch_info.max_len, ...).
+_CDIV_MAX_LEN = r"\bcdiv\(\s*(?:[A-Za-z_]\w*\s*\.\s*)*max_len\b"
+_NONE_PLUS_INT = r"^TypeError: unsupported operand type\(s\) for [-+]: 'NoneType' and 'int'$"
 _LORA_FRAMES = (r"(?:^|/)(?:sglang/(?:srt/lora|kernels/ops/lora)|vllm/lora|guardlint/kernels/lora|kernels/lora)"
                 r"(?:/|\.py$)")
 _ILLEGAL_ACCESS = r"CUDA error: an illegal memory access was encountered"
@@ -1045,14 +1062,22 @@ ENGINE_ERRORS: tuple[EngineError, ...] = (
     EngineError("GL107", r"flashinfer_cudnn expects packed indptrs as a torch\.Tensor", engine="sglang"),
     # VisionAttention always forwards max_seqlen= and sequence_lengths= (None when not given), so without
     # prepared forward_metadata the cuDNN backend gets past its "should be prepared" checks and fails here.
-    EngineError("GL102", r"^TypeError: int\(\) argument must be .*, not 'NoneType'$", _SGLANG_VISION,
-                r"^max_seqlen = int\(max_seqlen\)$", "sglang"),
-    # triton.cdiv(None, BLOCK_S) computes None + BLOCK_S - 1.
-    EngineError("GL201", r"^TypeError: unsupported operand type\(s\) for [-+]: 'NoneType' and 'int'$",
-                _SGLANG_LORA, r"\bcdiv\(batch_info\.max_len\b", "sglang"),
-    # vLLM's FlashInfer (cuDNN) wrapper asserts without a message.
-    EngineError("GL101", r"^AssertionError$", _VLLM_VIT, r"^assert sequence_lengths is not None$", "vllm"),
-    EngineError("GL102", r"^AssertionError$", _VLLM_VIT, r"^assert max_seqlen is not None$", "vllm"),
+    EngineError("GL102", r"^TypeError: int\(\) argument must be .*, not 'NoneType'$",
+                source=r"^max_seqlen = int\(max_seqlen\)$", engine="sglang"),
+    # sglang's Triton LoRA launchers size their grid with triton.cdiv(max_len, BLOCK_S), which computes
+    # None + BLOCK_S - 1 (vLLM's LoRA metadata has no max_len).
+    EngineError("GL201", _NONE_PLUS_INT, source=_CDIV_MAX_LEN, engine="sglang", callee=r"^cdiv$"),
+    EngineError("GL201", _NONE_PLUS_INT, engine="sglang", callee=r"^cdiv$", confirm=(
+        "cdiv got None as its first argument; in sglang's LoRA kernels that is batch_info.max_len "
+        "(triton.cdiv(batch_info.max_len, BLOCK_S) sizes the grid). The input does not show the line that "
+        "called cdiv: if that line passes max_len, this is GL201; if it passes anything else, it is not.")),
+    # vLLM's FlashInfer (cuDNN) encoder wrapper, called by MMEncoderAttention, asserts without a message.
+    EngineError("GL101", r"^AssertionError$", source=r"^assert sequence_lengths is not None$", engine="vllm",
+                alone=True, summary="MMEncoderAttention on the FlashInfer cuDNN encoder backend asserts "
+                                    "sequence_lengths is not None"),
+    EngineError("GL102", r"^AssertionError$", source=r"^assert max_seqlen is not None$", engine="vllm",
+                alone=True, summary="MMEncoderAttention on the FlashInfer cuDNN encoder backend asserts "
+                                    "max_seqlen is not None"),
     EngineError("GL204", _ILLEGAL_ACCESS, _LORA_FRAMES,
                 confirm=_CONFIRM.format(what="LoRA batch info that does not describe the batch")),
     EngineError("GL103", _ILLEGAL_ACCESS, confirm=_CONFIRM.format(what="varlen metadata that does not "

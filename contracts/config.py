@@ -110,6 +110,7 @@ def contract_from_config(raw: Mapping[str, Any], index: int = 0) -> Contract:
         user_defined=True,
         diagnosis=Diagnosis(
             message=message,
+            headline=message,  # the user's own words head the line: nothing else says what is wrong
             what_it_means=base.what_it_means,
             when_it_happens=base.when_it_happens,
             solutions=base.solutions,

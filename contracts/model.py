@@ -92,6 +92,9 @@ class Diagnosis:
     when_it_happens: str
     solutions: Tuple[str, ...]
     fix_safety: str = ""
+    # A few words that head a finding's line where its facts alone (the call, what it lacks) do not say
+    # what is wrong (GL104: "host sync per layer"); the long text stays on the rule's page.
+    headline: str = ""
     # Regular expressions that recognise this problem in an error message or traceback
     # (``guardlint diagnose``). Errors raised by guardlint itself are recognised by their code.
     patterns: Tuple[str, ...] = ()
@@ -154,6 +157,10 @@ class Contract:
     # kind == "call": the fix writes every one of these (in order) that is missing, not only one group
     # (GL201: the engines' Triton kernels need max_len even when seg_lens is given).
     fix_writes: Tuple[str, ...] = ()
+    # kind == "call": the names a finding's line says are missing (empty: every name of ``require``); the
+    # other groups are alternatives that the rule's page lists (GL101's line names sequence_lengths, its
+    # page forward_metadata too), so that a line stays short enough to read.
+    subject: Tuple[str, ...] = ()
     # Extra notes for the linter (e.g. dataclasses.replace handling); free text shown by explain.
     notes: Tuple[str, ...] = field(default=())
 

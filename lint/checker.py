@@ -12,7 +12,7 @@ import libcst as cst
 
 from guardlint.contracts import Contract
 
-from .findings import Severity
+from .findings import Severity, message
 from .names import ClassInfo, FuncInfo, Resolver, Scope, dotted, is_none
 from .rules import REPLACE_FUNCTIONS, RuleSet
 from .scopes import Collector
@@ -78,27 +78,42 @@ class RawFinding:
     indent: str = ""
     qual: str = ""  # the target the callee resolved to (derivations are chosen by it)
     per_layer: str = ""  # why the call runs once per layer ("" when it does not, as far as is known)
+    note: str = ""  # the longer text behind the message (``Finding.note``)
 
 
-def _alternatives(groups) -> str:
-    items = ["+".join(g) for g in groups]
-    if len(items) == 1:
-        return f"does not pass {items[0]}"
-    if len(items) == 2:
-        return f"passes neither {items[0]} nor {items[1]}"
-    return "passes none of " + ", ".join(items[:-1]) + f" or {items[-1]}"
+def _join(items, last: str) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + f" {last} {items[-1]}"
 
 
-def _none_note(names) -> str:
-    if not names:
+def lacks(c: Contract, groups, nones) -> str:
+    """What a call lacks, in the line's words: ``without sequence_lengths``, ``without max_len or seg_lens``,
+    ``passes forward_metadata=None and no sequence_lengths``. ``groups``: the any-of groups the target
+    takes; ``nones``: their names passed as None (a keyword passed as None is as missing as an absent one,
+    and the line says which were passed so). Only the contract's ``subject`` is named as absent."""
+    subject = set(c.subject)
+    items = ["+".join(g) for g in groups if not subject or any(n in subject for n in g)] \
+        or ["+".join(g) for g in groups]
+    absent = [i for i in items if not all(_top(n) in nones for n in i.split("+"))]
+    if not nones:
+        return f"without {_join(absent or items, 'or')}"
+    passed = f"passes {_join([f'{n}=None' for n in nones], 'and')}"
+    return f"{passed} and no {_join(absent, 'or')}" if absent else passed
+
+
+def _stem(text: str) -> str:
+    """A diagnosis message as a sentence of a note (``... or seg_lens.`` -> ``... or seg_lens``)."""
+    return text.rstrip(" .")
+
+
+def _line(c: Contract, facts: str) -> str:
+    return message(facts, c.diagnosis.headline)
+
+
+def contract_note(c: Contract, target_message: str = "") -> str:
+    """The kernel's own words for the problem, for the note (a user contract's are its headline already)."""
+    if c.user_defined:
         return ""
-    verb = "counts" if len(names) == 1 else "count"
-    return f" ({', '.join(f'{n}=None' for n in names)} {verb} as missing)"
-
-
-def _stem(message: str) -> str:
-    """A diagnosis message as the head of a longer one (``... or seg_lens.`` -> ``... or seg_lens``)."""
-    return message.rstrip(" .")
+    return _stem(target_message or c.diagnosis.message) + "."
 
 
 def _top(name: str) -> str:
@@ -204,7 +219,7 @@ class Checker:
         target = c.target(qual)
         if target is not None and target.when_passed and not set(target.when_passed) <= bound.present():
             return
-        diag = _stem(target.message if target is not None and target.message else c.diagnosis.message)
+        note = contract_note(c, target.message if target is not None else "")
         if c.kind == "call":
             if guarded:  # the guard derives what is missing at runtime
                 return
@@ -214,20 +229,22 @@ class Checker:
             if bound.star or bound.double_star:
                 self._unknown(c, node, label, bound, out)
                 return
-            nones = [n for g in c.require for n in g if _top(n) in bound.explicit_none()]
             # A target with its own parameter list names only the alternatives it takes (vLLM's
             # MMEncoderAttention has no forward_metadata).
             own = set(target.params) if target is not None and target.params else None
             groups = [g for g in c.require if own is None or all(_top(n) in own for n in g)] or list(c.require)
-            out.append(RawFinding(node, c, f"{diag}: {label} {_alternatives(groups)}"
-                                  f"{_none_note(list(dict.fromkeys(nones)))}", c.severity,
-                                  how="call", bound=bound, scope=scope, seq=seq, label=label))
+            nones = list(dict.fromkeys(_top(n) for g in groups for n in g if _top(n) in bound.explicit_none()))
+            if c.subject and len(groups) > 1:  # the line names the subject only: the note, every way out
+                note += f"\nIt takes {_join(['+'.join(g) for g in groups], 'or')} (not None)."
+            out.append(RawFinding(node, c, _line(c, f"{label} {lacks(c, groups, nones)}"), c.severity,
+                                  how="call", bound=bound, scope=scope, seq=seq, label=label, note=note))
         elif c.kind == "positional":
             if bound.positional:
                 n = bound.positional
-                out.append(RawFinding(node, c, f"{diag}: {label} passes {n} positional argument"
-                                      f"{'s' if n != 1 else ''}", c.severity,
-                                      how="positional", bound=bound, scope=scope, seq=seq, label=label))
+                out.append(RawFinding(node, c, _line(c, f"{label} passes {n} positional argument"
+                                                        f"{'s' if n != 1 else ''}"), c.severity,
+                                      how="positional", bound=bound, scope=scope, seq=seq, label=label,
+                                      note=note))
             elif bound.star:
                 self._unknown(c, node, label, bound, out)
         elif c.kind == "value":
@@ -237,7 +254,8 @@ class Checker:
                     if c.satisfied_by_later_assignment and self._overwritten(node, scope, seq, name, literal):
                         continue
                     arg = next(i for i, a in enumerate(node.args) if a.value is value)
-                    out.append(RawFinding(node, c, f"{diag}: {label} passes {name}={literal}", c.severity, arg))
+                    out.append(RawFinding(node, c, _line(c, f"{label} passes {name}={literal}"), c.severity, arg,
+                                          note=note))
 
     def _present(self, c: Contract, bound: BoundArgs, scope, seq) -> set[str]:
         """Names passed and not None; an attribute path (``forward_metadata.packed_indptrs``) counts as
@@ -314,8 +332,8 @@ class Checker:
 
     def _unknown(self, c: Contract, node, label, bound: BoundArgs, out) -> None:
         if self.strict:
-            out.append(RawFinding(node, c, f"{_stem(c.diagnosis.message)}: {label} could not be checked: "
-                                  f"it passes {bound.splat}", "warning"))
+            out.append(RawFinding(node, c, _line(c, f"{label} could not be checked: it passes {bound.splat}"),
+                                  "warning", note=contract_note(c)))
 
     def _check_replace(self, node: cst.Call, scope, seq, out) -> None:
         """``dataclasses.replace(obj, max_len=None, seg_lens=None)`` empties every group of a contract."""
@@ -330,6 +348,5 @@ class Checker:
             if later and c.missing_groups({n for g in c.require for n in g if _top(n) in later}) is None:
                 continue
             named = list(dict.fromkeys(n for g in c.require for n in g if _top(n) in nones))
-            out.append(RawFinding(node, c, f"{_stem(c.diagnosis.message)}: {label} sets "
-                                  + " and ".join(f"{n}=None" for n in named), c.severity,
-                                  how="replace", scope=scope, seq=seq, label=label))
+            out.append(RawFinding(node, c, _line(c, f"{label} sets " + " and ".join(f"{n}=None" for n in named)),
+                                  c.severity, how="replace", scope=scope, seq=seq, label=label, note=contract_note(c)))

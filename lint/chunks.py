@@ -34,9 +34,9 @@ from typing import Callable, Optional, cast
 import libcst as cst
 
 from . import suppress
-from .checker import Checker, RawFinding, callable_names, known_targets
+from .checker import Checker, RawFinding, callable_names, contract_note as pattern_note, known_targets
 from .edits import EditBuilder, Layout
-from .findings import FileResult, Finding, Fix
+from .findings import FileResult, Finding, Fix, without_fix
 from .host_sync import READ_WORDS, module_helpers
 from .names import ClassInfo, Resolver, Scope
 from .positions import call_spans, positions_from_cst, positions_from_spans
@@ -425,7 +425,7 @@ class _Run:
         module_names: set = set()
         sink: list = [None]
         visitors = [self.pattern_visitor(c, lambda node, message, c=c: sink[0].append(
-            RawFinding(node, c, message, c.severity))) for c in rules.patterns]
+            RawFinding(node, c, message, c.severity, note=pattern_note(c)))) for c in rules.patterns]
         if not all(hasattr(v, "begin_chunk") for v in visitors):
             raise _Unchunkable("a pattern rule needs the whole module")
         ready = self._ready(bool(visitors))
@@ -474,9 +474,9 @@ class _Run:
                     continue
                 seen.add(key)
                 fix, why = builder.fix(r, call_range)
-                message = f"{r.message}; no safe fix: {why}" if why else key[3]
+                message, note = without_fix(key[3], r.note, why)
                 found.append(Finding(self.path, line, col, code, share(message), r.contract.name, r.severity,
-                                     end_line, end_col, fix if fix is None else share_fix(fix)))
+                                     end_line, end_col, fix if fix is None else share_fix(fix), share(note)))
             _untie(view)
             return found
 

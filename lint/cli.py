@@ -9,7 +9,7 @@ import click
 
 from guardlint._version import __version__
 
-FORMATS = ("text", "json", "sarif", "github")
+from .findings import FORMATS
 
 
 class DefaultCommandGroup(click.Group):
@@ -51,9 +51,10 @@ def _quiet_stdout() -> None:
         pass
 
 
-def _emit(outcome) -> None:
+def _emit(outcome, color: bool = False) -> None:
     if outcome.stdout:
-        click.echo(outcome.stdout, nl=False)
+        # click drops ANSI styles where stdout is no terminal; where colour was asked for, they stay.
+        click.echo(outcome.stdout, nl=False, color=True if color else None)
     if outcome.stderr:
         click.echo(outcome.stderr, nl=False, err=True)
     click.get_current_context().exit(outcome.exit_code)
@@ -70,10 +71,16 @@ def main() -> None:
 
 @main.command()
 @click.argument("paths", nargs=-1, type=click.Path())
-@click.option("--select", multiple=True, metavar="CODES", help="Only these codes or prefixes (comma list).")
-@click.option("--ignore", multiple=True, metavar="CODES", help="Also ignore these codes or prefixes.")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True,
-              help="Output format.")
+@click.option("--select", multiple=True, metavar="RULES",
+              help="Only these codes, prefixes or rule names (comma list).")
+@click.option("--ignore", multiple=True, metavar="RULES", help="Also ignore these codes, prefixes or rule names.")
+@click.option("--output-format", "--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True,
+              help="Output format: text (one line a finding, ruff's concise), full (with the source line, "
+                   "notes and fix), json, sarif, github.")
+@click.option("-o", "--output-file", type=click.Path(dir_okay=False), metavar="PATH",
+              help="Write the findings to PATH (atomically) instead of stdout; the summary stays on stderr.")
+@click.option("--color", type=click.Choice(("auto", "always", "never")), default="auto", show_default=True,
+              help="Colour the text formats: auto on a terminal (not with NO_COLOR; FORCE_COLOR forces it).")
 @click.option("--statistics", is_flag=True, help="Counts per code instead of the findings.")
 @click.option("--exit-zero", is_flag=True, help="Exit with 0 even when there are findings.")
 @click.option("--strict", is_flag=True, help="Also report calls that cannot be checked (*args/**kwargs).")
@@ -89,8 +96,8 @@ def main() -> None:
 @click.option("-j", "--jobs", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
               help="Check files in N processes; 0: one per CPU when there is enough work to pay for them. "
                    "The output is the same whatever N is.")
-def check(paths, select, ignore, fmt, statistics, exit_zero, strict, config, exclude, stdin_filename,
-          fix, diff, unsafe_fixes, respect_gitignore, jobs) -> None:
+def check(paths, select, ignore, fmt, output_file, color, statistics, exit_zero, strict, config, exclude,
+          stdin_filename, fix, diff, unsafe_fixes, respect_gitignore, jobs) -> None:
     """Check PATHS (files, folders, or - for stdin); the default command."""
     from .commands import run_check
 
@@ -98,19 +105,33 @@ def check(paths, select, ignore, fmt, statistics, exit_zero, strict, config, exc
     if "-" in paths:
         with click.open_file("-", "rb") as f:
             stdin = f.read()
+    import os
     import sys
 
     progress = Progress() if _is_terminal(sys.stderr) else None
+    colored = use_color(color, sys.stdout, os.environ) and not output_file
     try:
         outcome = run_check(paths, select=select, ignore=ignore, exclude=exclude, fmt=fmt,
                             statistics=statistics, exit_zero=exit_zero, strict=strict, config=config,
                             stdin=stdin, stdin_filename=stdin_filename, fix=fix, diff=diff,
                             unsafe_fixes=unsafe_fixes, respect_gitignore=respect_gitignore,
-                            jobs=jobs or None, progress=progress)
+                            jobs=jobs or None, progress=progress, color=colored, output_file=output_file)
     finally:
         if progress is not None:
             progress.clear()
-    _emit(outcome)
+    _emit(outcome, colored)
+
+
+def use_color(choice: str, stream, environ) -> bool:
+    """``--color``: ``always`` and ``never`` as said; ``auto`` colours a terminal, unless NO_COLOR is set
+    (no-color.org), and FORCE_COLOR colours whatever the stream is (a CI log that renders styles)."""
+    if choice != "auto":
+        return choice == "always"
+    if environ.get("FORCE_COLOR", "") not in ("", "0", "false"):
+        return True
+    if environ.get("NO_COLOR", ""):
+        return False
+    return _is_terminal(stream)
 
 
 def _is_terminal(stream) -> bool:
@@ -150,10 +171,10 @@ class Progress:
 
 
 @main.command()
-@click.argument("code")
+@click.argument("code", metavar="RULE")
 @click.option("--config", type=click.Path(dir_okay=False), help="Read user contracts from this file.")
 def explain(code, config) -> None:
-    """Explain a rule: what it checks, why, how to fix it, with examples."""
+    """Explain a RULE (a code or a name): what it checks, why, how to fix it, with examples."""
     from .commands import run_explain
 
     _emit(run_explain(code, config=config))
@@ -170,17 +191,41 @@ def rules(fmt, config) -> None:
 
 
 @main.command()
-@click.argument("file", type=click.File("rb"), default="-", required=False)
+def server() -> None:
+    """Run the language server on stdio (for editors): diagnostics as you type, quick fixes, hover.
+
+    Needs pygls: pip install 'guardlint[server]'."""
+    try:
+        from .server import main as serve
+    except ImportError as e:
+        click.echo(f"guardlint: error: the language server needs pygls ({e}); install it with "
+                   f"pip install 'guardlint[server]'", err=True)
+        click.get_current_context().exit(2)
+    serve()
+
+
+# Unknown options are message words: `guardlint diagnose TypeError: ... for -: 'NoneType' and 'int'`.
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("inputs", nargs=-1, metavar="[FILE | - | MESSAGE...]")
 @click.option("--format", "fmt", type=click.Choice(("text", "json")), default="text", show_default=True)
-def diagnose(file, fmt) -> None:
-    """Match an error message or traceback (FILE, or - or nothing for stdin) to its rule and fix.
+def diagnose(inputs, fmt) -> None:
+    """Match an error message or traceback to its rule and fix: read from FILE, from stdin (- or nothing),
+    or given as the arguments themselves (the message, in words or lines).
 
-    Exit 0 when a rule matches, 1 when none does."""
+    Exit 0 when a rule matches, 1 when none does, 2 when a FILE cannot be read."""
     from .commands import run_diagnose
+    from .tracebacks import InputError, read_arguments
 
-    if file.isatty():
-        click.echo("Paste the error or traceback, then press Ctrl-D.", err=True)
-    _emit(run_diagnose(file.read(), fmt=fmt))
+    try:
+        data = read_arguments(inputs)
+    except InputError as e:
+        raise click.UsageError(str(e)) from None
+    if data is None:
+        with click.open_file("-", "rb") as stdin:
+            if _is_terminal(stdin):
+                click.echo("Paste the error or traceback, then press Ctrl-D.", err=True)
+            data = stdin.read()
+    _emit(run_diagnose(data, fmt=fmt))
 
 
 if __name__ == "__main__":

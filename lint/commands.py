@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 from guardlint.contracts import ConfigError, Contract, all_contracts
 
-from .findings import EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, Outcome
+from .findings import EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, FORMATS, Outcome
 
 if TYPE_CHECKING:
     from .config import Settings
@@ -18,8 +18,9 @@ if TYPE_CHECKING:
 # The runner, output formats, diffs, rule texts and diagnosis are imported by the commands that use
 # them: a pre-commit run of one clean file needs no rule text, ``diagnose`` no runner.
 
-__all__ = ["EXIT_CLEAN", "EXIT_FINDINGS", "EXIT_USAGE", "Outcome", "run_check", "run_diagnose", "run_explain",
-           "run_rules"]
+__all__ = ["EXIT_CLEAN", "EXIT_FINDINGS", "EXIT_USAGE", "FORMATS", "Outcome", "run_check", "run_diagnose",
+           "run_explain", "run_rules"]
+_TEXT_FORMATS = ("text", "concise", "full")
 
 
 def _split(values: Sequence[str]) -> list[str]:
@@ -33,12 +34,18 @@ def run_check(paths: Sequence[str], *, select: Sequence[str] = (), ignore: Seque
               stdin: Optional[bytes] = None, stdin_filename: Optional[str] = None,
               cwd: Optional[Path] = None, jobs: Optional[int] = None, fix: bool = False, diff: bool = False,
               unsafe_fixes: bool = False, respect_gitignore: Optional[bool] = None,
-              progress: Optional[Callable[[int, int], None]] = None) -> Outcome:
+              progress: Optional[Callable[[int, int], None]] = None, color: bool = False,
+              output_file: Optional[str] = None) -> Outcome:
     """``guardlint check``. With ``fix`` the fixes are written and what remains is reported; with
     ``diff`` they are printed as a unified diff and nothing is written.
 
     A named path that does not exist is reported (exit 2 at the end) and every other one is still
-    linted; a named path that is not checked (excluded, not Python) is reported as skipped."""
+    linted; a named path that is not checked (excluded, not Python) is reported as skipped.
+    ``output_file`` takes what would go to stdout (the findings, the diff), written atomically and
+    never in colour; ``color`` styles the text formats."""
+    if fmt not in FORMATS:
+        return Outcome(EXIT_USAGE, stderr=f"guardlint: error: --output-format: {fmt!r} is not one of "
+                                          f"{', '.join(FORMATS)}\n")
     if fix and diff:
         return Outcome(EXIT_USAGE, stderr="guardlint: error: --fix and --diff cannot be used together "
                                           "(--diff shows the fixes without writing them; --fix writes them)\n")
@@ -65,11 +72,13 @@ def run_check(paths: Sequence[str], *, select: Sequence[str] = (), ignore: Seque
         code = EXIT_USAGE
     from . import output
 
+    color = color and not output_file and fmt in _TEXT_FORMATS
     if diff:
         from .fixer import unified_diff
 
         out = "".join(unified_diff(c.path, c.before, c.after) for c in report.changes if c.changed)
-        return Outcome(code, out, notes + _diff_summary(report.fixed, findings, unsafe_fixes) + "\n")
+        return _to_file(Outcome(code, out, notes + _diff_summary(report.fixed, findings, unsafe_fixes) + "\n"),
+                        output_file)
     if fmt == "json":
         import json
 
@@ -81,20 +90,65 @@ def run_check(paths: Sequence[str], *, select: Sequence[str] = (), ignore: Seque
         out = output.github(findings)
     elif statistics:
         out = output.statistics_text(findings, unsafe_fixes)
+    elif fmt == "full":
+        out = output.full(findings, unsafe_fixes, color, _lines_of(report, paths, stdin, stdin_filename))
     else:
-        out = output.text(findings, unsafe_fixes)
-    if fmt != "text" or report.files == 0:  # nothing checked: "All checks passed" would be a lie
+        out = output.text(findings, unsafe_fixes, color)
+    if fmt not in _TEXT_FORMATS or report.files == 0:  # nothing checked: "All checks passed" would be a lie
         err = ""
     else:
         err = output.summary(findings, unsafe_fixes, report.fixed) + "\n"
     err = notes + err
     fixed_stdin = [c for c in report.changes if c.stdin] if fix else []
     if fix and "-" in paths:
-        # As ruff does: the fixed source goes to stdout, the findings to stderr. The bytes as they
-        # are: a latin-1 file stays latin-1 and a BOM stays, whatever stdout's encoding is.
+        # As ruff does: the fixed source goes to stdout, the findings to stderr (or --output-file). The
+        # bytes as they are: a latin-1 file stays latin-1 and a BOM stays, whatever stdout's encoding is.
         source = next((c.after for c in fixed_stdin), stdin or b"")
+        if output_file:
+            return _to_file(Outcome(code, out, err), output_file, keep=source)
         return Outcome(code, source, out + err)
-    return Outcome(code, out, err)
+    return _to_file(Outcome(code, out, err), output_file)
+
+
+def _to_file(outcome: Outcome, output_file: Optional[str], keep: Union[str, bytes] = "") -> Outcome:
+    """``outcome`` with its stdout written to ``output_file`` instead (``keep``: what stdout still gets)."""
+    if not output_file:
+        return outcome
+    from . import output
+
+    text = outcome.stdout.decode("utf-8", "replace") if isinstance(outcome.stdout, bytes) else outcome.stdout
+    try:
+        output.write_atomic(output_file, text)
+    except OSError as e:
+        return Outcome(EXIT_USAGE, keep, outcome.stderr + f"guardlint: error: --output-file: {output_file}: "
+                                                          f"{e.strerror or e}\n")
+    return Outcome(outcome.exit_code, keep, outcome.stderr)
+
+
+def _lines_of(report, paths: Sequence[str], stdin: Optional[bytes], stdin_filename: Optional[str]):
+    """The lines of each file a finding is in, for ``full``: as fixed when fixes were applied, the input
+    for stdin, else as read now."""
+    from . import output
+    from .runner import read_source
+
+    current = {c.path: c.after for c in report.changes}
+    if "-" in paths:
+        current.setdefault(stdin_filename or "-", stdin or b"")
+    cache: dict[str, Optional[list[str]]] = {}
+
+    def lines_of(path: str) -> Optional[list[str]]:
+        if path not in cache:
+            data = current.get(path)
+            if data is None:
+                try:
+                    data = read_source(path)
+                except OSError:
+                    cache[path] = None
+                    return None
+            cache[path] = output.source_lines(data)
+        return cache[path]
+
+    return lines_of
 
 
 def _diff_summary(fixed: int, remaining: Sequence, unsafe_fixes: bool) -> str:
@@ -120,11 +174,15 @@ def run_explain(code: str, *, config: Optional[str] = None, cwd: Optional[Path] 
         settings = _settings_for_catalog(config, cwd)
     except ConfigError as e:
         return Outcome(EXIT_USAGE, stderr=f"guardlint: error: {e}\n")
-    contracts = {c.code: c for c in (*all_contracts(), *settings.contracts)}
-    contract = contracts.get(code.strip().upper())
+    known = (*all_contracts(), *settings.contracts)
+    contracts = {c.code: c for c in known}
+    # A rule's name works as its code does (``guardlint explain missing-max-seqlen``); a name of the
+    # configuration's own contracts picks that contract among those sharing GL001.
+    by_name = {c.name.lower(): c for c in reversed(known)}
+    contract = by_name.get(code.strip().lower()) or contracts.get(code.strip().upper())
     if contract is None:
-        return Outcome(EXIT_USAGE, stderr=f"guardlint: error: unknown rule code {code!r}; known codes: "
-                                          f"{', '.join(sorted(contracts))}\n")
+        return Outcome(EXIT_USAGE, stderr=f"guardlint: error: unknown rule {code!r}; known codes: "
+                                          f"{', '.join(sorted(contracts))} (or a rule's name: guardlint rules)\n")
     return Outcome(EXIT_CLEAN, _explain.explain(contract))
 
 

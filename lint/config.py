@@ -18,7 +18,11 @@ from guardlint.contracts import ConfigError, Contract, all_contracts, contract_f
 # ruff configuration reads the same.
 KEYS = ("select", "ignore", "exclude", "extend-exclude", "per-file-ignores", "respect-gitignore", "contracts")
 DEFAULT_EXCLUDE = (".git", ".venv", "venv", "__pycache__", "build", "dist", "node_modules", ".tox", ".eggs")
+# A rule is selected by its code, a prefix of codes (``GL1``) or its name (``missing-max-seqlen``), as in ruff.
+# Codes and prefixes are kept upper case and names lower case, so a kept selector that starts with "GL" is
+# a prefix.
 SELECTOR = re.compile(r"^GL\d{0,3}$")
+_CODE_LIKE = re.compile(r"^[A-Za-z]+\d*$")
 
 
 class UsageError(ValueError):
@@ -38,11 +42,39 @@ class Settings:
     # line are checked anyway.
     respect_gitignore: bool = True
 
-    def selected(self, code: str) -> bool:
-        return any(code.startswith(s) for s in self.select) and not any(code.startswith(i) for i in self.ignore)
+    def selected(self, code: str, name: str = "") -> bool:
+        return matches_any(self.select, code, name) and not matches_any(self.ignore, code, name)
 
     def known_codes(self) -> set[str]:
         return {c.code for c in (*all_contracts(), *self.contracts)}
+
+
+def matches_any(selectors: Iterable[str], code: str, name: str = "") -> bool:
+    """``code`` (of the rule named ``name``) is one of ``selectors``, as resolved by ``resolve_selectors``."""
+    return any(code.startswith(s) if s[:2] == "GL" else s == name for s in selectors)
+
+
+def resolve_selectors(values: Iterable[str], contracts: Iterable[Contract], key: str,
+                      error: type[ValueError] = ConfigError) -> tuple[str, ...]:
+    """Codes, prefixes and rule names as ``Settings`` keeps them; one that matches no rule of
+    ``contracts`` (the catalog and the configuration's own) is an error naming it, as ruff refuses
+    ``--select XYZ``: a typo must not turn a check off in silence."""
+    contracts = tuple(contracts)
+    codes = sorted({c.code for c in contracts})
+    names = {c.name.lower() for c in contracts}
+    out = []
+    for raw in values:
+        value = raw.strip()
+        upper = value.upper()
+        if SELECTOR.match(upper) and any(code.startswith(upper) for code in codes):
+            out.append(upper)
+        elif value.lower() in names:
+            out.append(value.lower())
+        elif _CODE_LIKE.match(value):
+            raise error(f"{key}: {raw!r} matches no rule (known: {', '.join(codes)})")
+        else:
+            raise error(f"{key}: {raw!r} matches no rule (known names: {', '.join(sorted(names))})")
+    return tuple(out)
 
 
 # -- gitignore-like globs -----------------------------------------------------------------------------
@@ -188,17 +220,12 @@ def _table(path: Path) -> dict:
     return table
 
 
-def _codes(value: Any, key: str) -> tuple[str, ...]:
+def _selectors(value: Any, key: str) -> tuple[str, ...]:
+    """The strings of a select/ignore list; they are resolved once the configuration's contracts are known."""
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(f"{key}: expected a list of rule codes or prefixes (strings), got "
+        raise ConfigError(f"{key}: expected a list of rule codes, prefixes or names (strings), got "
                           f"{type(value).__name__}: {value!r}")
-    out = []
-    for v in value:
-        v = v.strip().upper()
-        if not SELECTOR.match(v):
-            raise ConfigError(f"{key}: {v!r} is not a rule code or prefix (like 'GL101' or 'GL1')")
-        out.append(v)
-    return tuple(out)
+    return tuple(value)
 
 
 def _patterns(value: Any, key: str) -> tuple[str, ...]:
@@ -214,8 +241,8 @@ def settings_from_table(table: dict, root: Path, config_path: Optional[Path] = N
     unknown = sorted(set(table) - set(KEYS))
     if unknown:
         raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(KEYS)})")
-    select = _codes(table["select"], f"{where}.select") if "select" in table else ("GL",)
-    ignore = _codes(table.get("ignore", []), f"{where}.ignore")
+    select = _selectors(table["select"], f"{where}.select") if "select" in table else ("GL",)
+    ignore = _selectors(table.get("ignore", []), f"{where}.ignore")
     exclude = (DEFAULT_EXCLUDE + _patterns(table.get("exclude", []), f"{where}.exclude")
                + _patterns(table.get("extend-exclude", []), f"{where}.extend-exclude"))
     respect_gitignore = table.get("respect-gitignore", True)
@@ -229,7 +256,7 @@ def settings_from_table(table: dict, root: Path, config_path: Optional[Path] = N
     for pattern, codes in pfi_raw.items():
         key = f"{where}.per-file-ignores.{pattern!r}"
         _patterns([pattern], key)
-        per_file.append((pattern, _codes(codes, key)))
+        per_file.append((pattern, _selectors(codes, key), key))
     raw_contracts = table.get("contracts", [])
     if not isinstance(raw_contracts, list):
         raise ConfigError(f"{where}.contracts: expected an array of tables ([[tool.guardlint.contracts]]), "
@@ -238,19 +265,12 @@ def settings_from_table(table: dict, root: Path, config_path: Optional[Path] = N
         contracts = tuple(contract_from_config(raw, i) for i, raw in enumerate(raw_contracts))
     except ConfigError as e:
         raise ConfigError(f"{config_path}: {e}" if config_path else str(e)) from None
-    settings = Settings(root=root, config_path=config_path, select=select, ignore=ignore, exclude=exclude,
-                        per_file_ignores=tuple(per_file), contracts=contracts,
-                        respect_gitignore=respect_gitignore)
-    check_codes(settings, select, f"{where}.select")
-    check_codes(settings, ignore, f"{where}.ignore")
-    return settings
-
-
-def check_codes(settings: Settings, codes: Sequence[str], key: str, error=ConfigError) -> None:
-    known = settings.known_codes()
-    for code in codes:
-        if len(code) == 5 and code not in known:
-            raise error(f"{key}: unknown rule code {code!r} (known: {', '.join(sorted(known))})")
+    known = (*all_contracts(), *contracts)
+    return Settings(root=root, config_path=config_path, select=resolve_selectors(select, known, f"{where}.select"),
+                    ignore=resolve_selectors(ignore, known, f"{where}.ignore"), exclude=exclude,
+                    per_file_ignores=tuple((pattern, resolve_selectors(codes, known, key))
+                                           for pattern, codes, key in per_file),
+                    contracts=contracts, respect_gitignore=respect_gitignore)
 
 
 def load_settings(paths: Sequence[str] = (), config: Optional[str] = None, cwd: Optional[Path] = None) -> Settings:

@@ -1,7 +1,8 @@
 """Matching an error to the catalog: from the exceptions ``tracebacks.py`` reads, the rule they match,
 the user's frame (``frames.py``) and the command that finds the same pattern elsewhere. Rules are
-recognised by the catalog's ``Diagnosis.patterns``, its ``ENGINE_ERRORS`` (told apart by the frame that
-raised them) and a ``GuardError``'s ``[GLxxx]`` code; nothing here knows an error text.
+recognised by the catalog's ``Diagnosis.patterns``, its ``ENGINE_ERRORS`` (told apart by the line or frame
+that raised them) and a ``GuardError``'s ``[GLxxx]`` code; nothing here knows an error text. The answer
+keeps to the engine the error came from: its solutions only.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class _Hit:
     block: Optional[ErrorBlock]
     entry: Optional[EngineError] = None
     raised_at: Optional[Frame] = None
+    exception: Optional[str] = None  # the exception line pasted after a matched line, if any
 
     @property
     def rank(self) -> tuple:
@@ -75,17 +77,45 @@ def _posix(file: str) -> str:
     return file.replace("\\", "/")
 
 
+def _needs_frames(entry: EngineError) -> bool:
+    return bool(entry.file or entry.source or entry.callee)
+
+
+def _quotes(frame: Frame, pattern: str) -> bool:
+    return bool(frame.source and re.search(pattern, frame.source))
+
+
+def _raising_frame(entry: EngineError, frames: Sequence[Frame]) -> Optional[Frame]:
+    """The frame that tells ``entry`` apart (see ``EngineError``), or None when the frames rule it out."""
+    if entry.file:
+        frame = next((f for f in reversed(frames) if re.search(entry.file, _posix(f.file))), None)
+        if frame is None or (entry.source and not _quotes(frame, entry.source)):
+            return None
+        return frame
+    if not frames:
+        return None
+    inner = frames[-1]
+    if entry.source and _quotes(inner, entry.source):
+        return inner
+    if not (entry.callee and inner.function and re.search(entry.callee, inner.function)):
+        return None
+    # The callee's own line (``return (x + y - 1) // y``) says nothing; the line that called it does.
+    call = re.compile(rf"\b{re.escape(inner.function)}\s*\(")
+    caller = next((f for f in reversed(frames[:-1]) if f.source and call.search(f.source)), None)
+    if caller is None:
+        return None if entry.source else inner
+    return caller if entry.source and _quotes(caller, entry.source) else None
+
+
 def _engine_error(entry: EngineError, block: ErrorBlock) -> Optional[tuple]:
     """(match on the exception, the raising frame) when ``block`` is this engine error, else None."""
     m = re.search(entry.exception, block.text, re.M)
     if m is None:
         return None
-    if not entry.file:
+    if not _needs_frames(entry):
         return m, None
-    frame = next((f for f in reversed(block.frames) if re.search(entry.file, _posix(f.file))), None)
-    if frame is None or (entry.source and not (frame.source and re.search(entry.source, frame.source))):
-        return None
-    return m, frame
+    frame = _raising_frame(entry, block.frames)
+    return (m, frame) if frame is not None else None
 
 
 def _line_of(text: str, at: int) -> str:
@@ -135,7 +165,7 @@ def _hits(parsed: Parsed, contracts: Sequence[Contract]) -> list[_Hit]:
             found = _engine_error(entry, block) if contract is not None else None
             if found and contract is not None:
                 m, frame = found
-                span = m.end() - m.start() + (_FRAME_CONFIRMED if entry.file else 0)
+                span = m.end() - m.start() + (_FRAME_CONFIRMED if frame is not None else 0)
                 hits.append(_Hit(PATTERN_IN_EXCEPTION, position, span, contract, _line_of(text, m.start()), block,
                                  entry, frame))
     # An engine error that needs no frame, in a log line or a pasted message without its type.
@@ -143,13 +173,14 @@ def _hits(parsed: Parsed, contracts: Sequence[Contract]) -> list[_Hit]:
     starts = list(accumulate((len(line) + 1 for line in lines[:-1]), initial=0))
     for entry in ENGINE_ERRORS:
         contract = by_code.get(entry.code)
-        if entry.file or contract is None:
+        if _needs_frames(entry) or contract is None:
             continue
         for m in re.finditer(entry.exception, joined, re.M):
             i = bisect_right(starts, m.start()) - 1
             if m.end() > m.start() and i not in parsed.code_of:
                 block = next((b for b in blocks if b.start <= i <= b.end), None)
                 hits.append(_Hit(PATTERN_IN_TEXT, i, m.end() - m.start(), contract, lines[i].strip(), block, entry))
+    hits += _alone_hits(parsed, by_code)
     block_of_frame = {id(f): b for b in blocks for f in b.frames}
     for i in sorted(set(spans_by_line) | {i for i, line in enumerate(lines) if "[GL" in line}):
         line, spans = lines[i], spans_by_line.get(i, {})
@@ -170,15 +201,40 @@ def _hits(parsed: Parsed, contracts: Sequence[Contract]) -> list[_Hit]:
     return hits
 
 
+def _alone_hits(parsed: Parsed, by_code: dict) -> list[_Hit]:
+    """Errors whose source line is their whole text (an assert without a message), pasted without the
+    frame that quotes it: the line alone, or followed by its exception line."""
+    hits: list[_Hit] = []
+    entries = [e for e in ENGINE_ERRORS if e.alone and e.source and e.code in by_code]
+    if not entries:
+        return hits
+    lines = parsed.lines
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if i in parsed.code_of or not stripped:
+            continue
+        for entry in entries:
+            m = re.search(entry.source, stripped)
+            if m is None:
+                continue
+            after = next((s.strip() for s in lines[i + 1:] if s.strip()), "")
+            exception = after if re.search(entry.exception, after) else None
+            block = next((b for b in parsed.blocks if b.start <= i <= b.end), None)
+            hits.append(_Hit(PATTERN_IN_TEXT, i, m.end() - m.start(), by_code[entry.code], stripped, block, entry,
+                             exception=exception))
+    return hits
+
+
 # -- the answer -----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class DiagnoseResult:
     """What ``guardlint diagnose`` answers. ``contract`` is None when no rule matches the error itself;
     ``related`` are codes matched only by code quoted from the user's frames (hints for the command).
-    ``engine``: the serving engine the error came from (its fix is the one shown); ``raised_at``: the engine
+    ``engine``: the serving engine the error came from (only its solutions are shown); ``raised_at``: the
     frame that told an argument-less error apart; ``confirm``: set when the rule is one possible cause among
-    several, saying how to confirm it; ``also``: other errors of the input, each (code, its message, fix)."""
+    several, saying how to confirm it; ``also``: other errors of the input, each (code, its message, fix);
+    ``engine_summary``: the matched engine error's own summary line, if it has one."""
 
     contract: Optional[Contract]
     message: Optional[str]
@@ -194,20 +250,44 @@ class DiagnoseResult:
     raised_at: Optional[Frame] = None
     confirm: Optional[str] = None
     also: tuple = ()
+    engine_summary: Optional[str] = None
 
     @property
     def code(self) -> Optional[str]:
         return self.contract.code if self.contract else None
 
     @property
+    def solutions(self) -> tuple:
+        """The solutions the answer shows: the engine's own where it has some (see ``solutions_for``)."""
+        return solutions_for(self.contract, self.engine) if self.contract else ()
+
+    @property
+    def summary(self) -> Optional[str]:
+        """The contract's summary, or the engine's own terms for it (the matched engine error's, else the
+        engine's target's ``message``): the contract's names arguments that engine may not take."""
+        if self.contract is None:
+            return None
+        if self.engine_summary:
+            return self.engine_summary
+        if self.engine:
+            for target in self.contract.targets:
+                if target.message and target.qualname.split(".")[0] == self.engine:
+                    return target.message
+        return self.contract.summary
+
+    @property
+    def engine_name(self) -> Optional[str]:
+        """The engine as its solutions spell it (vLLM), when only its solutions are shown."""
+        if self.engine is None:
+            return None
+        names = {_solution_engine(s, spelled=True) for s in self.solutions}
+        return next(iter(names)) if len(names) == 1 and None not in names else None
+
+    @property
     def fix(self) -> Optional[str]:
         if self.contract is None:
             return None
-        return self.guard_fix or fix_for(self.contract, self.engine)
-
-    @property
-    def engine_fix(self) -> bool:
-        return not self.guard_fix and self.engine is not None and self.fix != _first_solution(self.contract)
+        return self.guard_fix or next(iter(self.solutions), None)
 
     @property
     def lint_command(self) -> Optional[str]:
@@ -229,21 +309,36 @@ class DiagnoseResult:
     def prevention(self) -> Optional[str]:
         if self.contract is None or self.contract.linted:
             return None
-        return prevention(self.contract, self.program)
+        return prevention(self.contract, self.program, self.solutions)
 
 
-def _first_solution(contract: Optional[Contract]) -> Optional[str]:
-    solutions = contract.diagnosis.solutions if contract else ()
-    return solutions[0] if solutions else None
+_ENGINE_SOLUTION = re.compile(r"In (?P<engine>[\w.-]+):")
+
+
+def _solution_engine(solution: str, spelled: bool = False) -> Optional[str]:
+    """The engine a solution is written for ("In vLLM: ..."), None for a general one."""
+    m = _ENGINE_SOLUTION.match(solution)
+    if m is None or m.group("engine").lower() not in ENGINES:
+        return None
+    return m.group("engine") if spelled else m.group("engine").lower()
+
+
+def solutions_for(contract: Contract, engine: Optional[str] = None) -> tuple:
+    """The solutions that apply where the error came from. A known engine gets only its own (those starting
+    "In <engine>:"), or the general ones where the contract has none for it: another engine's fix is wrong
+    there (vLLM takes no forward_metadata). Without an engine: the general ones, then each engine's. Each
+    text once."""
+    solutions = tuple(dict.fromkeys(contract.diagnosis.solutions))
+    if engine:
+        own = tuple(s for s in solutions if _solution_engine(s) == engine.lower())
+        general = tuple(s for s in solutions if _solution_engine(s) is None)
+        return own or general or solutions
+    return solutions
 
 
 def fix_for(contract: Contract, engine: Optional[str] = None) -> Optional[str]:
-    """The contract's solution for ``engine`` (the one starting "In <engine>:"), else its first."""
-    if engine:
-        for solution in contract.diagnosis.solutions:
-            if re.match(rf"In {re.escape(engine)}\b", solution, re.I):
-                return solution
-    return _first_solution(contract)
+    """The first solution for ``engine`` (see ``solutions_for``)."""
+    return next(iter(solutions_for(contract, engine)), None)
 
 
 def _engine_of(hit: "_Hit", hits: Sequence["_Hit"] = ()) -> Optional[str]:
@@ -294,14 +389,22 @@ def run_command(contract: Contract, program: Optional[str] = None) -> Optional[s
     return f"{setting} {program or 'python <your program>'}" if setting else None
 
 
-def prevention(contract: Contract, program: Optional[str] = None) -> str:
-    solutions = contract.diagnosis.solutions
+def prevention(contract: Contract, program: Optional[str] = None, solutions: Optional[Sequence[str]] = None) -> str:
+    solutions = contract.diagnosis.solutions if solutions is None else solutions
     text = (f"{contract.code} is raised at runtime only: no static check finds it. "
             f"Prevent it: {solutions[0] if solutions else 'see guardlint explain ' + contract.code}")
     command = run_command(contract, program)
     if command:
         text += f" Or, as its solutions say, run with {env_setting(contract)}: {command}"
     return text
+
+
+def _quoted(hit: _Hit) -> str:
+    """The line that shows ``hit``'s error; an exception line without a message (a bare assert) is
+    followed by the source line that raised it, which is what tells it apart."""
+    if hit.raised_at is not None and hit.raised_at.source and hit.line and ":" not in hit.line:
+        return f"{hit.line}: {hit.raised_at.source}"
+    return hit.line
 
 
 def _program(blocks: Sequence[ErrorBlock]) -> Optional[str]:
@@ -353,26 +456,34 @@ def diagnose(text: Union[str, bytes], contracts: Optional[Sequence[Contract]] = 
     # beside a traceback, the other link of a chain.
     also, seen = [], {best.contract.code}
     for h in hits:
-        if h.tier > PATTERN_IN_USER_CODE and h.contract.code not in seen and h.line != best.line:
+        # Two exceptions of the same bare line (`AssertionError`) are two errors; one line that two rules
+        # match is one error (listed under "Also matched").
+        other = h.line != best.line or (h.block is not None and h.block is not best.block)
+        if h.tier > PATTERN_IN_USER_CODE and h.contract.code not in seen and other:
             seen.add(h.contract.code)
-            also.append((h.contract.code, h.line, fix_for(h.contract, _engine_of(h, hits))))
+            also.append((h.contract.code, _quoted(h), fix_for(h.contract, _engine_of(h, hits))))
     exception_line = EXCEPTION_LINE.match(message) if message and looks_like_exception(message) else None
+    pasted_after = EXCEPTION_LINE.match(best.exception) if best.exception else None
     if best.tier in (GUARD_CODE_IN_EXCEPTION, PATTERN_IN_EXCEPTION) and block is not None:
         exception_type = block.exception_type
     elif exception_line:
         exception_type = exception_line.group("type")
+    elif pasted_after:
+        exception_type = pasted_after.group("type")
     else:
         exception_type = None
     return DiagnoseResult(best.contract, message, frame, matches, related, EVIDENCE[best.tier], exception_type,
                           guard_fix, program, files, engine, best.raised_at,
-                          best.entry.confirm if best.entry and best.entry.confirm else None, tuple(also))
+                          best.entry.confirm if best.entry and best.entry.confirm else None, tuple(also),
+                          best.entry.summary if best.entry and best.entry.engine == engine else None)
 
 
 # Moved to the command layer and its output module; importable from here on first use.
 _MOVED = {"as_dict": "diagnose_output", "as_json": "diagnose_output", "as_text": "diagnose_output",
           "run_diagnose": "commands"}
 
-__all__ = ["DiagnoseResult", "diagnose", "fix_for", "lint_codes", "prevention", "run_command", "env_setting",
+__all__ = ["DiagnoseResult", "diagnose", "fix_for", "solutions_for", "lint_codes", "prevention", "run_command",
+           "env_setting",
            # re-exported from the modules this one was split into
            "Frame", "ErrorBlock", "Parsed", "decode", "parse", "is_library_frame", "user_frame", "search_dir",
            "as_dict", "as_json", "as_text", "run_diagnose"]

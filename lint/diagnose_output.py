@@ -1,6 +1,6 @@
 """How ``guardlint diagnose`` shows its answer: text in the sections of the engine errors' pages (what it
-means, when it happens, solutions, example fix) or JSON, the example pair chosen by the modules the
-traceback runs through.
+means, when it happens, solutions, example fix) or JSON with the same content: the solutions of the engine
+the error came from, the example pair chosen by the modules the traceback runs through, no text twice.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from guardlint.contracts import Contract, all_contracts
 from guardlint.contracts.model import Example
 
 from .diagnose import DiagnoseResult, run_command
+from .frames import ENGINES
 
 _IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import|import\s+([\w.]+))", re.M)
 
@@ -21,16 +22,33 @@ def _imports(code: str) -> set:
     return {a or b for a, b in _IMPORT.findall(code)}
 
 
-def _example(contract: Contract, files: Sequence[str] = ()) -> Optional[dict]:
+def _tops(example: Example) -> set:
+    return {m.split(".")[0] for m in _imports(example.code)}
+
+
+def _example(contract: Contract, files: Sequence[str] = (), engine: Optional[str] = None,
+             own: bool = False) -> Optional[dict]:
     """A bad example and its fix. Where the contract has several, the bad one whose imports the traceback
-    runs through (the engine's module or guardlint's kernels), and the fixed or good one closest to it."""
+    runs through (the engine's module or guardlint's kernels), and the fixed or good one closest to it.
+    For a known engine, never another engine's; where the answer gives that engine's own solutions
+    (``own``), only the engine's examples or none: guardlint's or another API's fix is no fix there."""
     bad = contract.examples_of("bad")
     after = contract.examples_of("fixed") + contract.examples_of("good")
+    if engine:
+        others = set(ENGINES) - {engine}
+
+        def keep(example: Example) -> bool:
+            tops = _tops(example)
+            return not tops & others and (not own or engine in tops)
+
+        bad, after = tuple(filter(keep, bad)), tuple(filter(keep, after))
+        if own and not bad:
+            return None
     if not bad and not after:
         return None
 
     def seen(example) -> int:
-        tops = {m.split(".")[0] for m in _imports(example.code)} - {"torch"}
+        tops = _tops(example) - {"torch"}
         return sum(1 for top in tops if any(re.search(rf"\b{re.escape(top)}\b", f) for f in files))
 
     chosen = max(bad, key=seen) if bad else None  # max keeps the first of equals: catalog order
@@ -48,13 +66,14 @@ def as_dict(result: DiagnoseResult) -> dict:
     out = {
         "code": result.code,
         "name": c.name if c else None,
-        "summary": c.summary if c else None,
+        "summary": result.summary,
         "kind": c.kind if c else None,
         "message": result.message,
         "exception": result.exception_type,
         "evidence": result.evidence,
         "frame": result.frame.as_dict() if result.frame else None,
         "fix": result.fix,
+        "solutions": list(result.solutions),
         "command": result.command,
         "prevent": result.prevention,
         "matches": list(result.matches),
@@ -68,10 +87,11 @@ def as_dict(result: DiagnoseResult) -> dict:
     }
     if c is not None:
         d = c.diagnosis
+        # The solutions shown, as in the text: for a known engine, its own only.
         out["diagnosis"] = {"message": d.message, "what_it_means": d.what_it_means,
-                            "when_it_happens": d.when_it_happens, "solutions": list(d.solutions),
+                            "when_it_happens": d.when_it_happens, "solutions": list(result.solutions),
                             "fix_safety": d.fix_safety}
-        out["example"] = _example(c, result.files)
+        out["example"] = _example(c, result.files, result.engine, result.engine_name is not None)
         out["explain"] = f"guardlint explain {c.code}"
     return out
 
@@ -109,7 +129,7 @@ def as_text(result: DiagnoseResult) -> str:
         out += ["", "`guardlint rules` lists the errors guardlint knows; `guardlint explain CODE` shows one."]
         return "\n".join(out) + "\n"
     c, d = result.contract, result.contract.diagnosis
-    out = [f"{c.code} {c.name}: {c.summary}"]
+    out = [f"{c.code} {c.name}: {result.summary}"]
     if result.message:
         out.append(f"  error: {result.message}")
     if result.frame:
@@ -125,13 +145,13 @@ def as_text(result: DiagnoseResult) -> str:
     if result.confirm:
         out += ["", f"Possibly {c.code}: confirm it", *_wrap(result.confirm)]
     out += ["", "What it means", *_wrap(d.what_it_means), "", "When it happens", *_wrap(d.when_it_happens)]
-    if result.guard_fix and result.guard_fix not in d.solutions:
+    solutions = result.solutions
+    if result.guard_fix and result.guard_fix not in solutions:
         out += ["", "Fix (from the error)", *_wrap(result.guard_fix)]
-    elif result.engine_fix:
-        out += ["", f"Fix ({result.engine})", *_wrap(result.fix or "")]
-    if d.solutions:
-        out += ["", "Solutions", *[line for s in d.solutions for line in _wrap(f"- {s}")]]
-    example = _example(c, result.files)
+    if solutions:
+        title = f"Solutions ({result.engine_name})" if result.engine_name else "Solutions"
+        out += ["", title, *[line for s in solutions for line in _wrap(f"- {s}")]]
+    example = _example(c, result.files, result.engine, result.engine_name is not None)
     if example:
         out += ["", "Example fix"]
         if example["bad"]:
@@ -150,10 +170,13 @@ def as_text(result: DiagnoseResult) -> str:
         out += ["", f"The code of your frames matches {', '.join(map(_name, result.related))}."]
     if result.also:
         out += ["", "Also in the input"]
+        shown = {*solutions, result.guard_fix}
         for code, message, fix in result.also:
             out += _wrap(f"- {_name(code)}: {message}")
             if fix:
-                out += _wrap(f"fix: {fix}", "    ")
+                # Two errors of one engine often share its fix: it is printed once.
+                out += _wrap("fix: as above" if fix in shown else f"fix: {fix}", "    ")
+                shown.add(fix)
     quoted = {code for code, _, _ in result.also}
     others = [code for code in result.matches
               if code != c.code and code not in result.related and code not in quoted]

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Callable, Optional
 from guardlint.contracts import Contract, get as _builtin_contract
 
 from . import suppress
-from .findings import FileResult, Finding
+from .findings import FileResult, Finding, without_fix
 from .patterns import PATTERNS
 from .rules import RuleSet
 
 if TYPE_CHECKING:
     import libcst as cst
 
-    from .checker import BoundArgs, Checker, RawFinding, bind_args
+    from .checker import BoundArgs, Checker, RawFinding, bind_args, contract_note as pattern_note
     from .edits import EditBuilder as _Fixer
     from .names import Resolver
     from .positions import positions_from_ast as _positions_from_ast, positions_from_cst as _positions_from_cst
@@ -43,6 +43,7 @@ _LAZY = {
     "bind_args": (".checker", "bind_args"),
     "Checker": (".checker", "Checker"),
     "RawFinding": (".checker", "RawFinding"),
+    "pattern_note": (".checker", "contract_note"),
     "_positions_from_ast": (".positions", "positions_from_ast"),
     "_positions_from_cst": (".positions", "positions_from_cst"),
     "_Fixer": (".edits", "EditBuilder"),
@@ -223,7 +224,8 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
     visitors: list[object] = [collector]
     for contract in rules.patterns:
         visitors.append(_pattern_visitor(
-            contract, lambda node, message, c=contract: raw.append(RawFinding(node, c, message, c.severity))))
+            contract, lambda node, message, c=contract: raw.append(RawFinding(node, c, message, c.severity,
+                                                                               note=pattern_note(c)))))
     Walker(visitors).walk(module)
     raw.extend(Checker(rules, collector, strict).run())
     result = FileResult(path, [], parsed=True, module=module if keep_module else None)
@@ -247,9 +249,9 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
             continue
         seen.add(key)
         fix, why = fixer.fix(r, call_range)
-        message = f"{r.message}; no safe fix: {why}" if why else r.message
+        message, note = without_fix(r.message, r.note, why)
         result.findings.append(Finding(path, line, col, code, message, r.contract.name, r.severity,
-                                       end_line, end_col, fix))
+                                       end_line, end_col, fix, note))
         if keep_module:
             result.nodes.append(r.node)
     return result

@@ -21,6 +21,7 @@ import libcst as cst
 
 from guardlint.contracts import Contract, Derivation
 
+from .findings import per_layer_place
 from .names import dotted, is_none
 from .walk import children
 
@@ -36,9 +37,16 @@ class Plan:
 
 @dataclass(frozen=True)
 class NoFix:
-    """Why a finding whose contract has fixes gets none here (shown with the finding)."""
+    """Why a finding whose contract has fixes gets none here. The first line of ``reason`` is said on
+    the finding's line (``; no fix: <it>``); the lines after it, what to do instead, are the finding's
+    note. One string, so that it travels as the fixer's one reason."""
 
     reason: str
+
+    @classmethod
+    def because(cls, why: str, instead: str = "") -> "NoFix":
+        return cls(f"{why}\n{instead}" if instead else why)
+
 
 
 Outcome = Union[Plan, NoFix, None]  # None: the contract has no automatic fix at all
@@ -130,7 +138,7 @@ def _source_problem(name: str, expr: cst.BaseExpression) -> Optional[str]:
     problem = reevaluation_problem(expr)
     if problem is None:
         return None
-    return f"{name} is `{_short(expr)}`, {problem}: evaluating it twice may differ"
+    return f"{name} is `{_short(expr)}`, {problem}\nThe fix would evaluate it twice, which may differ."
 
 
 def placeholders(template: str) -> tuple[str, ...]:
@@ -313,8 +321,9 @@ def plan_call(contract: Contract, call: cst.Call, bound_values: dict, can_import
     if not derivations:
         # vLLM's MMEncoderAttention.maybe_compute_seq_lens, say, needs the attention backend and the host
         # offsets, which a call site does not have: that belongs in the model's forward, once.
-        return NoFix(f"nothing this call has can build it: compute it once per model forward with the engine's "
-                     f"own helper (guardlint explain {contract.code})")
+        return NoFix.because("nothing at the call can build it",
+                             f"Compute it once per model forward with the engine's own helper "
+                             f"(guardlint explain {contract.code}).")
     contract = _with_derivations(contract, derivations)
     in_scope = in_scope or (lambda name: False)
 
@@ -337,9 +346,10 @@ def plan_call(contract: Contract, call: cst.Call, bound_values: dict, can_import
         return _write_all(contract, call, bound_values, missing_in, source_of, can_import, in_scope, per_layer)
     first = derivations[0]
     if per_layer and first.host_read and not first.cached:
-        return NoFix(f"the call runs in {per_layer}: writing {first.target} here would add a host read per "
-                     f"layer; build it once per model forward, before the block loop "
-                     f"({first.template.split('(')[0]}(...)), and pass it down")
+        return NoFix.because(f"runs per layer in {per_layer_place(per_layer)}",
+                             f"Writing {first.target} here would add a host read per layer: build it once per "
+                             f"model forward, before the block loop ({first.template.split('(')[0]}(...)), and "
+                             f"pass it down.")
     return _derive_into(contract, call, bound_values, missing_in, source_of, can_import)
 
 
@@ -360,7 +370,9 @@ def _write_all(contract: Contract, call: cst.Call, passed: dict, missing_in, sou
         if d is None:
             return NoFix(f"{target} has no derivation to write")
         if per_layer and d.host_read:
-            return NoFix(f"the call runs in {per_layer}: deriving {target} here is a host read per layer")
+            return NoFix.because(f"runs per layer in {per_layer_place(per_layer)}",
+                                 f"Deriving {target} here would be a host read per layer: compute it once per "
+                                 f"model forward and pass it down.")
         sources = {}
         for name in placeholders(d.template):
             if name in written:
@@ -422,8 +434,8 @@ def plan_replace(contract: Contract, call: cst.Call, can_import: ImportCheck) ->
             return NoFix("the record to replace is not passed by position")
         problem = reevaluation_problem(record)
         if problem is not None or dotted(record) is None:
-            return NoFix(f"the record is `{_short(record)}`, {problem or 'not a name'}: "
-                         f"evaluating it twice may differ")
+            return NoFix.because(f"the record is `{_short(record)}`, {problem or 'not a name'}",
+                                 "The fix would evaluate it twice, which may differ.")
         return f"{dotted(record)}.{name}"
 
     return _derive_into(contract, call, keywords, missing_in, source_of, can_import)
@@ -436,11 +448,11 @@ def plan_positional(contract: Contract, call: cst.Call, label: str, qual: str = 
     if contract.fix_safety == "none" or not params:
         return None
     if any(a.star for a in call.args):
-        return NoFix("it passes *args or **kwargs, so the positions are unknown")
+        return NoFix.because("it passes *args or **kwargs", "The positions of its arguments are then unknown.")
     positional = [a for a in call.args if a.keyword is None]
     if len(positional) > len(params):
-        return NoFix(f"{len(positional)} positional arguments, but {label} takes {len(params)} "
-                     f"({', '.join(params)})")
+        return NoFix.because(f"{len(positional)} positional arguments, but {label} takes {len(params)}",
+                             f"Its fields, in order: {', '.join(params)}.")
     names = params[: len(positional)]
     keywords = {a.keyword.value for a in call.args if a.keyword is not None}
     twice = [n for n in names if n in keywords]

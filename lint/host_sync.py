@@ -19,6 +19,7 @@ import libcst as cst
 
 from guardlint.contracts import Contract
 
+from .findings import message, per_layer_place
 from .names import dotted
 from .patterns import CASTS, LAYER_LOOP_NAME, PER_LAYER_CLASS_SUFFIXES, SYNC_METHODS, is_seqlen_name
 from .walk import children
@@ -65,6 +66,10 @@ class PerLayerHostSync:
         self._contexts: list[Optional[str]] = []  # why the code here runs per layer
         self._inside_report = 0  # depth of calls nested in an already reported one
 
+    def _message(self, what: str, context: str) -> str:
+        # The headline says "per layer"; the line names the read and where it is.
+        return message(f"{what} inside {per_layer_place(context)}", self.contract.diagnosis.headline)
+
     def visit_Module(self, node: cst.Module) -> None:
         self.begin_chunk(module_helpers(node.body, {}))
 
@@ -92,7 +97,7 @@ class PerLayerHostSync:
         else:  # in the fallback branch of a prepared-metadata test the callers are reported (GL109)
             what = None if getattr(self, "_fallback", 0) else _metadata_truth(test, keyword)
         if what:
-            self.report(test, f"{self.contract.diagnosis.message}: {what} inside {context}")
+            self.report(test, self._message(what, context))
 
     def leave_If(self, node: cst.If) -> None:
         if _tests_metadata(node.test):
@@ -149,7 +154,7 @@ class PerLayerHostSync:
                 and not self._fallback:
             what = f"{node.func.value}(...), which reads {self._helpers[node.func.value]}"
         if what is not None:
-            self.report(node, f"{self.contract.diagnosis.message}: {what} inside {context}")
+            self.report(node, self._message(what, context))
             self._inside_report = 1
 
     def leave_Call(self, node: cst.Call) -> None:

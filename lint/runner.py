@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from guardlint.contracts import all_contracts
 
-from .config import SELECTOR, PathMatcher, Settings, UsageError, check_codes, relative_to_root
+from .config import PathMatcher, Settings, UsageError, matches_any, relative_to_root, resolve_selectors
 from .discovery import (SOURCE_SUFFIXES, Discovery, GitIgnored, discover, find_files, git_ignored,
                         module_name_for)
-from .findings import FileResult, Finding
+from .findings import FileResult, Finding, share_reasons
 from .rules import RuleSet, build_rules
 
 if TYPE_CHECKING:
@@ -86,21 +86,18 @@ def cpu_count() -> int:
 
 
 def rules_for(settings: Settings) -> RuleSet:
-    builtin = [c for c in all_contracts() if settings.selected(c.code)]
-    extra = [c for c in settings.contracts if settings.selected(c.code)]
+    builtin = [c for c in all_contracts() if settings.selected(c.code, c.name)]
+    extra = [c for c in settings.contracts if settings.selected(c.code, c.name)]
     return build_rules(extra, builtin=builtin)
 
 
 def with_options(settings: Settings, select: Sequence[str] = (), ignore: Sequence[str] = (),
                  exclude: Sequence[str] = ()) -> Settings:
-    """Command-line options over the configuration: --select replaces, --ignore and --exclude add."""
-    select = tuple(s.strip().upper() for s in select if s.strip())
-    ignore = tuple(s.strip().upper() for s in ignore if s.strip())
-    for key, codes in (("--select", select), ("--ignore", ignore)):
-        for code in codes:
-            if not SELECTOR.match(code):
-                raise UsageError(f"{key}: {code!r} is not a rule code or prefix (like 'GL101' or 'GL1')")
-        check_codes(settings, codes, key, error=UsageError)
+    """Command-line options over the configuration: --select replaces, --ignore and --exclude add. A
+    code, prefix or rule name that matches no rule is a usage error."""
+    known = (*all_contracts(), *settings.contracts)
+    select = resolve_selectors([s for s in select if s.strip()], known, "--select", UsageError)
+    ignore = resolve_selectors([s for s in ignore if s.strip()], known, "--ignore", UsageError)
     exclude = tuple(e.strip() for e in exclude if e.strip())
     if exclude:
         from guardlint.contracts import ConfigError
@@ -343,8 +340,8 @@ def _selects_all(settings: Settings) -> bool:
 def _keep(findings: list[Finding], settings: Settings) -> list[Finding]:
     """The findings the selection keeps. GL000 (a file that could not be read, parsed or fixed) is
     kept whatever --select/--ignore say: a file that was not checked must never look clean."""
-    findings = [f for f in findings if f.code == PARSE_ERROR or settings.selected(f.code)]
-    return _per_file_ignores(findings, settings)
+    findings = [f for f in findings if f.code == PARSE_ERROR or settings.selected(f.code, f.name)]
+    return share_reasons(_per_file_ignores(findings, settings))
 
 
 def _fix(report: Report, candidates: list[Candidate], rules: RuleSet, settings: Settings, strict: bool,
@@ -402,7 +399,7 @@ def _per_file_ignores(findings: list[Finding], settings: Settings) -> list[Findi
         if f.path not in ignored_for:
             rel = relative_to_root(Path(f.path), settings.root)
             ignored_for[f.path] = tuple(c for m, codes in rules if m.matches(rel) for c in codes)
-        if not any(f.code.startswith(c) for c in ignored_for[f.path]):
+        if not matches_any(ignored_for[f.path], f.code, f.name):
             out.append(f)
     return out
 

@@ -1,10 +1,11 @@
-"""Reading pasted error output: decoding, stripping colour codes and log prefixes, and a line-by-line
-reader that finds each exception (chained, pytest, IPython or a bare line), its frames outermost first,
-and the lines that quote a frame's code.
+"""Reading pasted error output: what the command line hands over (a file, stdin or the message itself),
+decoding, stripping colour codes and log prefixes, and a line-by-line reader that finds each exception
+(chained, pytest, IPython or a bare line), its frames outermost first, and the lines that quote a frame's code.
 """
 from __future__ import annotations
 
 import codecs
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
@@ -46,6 +47,67 @@ def decode(data: Union[bytes, str]) -> str:
     if len(data) >= 8 and data[1::2].count(0) > 0.9 * (len(data) // 2):
         return data.decode("utf-16-le", errors="replace")
     return data.decode("utf-8-sig", errors="replace")
+
+
+# -- the command line's input ----------------------------------------------------------------------------
+
+class InputError(ValueError):
+    """An argument that names a file that cannot be read: a usage error, not a message to diagnose."""
+
+
+_PATH_SUFFIXES = (".txt", ".log", ".out")
+_LONG_OPTION = re.compile(r"^--[A-Za-z][\w-]*(?:=.*)?$")
+
+
+def looks_like_path(arg: str) -> bool:
+    """One word that ends like a saved log or holds a path separator: meant as a file, not as a message."""
+    return (bool(arg) and not any(c.isspace() for c in arg)
+            and (arg.lower().endswith(_PATH_SUFFIXES) or "/" in arg or "\\" in arg))
+
+
+def _read_file(arg: str) -> bytes:
+    if os.path.isdir(arg):
+        raise InputError(f"{arg!r} is a folder, not a file")
+    try:
+        with open(arg, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise InputError(f"no such file: {arg!r}") from None
+    except OSError as e:
+        raise InputError(f"cannot read {arg!r}: {e.strerror or e}") from None
+
+
+def join_arguments(args: Sequence[str]) -> str:
+    """The message typed as arguments. Unquoted words (``ValueError: max_seqlen should be ...``) make one
+    line; a quoted argument with spaces is a line of its own (``"assert x is not None" AssertionError``),
+    except after a lone ``Type:``; an argument with newlines is kept as it is."""
+    lines: list[str] = []
+    words = False  # the last line ends with a one-word argument: the next word goes on it
+    for arg in args:
+        word = not any(c.isspace() for c in arg)
+        after_type = bool(lines) and " " not in lines[-1] and lines[-1].endswith(":")
+        if lines and ((word and words) or (after_type and "\n" not in arg)):
+            lines[-1] += " " + arg.strip()
+        else:
+            lines.append(arg)
+        words = word
+    return "\n".join(lines) + "\n"
+
+
+def read_arguments(args: Sequence[str]) -> Optional[Union[bytes, str]]:
+    """What ``guardlint diagnose ARGS`` diagnoses: None for stdin (no argument, or ``-``); the contents of an
+    existing file; the files of several arguments that all name files; else the arguments as the message.
+    A single word that looks like a path (``looks_like_path``) but names no file is an ``InputError``."""
+    args = list(args)
+    if not args or args == ["-"]:
+        return None
+    # Unknown options reach here as words (a message may hold `-:`); a long option is a typo, not a message.
+    typo = next((a for a in args if _LONG_OPTION.match(a)), None)
+    if typo is not None:
+        raise InputError(f"no such option: {typo}")
+    if all(os.path.isfile(a) or os.path.isdir(a) or looks_like_path(a) for a in args):
+        return b"\n".join(_read_file(a) for a in args)
+    return join_arguments(args)
 
 
 def normalize_lines(text: str) -> list[str]:
@@ -201,6 +263,10 @@ class _Reader:
         elif self.state == "message":
             if not line.strip():
                 self._close(i - 1)
+            elif self._current.style == "bare" and "File" in line and _PY_FRAME.match(line):
+                # The error line pasted first, then the frame it came from.
+                self.state = "frames"
+                self._frame_line(i, line)
             elif (self._current.style == "bare" and not line[:1].isspace()
                   and looks_like_exception(line.strip())):
                 # Error lines pasted one after another: each is an error of its own.
@@ -236,6 +302,10 @@ class _Reader:
                 elif (block.style == "python" and block.frames[-1].source is None
                       and not _MARKERS.match(stripped)):
                     block.frames[-1].source = stripped
+            return
+        if block.exception is not None:  # frames pasted after their error line: this line is new text
+            self._close(i - 1)
+            self._outside_line(i, line)
             return
         block.exception, block.exception_index = stripped, i
         self.state = "message"
@@ -317,6 +387,11 @@ class _Reader:
             block = self._open("bare", i)
             block.exception, block.exception_index = line.strip(), i
             self.state = "message"
+        elif "File" in line and _PY_FRAME.match(line):
+            # Frames pasted without the `Traceback` line above them: the last frame or two and the error.
+            self._open("python", i)
+            self.state = "frames"
+            self._frame_line(i, line)
 
 
 @dataclass

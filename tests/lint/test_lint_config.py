@@ -24,7 +24,7 @@ def _project(tmp_path: Path, table: str) -> Path:
     ("selct = ['GL1']", ["tool.guardlint", "unknown key 'selct'", "select"]),
     ("select = 'GL1'", ["tool.guardlint.select", "expected a list", "str"]),
     ("select = ['E501']", ["tool.guardlint.select", "'E501'"]),
-    ("ignore = ['GL999']", ["tool.guardlint.ignore", "unknown rule code 'GL999'"]),
+    ("ignore = ['GL999']", ["tool.guardlint.ignore", "'GL999' matches no rule (known: GL000, "]),
     ("exclude = 'build'", ["tool.guardlint.exclude", "expected a list"]),
     ("exclude = ['!keep.py']", ["tool.guardlint.exclude", "negated"]),
     ("per-file-ignores = ['tests']", ["tool.guardlint.per-file-ignores", "expected a table"]),
@@ -84,7 +84,7 @@ def test_user_contract_from_pyproject(tmp_path):
     result = CliRunner().invoke(main, [str(tmp_path / "use.py")])
     assert result.exit_code == 1
     assert result.stdout.splitlines() == [
-        f"{tmp_path / 'use.py'}:2:1: GL001 fwd needs max_len: fwd(...) does not pass max_len"]
+        f"{tmp_path / 'use.py'}:2:1: GL001 fwd needs max_len: fwd(...) without max_len"]
 
 
 @pytest.mark.parametrize("pattern, path, is_dir, expected", [

@@ -188,10 +188,12 @@ def test_binding_by_keyword_and_position(args, expected):
 
 def test_message_names_what_is_missing_and_none_values():
     (f101, f102) = lint(f"{CUDNN}cudnn_vision_attention(q, k, v, cu, 1, 8, forward_metadata=None)\n")
-    assert f101.message == ("sequence_lengths should be prepared for vision flashinfer_cudnn attention backend: "
-                            "cudnn_vision_attention(...) passes neither forward_metadata nor sequence_lengths "
-                            "(forward_metadata=None counts as missing)")
-    assert f102.message.startswith("max_seqlen should be prepared")
+    assert f101.message == "cudnn_vision_attention(...) passes forward_metadata=None and no sequence_lengths"
+    assert f102.message == "cudnn_vision_attention(...) passes forward_metadata=None and no max_seqlen"
+    # The kernel's own words and every way out are in the note.
+    assert f101.note.splitlines() == ["sequence_lengths should be prepared for vision flashinfer_cudnn attention "
+                                      "backend.", "It takes forward_metadata or sequence_lengths (not None)."]
+    assert f102.note.startswith("max_seqlen should be prepared")
     assert (f101.name, f101.severity) == ("missing-sequence-lengths", "error")
 
 
@@ -350,7 +352,7 @@ def test_gl104_reports_the_outermost_read_once():
     src = "class VisionBlock:\n    def forward(self, cu_seqlens):\n        return int(cu_seqlens.max().item())\n"
     (f,) = lint(src)
     assert f.column == 20
-    assert f.message.endswith(".item() on cu_seqlens inside VisionBlock.forward, which runs once per layer")
+    assert f.message == "host sync per layer: .item() on cu_seqlens inside VisionBlock.forward"
 
 
 # -- the guard ---------------------------------------------------------------------------------------------
@@ -538,8 +540,9 @@ def test_vllm_mm_encoder_attention_imported_from_its_package_is_checked():
     (finding,) = lint_source(source, "m.py")
     assert finding.code == "GL101"
     # In vLLM's words, and only the argument vLLM's forward takes (it has no forward_metadata).
-    assert finding.message.startswith("MMEncoderAttention on the FlashInfer cuDNN encoder backend asserts "
-                                      "sequence_lengths is not None: ")
-    assert "does not pass sequence_lengths" in finding.message and "forward_metadata" not in finding.message
+    assert finding.note.startswith("MMEncoderAttention on the FlashInfer cuDNN encoder backend asserts "
+                                   "sequence_lengths is not None.")
+    assert finding.message.startswith("MMEncoderAttention(...) without sequence_lengths; no fix: ")
+    assert "forward_metadata" not in finding.message + finding.note
     fine = source.replace("max_seqlen=max_seqlen)", "max_seqlen=max_seqlen, sequence_lengths=s)")
     assert lint_source(fine, "m.py") == []
