@@ -404,6 +404,24 @@ def _per_file_ignores(findings: list[Finding], settings: Settings) -> list[Findi
     return out
 
 
+def lint_buffer(data: bytes, path: str, settings: Settings, *, rules: Optional[RuleSet] = None,
+                strict: bool = False) -> list[Finding]:
+    """What ``guardlint check PATH`` reports when the file's text is ``data`` (an editor's unsaved buffer,
+    the text flake8 read): the settings' excludes, the pre-filters, the module name, selection and per-file
+    ignores, as for a file on disk."""
+    if PathMatcher(settings.exclude).matches(relative_to_root(Path(path), settings.root)):
+        return []
+    rules = rules or rules_for(settings)
+    full = rules.may_match(data)
+    if not full and not PARSE_EVERY_FILE:  # as lint_paths decides for a file of a folder
+        every_rule = None if _selects_all(settings) else build_rules(list(settings.contracts),
+                                                                     builtin=list(all_contracts()))
+        if every_rule is None or not every_rule.may_match(data):
+            return []
+    name, is_pkg = module_name_for(path) if full else (None, False)
+    return _keep(_check_one(Candidate(path, data, name, is_pkg, full), rules, strict).findings, settings)
+
+
 def lint_source(source, path: str = "<string>", *, settings: Optional[Settings] = None, strict: bool = False,
                 module_name: Optional[str] = None, rules: Optional[RuleSet] = None) -> list[Finding]:
     """Findings of one source text or bytes, selection applied (no pre-filter: it is always parsed)."""
