@@ -11,6 +11,7 @@ import re
 import textwrap
 from typing import Sequence
 
+from guardlint._version import __version__
 from guardlint.contracts import Contract
 from guardlint.contracts.model import Target
 
@@ -19,8 +20,10 @@ _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 # A summary that is a clause ("X is read back ..."), not a thing: "Checks for cases where ...".
 _VERB = re.compile(r" (?:is|are|was|were|would) ")
 _PROJECTS = {"vllm": "vLLM"}
-# The rules page of the release: SARIF's helpUri of a rule is this with the rule's anchor.
-DOCS_URL = "https://github.com/guardlint/guardlint/blob/v0.1.0/docs/rules.md"
+# The project's repository (pyproject.toml's [project.urls]); the rules page of this release there is SARIF's
+# helpUri of a rule, with the rule's anchor.
+REPOSITORY = "https://github.com/guardlint/guardlint"
+DOCS_URL = f"{REPOSITORY}/blob/v{__version__}/docs/rules.md"
 
 
 def _wrap(text: str, width: int = 100) -> str:

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from guardlint.contracts import all_contracts
 from guardlint.lint.cli import main
 from guardlint.lint.commands import run_check
-from guardlint.lint.explain import DOCS_URL, anchor, explain, rules_markdown
+from guardlint._version import __version__
+from guardlint.lint.explain import DOCS_URL, REPOSITORY, anchor, explain, rules_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -110,7 +111,11 @@ def test_rules_page_has_each_rule_under_its_anchor_with_its_explain_text():
 def test_sarif_rules_link_their_section():
     log = json.loads(invoke("--format", "sarif", str(EXAMPLES)).stdout)
     rules = log["runs"][0]["tool"]["driver"]["rules"]
-    assert DOCS_URL == "https://github.com/guardlint/guardlint/blob/v0.1.0/docs/rules.md"
+    # The page of this release, in the repository pyproject.toml names.
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11's tomllib reads pyproject.toml")
+    urls = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]
+    assert REPOSITORY == urls["Repository"]
+    assert DOCS_URL == f"{REPOSITORY}/blob/v{__version__}/docs/rules.md"
     assert {r["id"]: r["helpUri"] for r in rules}["GL101"] == f"{DOCS_URL}#gl101-missing-sequence-lengths"
     by_code = {c.code: c for c in all_contracts()}
     assert all(r["helpUri"] == f"{DOCS_URL}#{anchor(by_code[r['id']])}" for r in rules)
@@ -119,7 +124,7 @@ def test_sarif_rules_link_their_section():
 
 
 def test_the_docs_url_is_one_constant():
-    sources = [p for p in (ROOT / "lint").glob("*.py") if DOCS_URL in p.read_text(encoding="utf-8")]
+    sources = [p for p in (ROOT / "lint").glob("*.py") if REPOSITORY in p.read_text(encoding="utf-8")]
     assert [p.name for p in sources] == ["explain.py"]
 
 
