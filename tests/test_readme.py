@@ -50,6 +50,9 @@ EXPECTED = {
     "guardlint explain GL201": (0, lambda out: out.startswith("# missing-max-len-and-seg-lens (GL201)\n")),
     "guardlint rules": (0, lambda out: all(code in out for code in ("GL000", "GL101", "GL201", "GL203"))),
     "guardlint diagnose examples/traceback.txt": (0, lambda out: out.startswith("GL101 missing-sequence-lengths")),
+    'guardlint diagnose "ValueError: max_seqlen should be prepared for vision flashinfer_cudnn attention backend"': (
+        0, lambda out: out.startswith("GL102 missing-max-seqlen")),
+    "guardlint explain missing-max-seqlen": (0, lambda out: out.startswith("# missing-max-seqlen (GL102)\n")),
     "guardlint --diff --unsafe-fixes examples/": (
         1, lambda out: "+++ examples/engine_backend.py" in out and "+    return BatchInfo(use_cuda_graph=False" in out),
 }
