@@ -1,0 +1,194 @@
+"""The kernels before and after a change, timed side by side in one process on the GPU.
+
+``--base DIR`` holds the earlier versions of the kernel modules (written by ``--extract REV`` from git, here):
+``attention_triton.py``, ``attention_gluon.py``, ``lora_triton.py``. Each is loaded beside the current module in
+the same package, so both run on the same inputs, in the same process, on the same GPU. Every case is timed in
+rounds; each round runs the two versions in a shuffled order, each as a CUDA-event median over back-to-back
+calls, and the reported ratio is the median of the rounds' new/old ratios (the GPU's clock drifts within a
+run, so only ratios of neighbours are compared). Outputs of the two versions are compared too.
+Usage: python bench/kernel_regression.py --extract HEAD~3 --base .base   (here, with git)
+       python3 bench/kernel_regression.py --base .base [--rounds 15] [--write]   (on the GPU)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+FILES = {  # name in --base: (path in the repository, module it is loaded beside)
+    "attention_triton.py": ("kernels/attention/triton.py", "guardlint.kernels.attention"),
+    "attention_gluon.py": ("kernels/attention/gluon.py", "guardlint.kernels.attention"),
+    "lora_triton.py": ("kernels/lora/triton.py", "guardlint.kernels.lora"),
+}
+IMAGES = (1024, 4096, 256, 2304, 576, 8192)
+
+
+def extract(rev: str, base: Path) -> None:
+    base.mkdir(parents=True, exist_ok=True)
+    for name, (path, _) in FILES.items():
+        text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout
+        (base / name).write_text(text)
+    (base / "REV").write_text(subprocess.run(["git", "rev-parse", rev], cwd=ROOT, capture_output=True, text=True,
+                                             check=True).stdout)
+    print(f"wrote {', '.join(FILES)} of {rev} to {base}")
+
+
+def load_base(base: Path, name: str):
+    _, package = FILES[name]
+    module_name = f"{package}._base_{Path(name).stem}"
+    spec = importlib.util.spec_from_file_location(module_name, base / name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def time_pair(torch, calls: dict, rounds: int, iters: int) -> dict:
+    """Per-call µs of each callable (median over rounds) and the median of the rounds' ratios new/old."""
+    for fn in calls.values():
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    per = {k: [] for k in calls}
+    ratios = []
+    for _ in range(rounds):
+        order = list(calls)
+        random.shuffle(order)
+        got = {}
+        for k in order:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                calls[k]()
+            end.record()
+            end.synchronize()
+            got[k] = start.elapsed_time(end) * 1e3 / iters
+            per[k].append(got[k])
+        ratios.append(got["new"] / got["old"])
+    return {"old_us": round(statistics.median(per["old"]), 2), "new_us": round(statistics.median(per["new"]), 2),
+            "ratio": round(statistics.median(ratios), 4), "ratio_min": round(min(ratios), 4),
+            "ratio_max": round(max(ratios), 4)}
+
+
+def attention_cases(torch):
+    dev, bf = "cuda", torch.bfloat16
+    out = []
+    for name, lens, d, causal in (("6img-d80", IMAGES, 80, False), ("6img-d128", IMAGES, 128, False),
+                                  ("6img-d80-causal", IMAGES, 80, True), ("64x256-d80", (256,) * 64, 80, False)):
+        T, H = sum(lens), 16
+        g = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v = (torch.randn(T, H, d, generator=g).to(dev, bf) for _ in range(3))
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        out.append((name, q, k, v, cu, max(lens), d ** -0.5, causal))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--extract", metavar="REV")
+    ap.add_argument("--base", type=Path, default=ROOT / ".base")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    if args.extract:
+        extract(args.extract, args.base)
+        return
+    import torch
+
+    rows = []
+    new_tri = importlib.import_module("guardlint.kernels.attention.triton")
+    old_tri = load_base(args.base, "attention_triton.py")
+    new_glu = old_glu = None
+    try:
+        new_glu = importlib.import_module("guardlint.kernels.attention.gluon")
+        old_glu = load_base(args.base, "attention_gluon.py")
+    except Exception as e:  # no Gluon here (not a Hopper GPU, or an older Triton)
+        print(f"gluon not compared: {type(e).__name__}: {e}")
+    for name, q, k, v, cu, max_seqlen, scale, causal in attention_cases(torch):
+        for label, new_mod, old_mod, fn_name in (("triton", new_tri, old_tri, "varlen_attention_triton"),
+                                                  ("gluon", new_glu, old_glu, "varlen_attention_gluon")):
+            if new_mod is None or (label == "gluon" and not new_mod.supports(q, k, v, causal)):
+                continue
+            new_fn, old_fn = getattr(new_mod, fn_name), getattr(old_mod, fn_name)
+            try:
+                a = new_fn(q, k, v, cu, max_seqlen, scale, causal)
+                b = old_fn(q, k, v, cu, max_seqlen, scale, causal)
+                same = bool(torch.equal(a, b))
+                iters = 20 if q.shape[0] > 10_000 else 200
+                t = time_pair(torch, {"new": lambda: new_fn(q, k, v, cu, max_seqlen, scale, causal),
+                                      "old": lambda: old_fn(q, k, v, cu, max_seqlen, scale, causal)},
+                              args.rounds, iters)
+            except Exception as e:  # a changed signature: said, and the other cases still run
+                print(f"attention {label} {name}: {type(e).__name__}: {e}", flush=True)
+                continue
+            rows.append({"kernel": f"attention {label}", "case": name, "bitwise_equal": same, **t})
+            print(rows[-1], flush=True)
+
+    from guardlint.kernels import lora
+    lapi = importlib.import_module("guardlint.kernels.lora.api")
+    new_k, old_k = lapi._k, load_base(args.base, "lora_triton.py")
+    dev, bf = "cuda", torch.bfloat16
+    S, K, N, R, L = 4096, 4096, 4096, 16, 4
+    lens = [512] * 8
+    g = torch.Generator(device="cpu").manual_seed(0)
+    info = lora.LoRABatchInfo(
+        use_cuda_graph=False, bs=8, num_segments=8,
+        seg_indptr=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev),
+        weight_indices=torch.tensor([i % L for i in range(8)], dtype=torch.int32, device=dev),
+        lora_ranks=torch.full((L,), R, dtype=torch.int32, device=dev),
+        scalings=torch.tensor([0.5, 1.0, 2.0, 0.25], dtype=torch.float32, device=dev),
+        max_len=max(lens), seg_lens=torch.tensor(lens, dtype=torch.int32, device=dev))
+    x = torch.randn(S, K, generator=g).to(dev, bf)
+    A = (torch.randn(L, R, K, generator=g) * K ** -0.5).to(dev, bf)
+    y = torch.randn(S, R, generator=g).to(dev, bf)
+    B = (torch.randn(L, N, R, generator=g) * R ** -0.5).to(dev, bf)
+    base = torch.randn(S, N, generator=g).to(dev, bf)
+
+    def with_kernels(module, fn):
+        def call():
+            lapi._k = module
+            try:
+                return fn()
+            finally:
+                lapi._k = new_k
+        return call
+
+    for name, fn in (("shrink 4096x4096 r16", lambda: lora.sgemm_lora_a(x, A, info)),
+                     ("expand N4096 r16", lambda: lora.sgemm_lora_b(y, B, info, base.clone()))):
+        try:
+            a, b = with_kernels(new_k, fn)(), with_kernels(old_k, fn)()
+            t = time_pair(torch, {"new": with_kernels(new_k, fn), "old": with_kernels(old_k, fn)}, args.rounds, 200)
+        except Exception as e:
+            print(f"lora {name}: {type(e).__name__}: {e}", flush=True)
+            continue
+        rows.append({"kernel": "lora triton", "case": name, "bitwise_equal": bool(torch.equal(a, b)), **t})
+        print(rows[-1], flush=True)
+
+    rev = (args.base / "REV").read_text().strip() if (args.base / "REV").exists() else "?"
+    md = [f"# Kernels before ({rev[:10]}) and after, side by side",
+          "", f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {args.rounds} rounds in shuffled "
+          "order; the ratio is the median of the rounds' new/old ratios (the expand times include a clone of its "
+          "base output in both). Command: `python3 bench/kernel_regression.py --base .base --write`.", "",
+          "| kernel | case | old µs | new µs | new/old (min-max) | same output |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['kernel']} | {r['case']} | {r['old_us']} | {r['new_us']} | {r['ratio']} "
+                  f"({r['ratio_min']}-{r['ratio_max']}) | {'bitwise' if r['bitwise_equal'] else 'no'} |")
+    text = "\n".join(md) + "\n"
+    print(text)
+    if args.write:
+        (HERE / "results" / "kernel_regression.json").write_text(json.dumps({"base": rev, "rows": rows}, indent=2)
+                                                                 + "\n")
+        (HERE / "results" / "kernel_regression.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
