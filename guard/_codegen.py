@@ -59,11 +59,16 @@ def accesses(fn: Callable, params: dict) -> dict:
 
 
 def make_wrapper(fn: Callable, access: dict, names: Sequence[str], hook: Callable,
-                 fast: Optional[str] = None, env: Optional[dict] = None, presence: bool = False) -> Guarded:
+                 fast: Optional[str] = None, env: Optional[dict] = None, presence: bool = False,
+                 reset: Sequence[str] = (), prepared: Optional[tuple] = None) -> Guarded:
     """A wrapper of ``fn`` with its signature: mode off calls through; in derive mode, when ``fast``
     (a Python expression with ``{name}`` placeholders for contract arguments) is true, it calls through;
     otherwise ``hook(mode, *values)`` returns the values of ``names`` to call with. With ``presence``,
-    the hook also gets, second, a tuple saying which of the values are not None."""
+    the hook also gets, second, a tuple saying which of the values are not None. ``reset``: named parameters
+    set to False on entry whatever the caller passed (flags only the hook may set, such as
+    ``max_seqlen_verified``). ``prepared``: (condition, {name: expression}): in derive mode, when the condition
+    holds, those arguments are set to those expressions and the function is called, without the hook (the
+    prepared-metadata path, which must stay under a microsecond)."""
     sig = inspect.signature(fn)
     for p in sig.parameters.values():
         if p.name.startswith(PREFIX):
@@ -112,14 +117,27 @@ def make_wrapper(fn: Callable, access: dict, names: Sequence[str], hook: Callabl
             targets.append(f"{PREFIX}t{i}")
             if a.varkw is not None:
                 writes.append(f"    if {PREFIX}t{i} is not None:\n        {a.varkw}[{a.param!r}] = {PREFIX}t{i}")
-    lines = [
-        f"def {PREFIX}wrapper({', '.join(head)}):",
+    lines = [f"def {PREFIX}wrapper({', '.join(head)}):"]
+    lines += [f"    {name} = False" for name in reset]
+    lines += [
         f"    {PREFIX}mode = {PREFIX}state.current",
         f"    if not {PREFIX}mode:",
         f"        return {call_src}",
     ]
+    reads_of = {n: access[n].read for n in access}
+    if prepared:
+        condition, assigns = prepared
+        lines.append(f"    if {PREFIX}mode == {_state.DERIVE} and ({condition.format(**reads_of)}):")
+        for name, expression in assigns.items():
+            a = access[name]
+            value = expression.format(**reads_of)
+            if a.local:
+                lines.append(f"        {a.param} = {value}")
+            elif a.varkw is not None:
+                lines.append(f"        {a.varkw}[{a.param!r}] = {value}")
+        lines.append(f"        return {call_src}")
     if fast:
-        expr = fast.format(**{n: access[n].read for n in access})
+        expr = fast.format(**reads_of)
         lines += [f"    if {PREFIX}mode == {_state.DERIVE} and ({expr}):",
                   f"        return {call_src}"]
     if presence:

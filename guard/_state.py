@@ -19,9 +19,11 @@ ENV_VAR = "GUARDLINT_MODE"
 
 def _parse(value: object, source: str) -> int:
     key = value.strip().lower() if isinstance(value, str) else value
-    if key not in MODES:
-        raise ValueError(f"{source}: {value!r} is not a guard mode; expected one of "
-                         f"{', '.join(repr(m) for m in MODES)}")
+    if not isinstance(key, str) or key not in MODES:
+        from .errors import GuardError  # a ValueError too, as this was
+        raise GuardError("GL002", argument=source, function=None, got=repr(value),
+                         expected=f"a guard mode: {', '.join(repr(m) for m in MODES)}",
+                         fix=f"use one of {', '.join(MODES)} (GUARDLINT_MODE, set_mode() or mode())")
     return MODES[key]
 
 
@@ -118,8 +120,9 @@ def note_cached(*derivations: str) -> None:
 
 
 def stats() -> dict:
-    """Counts since the last ``reset_stats()``: ``host_reads`` (tensor values read into Python; each is a
-    device sync when the tensor is on a GPU), ``device_reads`` (those from a GPU), ``cache_hits``,
+    """Counts since the last ``reset_stats()``: ``host_reads`` (tensor values read into Python because a
+    derivation or a strict check needed them; each is a device sync when the tensor is on a GPU; a host tensor
+    read only to check a caller's values for free is not counted), ``device_reads`` (those from a GPU), ``cache_hits``,
     ``cache_misses``, ``derivations`` (by derivation name, cached uses included), ``checks`` and
     ``checks_skipped`` (strict validations run / skipped under capture or tracing), and ``events``: the
     most recent fresh derivations (``DerivationEvent``), oldest first."""

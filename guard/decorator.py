@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Optional, ParamSpec, Sequence, TypeV
 
 from guardlint.contracts import Contract, Derivation, get as get_contract
 
-from . import _state
+from . import _cache, _state
 from ._codegen import accesses, make_wrapper
 from .derive import Context, deriver
 from .errors import GuardError, describe
@@ -153,7 +153,8 @@ class _Guard:
             for d in c.derivations:
                 impl = deriver(d)
                 if impl is not None and d.target not in self.derivations:
-                    self.derivations[d.target] = (d, impl, Context(self.function, c.code))
+                    self.derivations[d.target] = (d, impl, Context(self.function, c.code, params={
+                        n: p.param for n, p in self.params.items()}))
         # Groups the function can receive; a contract with none of them cannot be enforced here.
         self.groups = []
         for c in contracts:
@@ -183,6 +184,8 @@ class _Guard:
 
         def hook(mode: int, present: tuple, *args: Any) -> Sequence:
             """``present``: which of ``names`` were passed and not None (computed by the wrapper)."""
+            if not _cache.enabled:
+                _cache.new_call()
             vals: Sequence[Any] = args
             plan = plans.get(present)
             if plan is None:

@@ -15,19 +15,24 @@ from guardlint.contracts import Derivation
 
 from ._cache import MISS, cache
 from .errors import GuardError
-from .metadata import (_upload, check_index_tensor, check_prefix_sums, host_sequence, is_compiling, prepare,
+from .metadata import (INT32_MAX, _upload, check_index_tensor, check_prefix_sums, host_sequence, is_compiling, prepare,
                        read_host, token_offsets)
 
 
 class Context:
     """Where a derivation runs: the guarded function's name and the contract's code."""
 
-    __slots__ = ("function", "code", "prefix")
+    __slots__ = ("function", "code", "prefix", "params")
 
-    def __init__(self, function: str, code: str, prefix: str = "") -> None:
+    def __init__(self, function: str, code: str, prefix: str = "", params: Optional[dict] = None) -> None:
         self.function = function
         self.code = code
         self.prefix = prefix  # how errors name the arguments, e.g. "batch_info." for LoRA fields
+        self.params = params or {}  # contract name -> the function's parameter name (a renamed argument)
+
+    def arg(self, name: str) -> str:
+        """How errors name the contract argument ``name``: as the guarded function calls it."""
+        return self.prefix + self.params.get(name, name)
 
     @property
     def invalid_code(self) -> str:
@@ -46,10 +51,10 @@ class Context:
 
 def _host_offsets(d: Derivation, ctx: Context, src: Any, q: Any) -> tuple:
     """Token offsets of the derivation's first source, on the host (one cached read for a tensor)."""
-    name = ctx.prefix + d.sources[0]
+    name = ctx.arg(d.sources[0])
     if isinstance(src, torch.Tensor):
         check_index_tensor(src, name, ctx.function, code=ctx.invalid_code)
-        host = read_host(src, name, ctx.function)
+        host = read_host(src, name, ctx.function, code=ctx.invalid_code)
     else:
         host = host_sequence(src, name, ctx.function, code=ctx.invalid_code)
     if ctx.code.startswith("GL1") and getattr(q, "shape", None) is not None and len(q.shape) >= 1:
@@ -64,19 +69,31 @@ def _host_offsets(d: Derivation, ctx: Context, src: Any, q: Any) -> tuple:
 def diff(d: Derivation, ctx: Context, src: tuple, q: Any) -> tuple:
     """``src[1:] - src[:-1]`` as int32, on the device; no host read."""
     offsets = src[0]
-    name = ctx.prefix + d.sources[0]
+    name = ctx.arg(d.sources[0])
     compiling = is_compiling()
+    # Varlen offsets are live end to end: where their values cost no device read, lengths that would come out
+    # negative are refused as the ready decorators refuse them (LoRA's seg_indptr has stale entries past
+    # num_segments, which this derivation does not know of; strict mode checks those).
+    varlen = ctx.code.startswith("GL1")
     if isinstance(offsets, torch.Tensor):
         check_index_tensor(offsets, name, ctx.function, code=ctx.invalid_code)
         if not compiling:
             hit = cache.get(offsets, "diff")
             if hit is not MISS:
                 return hit, False
+        if varlen and offsets.is_cpu and not compiling:
+            host = read_host(offsets, name, ctx.function, counted=False, code=ctx.invalid_code)
+            check_prefix_sums(host, name, ctx.function, code=ctx.invalid_code)
         out = (offsets[1:] - offsets[:-1]).to(torch.int32)
         if not compiling:
             cache.put(offsets, "diff", out)
         return out, True
     host = host_sequence(offsets, name, ctx.function, code=ctx.invalid_code)
+    if varlen:
+        check_prefix_sums(host, name, ctx.function, code=ctx.invalid_code)
+    if any(not -INT32_MAX <= x <= INT32_MAX for x in host):
+        raise GuardError(ctx.invalid_code, argument=name, function=ctx.function, expected="offsets that fit int32",
+                         got=f"an entry outside [-{INT32_MAX}, {INT32_MAX}]")
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     key = ("diff", host, device)
     hit = cache.get_host(key)
@@ -98,7 +115,7 @@ def _memo(d: Derivation, ctx: Context, source: Any, tag: tuple, compute: Callabl
         value = compute()
         cache.put(source, tag, value)
         return value, True
-    key = tag + (host_sequence(source, ctx.prefix + d.sources[0], ctx.function, code=ctx.invalid_code),)
+    key = tag + (host_sequence(source, ctx.arg(d.sources[0]), ctx.function, code=ctx.invalid_code),)
     hit = cache.get_host(key)
     if hit is not MISS:
         return hit, False
@@ -116,7 +133,7 @@ def max_of_diff(d: Derivation, ctx: Context, src: tuple, q: Any) -> tuple:
     """The longest sequence as a Python int: one host read per cu_seqlens version."""
     def compute() -> int:
         offsets = _host_offsets(d, ctx, src[0], q)
-        check_prefix_sums(offsets, ctx.prefix + d.sources[0], ctx.function, code=ctx.invalid_code)
+        check_prefix_sums(offsets, ctx.arg(d.sources[0]), ctx.function, code=ctx.invalid_code)
         return _longest(offsets, len(offsets) - 1)
 
     shape = getattr(q, "shape", None)
@@ -125,14 +142,14 @@ def max_of_diff(d: Derivation, ctx: Context, src: tuple, q: Any) -> tuple:
 
 def max_of_live_diff(d: Derivation, ctx: Context, src: tuple, q: Any) -> tuple:
     """The longest live segment (the first ``num_segments``) as a Python int."""
-    name = ctx.prefix + d.sources[0]
+    name = ctx.arg(d.sources[0])
     live = src[1] if len(src) > 1 else None
 
     def compute() -> int:
         host = _host_offsets(d, ctx, src[0], q)
         n = len(host) - 1 if live is None else live
         if type(n) is not int or not 0 <= n <= len(host) - 1:
-            raise GuardError(ctx.invalid_code, argument=ctx.prefix + d.sources[1], function=ctx.function,
+            raise GuardError(ctx.invalid_code, argument=ctx.arg(d.sources[1]), function=ctx.function,
                              expected=f"an int in [0, {len(host) - 1}] (live segments of {name})",
                              got=repr(n) if type(n) is int else type(n).__name__)
         host = host[:n + 1]
@@ -150,7 +167,7 @@ def prepare_varlen_cudnn(d: Derivation, ctx: Context, src: tuple, q: Any) -> tup
         hit = cache.get(cu, ("meta", "cudnn", True, getattr(q, "shape", None), getattr(q, "device", None)))
         if hit is not MISS:
             return hit, False
-    return prepare(cu, q, layout="cudnn", bucket=True, function=ctx.function, argument=ctx.prefix + d.sources[0])
+    return prepare(cu, q, layout="cudnn", bucket=True, function=ctx.function, argument=ctx.arg(d.sources[0]))
 
 
 def compile_template(d: Derivation) -> Callable:

@@ -15,7 +15,7 @@ import torch
 
 from guardlint.contracts import get as get_contract
 
-from . import _state
+from . import _cache, _state
 from ._cache import MISS, cache
 from ._codegen import Guarded
 from .decorator import qualified_name
@@ -38,8 +38,8 @@ def _tokens(t: torch.Tensor) -> tuple:
 
 
 def _plan(query: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, function: str) -> tuple:
-    """(cu_seqlens, sequence_lengths, max_seqlen) for the wrapper, from token offsets ``(B+1,)`` or
-    the engine's own two-section element offsets; one host read per cu_seqlens version."""
+    """(cu_seqlens, sequence_lengths, max_seqlen, the true longest sequence) for the wrapper, from token offsets
+    ``(B+1,)`` or the engine's own two-section element offsets; one host read per cu_seqlens version."""
     T, HD = _tokens(query)
     v_stride = int(value.stride(-3))
     tag = ("vllm-encoder", T, HD, v_stride, query.device)
@@ -55,7 +55,8 @@ def _plan(query: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, function: 
         # Token offsets: the whole vLLM plan (two sections, padded lengths, bucketed max).
         meta, _ = prepare(host, _Shape(T, HD, query.device), layout="vllm", bucket=True, function=function,
                           v=value)
-        out = (meta.packed_indptrs, meta.sequence_lengths.view(-1), _host_scalar(meta.flashinfer_max_seqlen))
+        out = (meta.packed_indptrs, meta.sequence_lengths.view(-1), _host_scalar(meta.flashinfer_max_seqlen),
+               meta.max_seqlen)
     else:
         qko = host[:n // 2]
         if qko[-1] != T * HD or any(x % HD for x in qko):
@@ -68,7 +69,8 @@ def _plan(query: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, function: 
             raise GuardError("GL103", argument="cu_seqlens", function=function,
                              expected="non-decreasing element offsets", got="a decrease in the qko section")
         seq = torch.tensor(lengths, dtype=torch.int32).to(query.device, non_blocking=True)
-        out = (cu, seq, _host_scalar(bucket_max_seqlen(max(lengths, default=0), VLLM_SEQLEN_BUCKETS)))
+        longest = max(lengths, default=0)
+        out = (cu, seq, _host_scalar(bucket_max_seqlen(longest, VLLM_SEQLEN_BUCKETS)), longest)
     _state.note_derived(function, "sequence_lengths", GL101.derivation("sequence_lengths").name,
                         ("cu_seqlens",), fresh=True, host_read=True)
     if not is_compiling():
@@ -114,6 +116,8 @@ def guard_mm_encoder(fn: Optional[Callable] = None):
     def wrapper(self: Any, query: Any, key: Any, value: Any, cu_seqlens: Any = None, max_seqlen: Any = None,
                 sequence_lengths: Any = None, *args: Any, **kwargs: Any) -> Any:
         if _state.current and (sequence_lengths is None or max_seqlen is None):
+            if not _cache.enabled:
+                _cache.new_call()
             if not isinstance(cu_seqlens, torch.Tensor):
                 code, name = (GL101, "sequence_lengths") if sequence_lengths is None else (GL102, "max_seqlen")
                 raise GuardError(code.code, argument=name, function=function,
@@ -121,7 +125,28 @@ def guard_mm_encoder(fn: Optional[Callable] = None):
                                           "compute_max_seqlen once per forward), or cu_seqlens to derive it from",
                                  got=f"None, and cu_seqlens is {describe(cu_seqlens)}",
                                  detail=code.diagnosis.message)
-            cu, seq, mx = _plan(query, value, cu_seqlens, function)
+            for name, t in (("query", query), ("value", value)):
+                if not isinstance(t, torch.Tensor) or t.dim() not in (3, 4):
+                    raise GuardError("GL106", argument=name, function=function,
+                                     expected="a tensor (total_tokens, num_heads, head_dim) or (B, S, H, D)",
+                                     got=describe(t))
+            if cu_seqlens.is_meta:
+                raise GuardError("GL103", argument="cu_seqlens", function=function,
+                                 expected="a tensor with values (not on the meta device)", got=describe(cu_seqlens))
+            cu, seq, mx, longest = _plan(query, value, cu_seqlens, function)
+            if max_seqlen is not None:
+                # The caller's max beside a derived plan: the read that made the plan knows the true one.
+                given = max_seqlen
+                if isinstance(given, torch.Tensor) and given.numel() == 1 and given.is_cpu and not (
+                        given.dtype.is_floating_point or given.dtype.is_complex):
+                    given = int(given.item())  # vLLM passes it as a host tensor: no sync
+                if type(given) is int and given < longest:
+                    raise GuardError("GL103", argument="max_seqlen", function=function,
+                                     expected="at least the longest sequence of cu_seqlens",
+                                     got="a shorter max_seqlen",
+                                     detail="A short max_seqlen makes the kernel skip the tail of longer sequences.",
+                                     fix="Compute max_seqlen from these cu_seqlens (compute_max_seqlen, once per "
+                                         "forward), or leave it out and let the guard derive it.")
             cu_seqlens = cu
             sequence_lengths = seq if sequence_lengths is None else sequence_lengths
             max_seqlen = mx if max_seqlen is None else max_seqlen

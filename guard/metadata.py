@@ -9,12 +9,12 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 
-from . import _state
-from ._cache import MISS, cache
+from . import _cache, _state
+from ._cache import MISS, cache, fingerprint
 from .errors import GuardError, describe
 
 LAYOUTS = ("tokens", "cudnn", "vllm")
@@ -78,6 +78,14 @@ class VarlenMetadata:
     flashinfer_max_seqlen: Optional[int] = None
     padded_batch_size: int = 0
     elements_per_token: Optional[int] = None
+    # Not fields (``dataclasses.replace`` and hand-built objects leave them None): set on objects this module
+    # builds. ``_origin``: the cu_seqlens it was prepared from, as it was (``_cache.Origin``); ``_own``: the one
+    # buffer behind its own tensors, its fingerprint and its version (the prepared path's cheap check: any torch
+    # write to one of them moves the version they share), to see writes to them after the build; and the shape
+    # of the q it was prepared for (a q of that shape needs no other check of its own).
+    _origin: ClassVar[Any] = None
+    _own: ClassVar[Any] = None
+    _fast: ClassVar[Any] = None  # (weakref to the source, its fingerprint, _own's buffer, version, q's shape)
 
     def __repr__(self) -> str:
         # Shapes, never contents: a repr in a log must not sync the device or leak data.
@@ -118,6 +126,9 @@ def _capture_error(argument: str, value: Any, function: Optional[str]) -> GuardE
 def check_index_tensor(value: torch.Tensor, argument: str, function: Optional[str], code: str = "GL103",
                        min_numel: int = 1) -> None:
     """Static checks (no read) for a 1-D integer offsets tensor."""
+    if value.layout is not torch.strided:
+        raise GuardError(code, argument=argument, function=function,
+                         expected="a dense (strided) integer tensor", got=f"{describe(value)}, layout {value.layout}")
     if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
         raise GuardError(code, argument=argument, function=function,
                          expected="an integer tensor (int32 or int64)", got=describe(value))
@@ -129,21 +140,46 @@ def check_index_tensor(value: torch.Tensor, argument: str, function: Optional[st
                          expected=f"at least {min_numel} entry (offsets start with 0)", got=describe(value))
 
 
-def read_host(tensor: torch.Tensor, argument: str, function: Optional[str]) -> tuple:
-    """The tensor's values as a host tuple: one read, cached per tensor version."""
+def read_host(tensor: torch.Tensor, argument: str, function: Optional[str], counted: bool = True,
+              code: str = "GL103") -> tuple:
+    """The tensor's values as a host tuple: one read, cached while the tensor is unchanged (``_cache``).
+    ``counted=False``: a host tensor read only because it is on the host (a check that costs no sync), left
+    out of ``stats()["host_reads"]``, which counts the reads a device tensor would cost. ``code``: the error
+    for a tensor with no values (on the meta device)."""
     compiling = is_compiling()
     if not compiling:
         values = cache.get(tensor, "host")
         if values is not MISS:
             return values
+        if tensor.is_meta:
+            raise GuardError(code, argument=argument, function=function,
+                             expected="a tensor with values (not on the meta device)", got=describe(tensor))
         if capturing(tensor.device):
             raise _capture_error(argument, tensor, function)
         _state.counters.cache_misses += 1
-        _state.note_read(tensor)
+        if counted:
+            _state.note_read(tensor)
     values = tuple(tensor.tolist())
     if not compiling:
         cache.put(tensor, "host", values)
     return values
+
+
+def on_host(value: Any) -> bool:
+    """A tensor whose values cost no device sync to read (CPU), outside compile tracing."""
+    return isinstance(value, torch.Tensor) and value.is_cpu and not is_compiling()
+
+
+def host_copy(value: Any, argument: str, function: Optional[str]) -> Optional[tuple]:
+    """The values of a host tensor (cached; read uncounted), or None for a device tensor (no read made)."""
+    if not on_host(value):
+        return None
+    values = cache.get(value, "host")
+    if values is not MISS:
+        return values
+    if capturing(value.device):  # never for a real host tensor; the tests' simulated capture says so
+        return None
+    return read_host(value, argument, function, counted=False)
 
 
 def host_sequence(value: Any, argument: str, function: Optional[str], code: str = "GL103") -> tuple:
@@ -219,7 +255,9 @@ def token_offsets(values: Sequence[int], *, layout: str, total_tokens: Optional[
     T, HD = total_tokens, elements_per_token
     if layout == "cudnn":
         if T is None or HD is None:  # callers pass q's shape with this layout (prepare() requires q)
-            raise TypeError("token_offsets(layout='cudnn') needs total_tokens and elements_per_token")
+            raise GuardError("GL107", argument="q", function=function,
+                             expected="q (total_tokens, num_heads, head_dim): element offsets need its T and H*D",
+                             got="no q")
         tokens_fit = values[-1] == T and values[0] == 0 and first_decrease(values) is None
         s = packed_sections(values)
         # With tokens present both readings cannot fit (packed sections restart at 0, valid token
@@ -285,7 +323,7 @@ def _upload(values: list, device: torch.device) -> torch.Tensor:
 
 def _build(offsets: tuple, *, layout: str, bucket: bool, device: torch.device,
            elements_per_token: Optional[int], argument: str, function: Optional[str],
-           v_elements_per_token: Optional[int] = None) -> VarlenMetadata:
+           v_elements_per_token: Optional[int] = None, q_shape: Any = None) -> VarlenMetadata:
     B = len(offsets) - 1
     lengths = _lengths(offsets)
     max_seqlen = max(lengths) if lengths else 0
@@ -295,7 +333,9 @@ def _build(offsets: tuple, *, layout: str, bucket: bool, device: torch.device,
     if layout != "tokens":
         HD = elements_per_token
         if HD is None:  # element offsets need q's H*D (prepare() requires q for these layouts)
-            raise TypeError(f"layout {layout!r} needs elements_per_token")
+            raise GuardError("GL107", argument="q", function=function,
+                             expected=f"q (total_tokens, num_heads, head_dim): layout {layout!r} needs its H*D",
+                             got="no q")
         Bp = bucket_batch_size(B) if bucket else B
         padded = list(offsets) + [offsets[-1]] * (Bp - B)
         strides = (HD, HD, HD) if layout == "cudnn" else (HD, v_elements_per_token or HD)
@@ -315,6 +355,7 @@ def _build(offsets: tuple, *, layout: str, bucket: bool, device: torch.device,
         # A copy captured into the graph would replay from a staging buffer that is reused later.
         raise _capture_error(argument, offsets, function)
     buf = _upload(values, device)
+    own = None if is_compiling() else (buf, fingerprint(buf), buf._version, q_shape)
     cu = buf[:B + 1]
     seq = buf[B + 1:2 * B + 1]
     if sections:
@@ -324,8 +365,10 @@ def _build(offsets: tuple, *, layout: str, bucket: bool, device: torch.device,
         extra["sequence_lengths"] = buf[start + sections * (Bp + 1):].view(Bp, 1, 1, 1)
     else:
         extra["sequence_lengths"] = seq
-    return VarlenMetadata(layout=layout, cu_seqlens=cu, seq_lens=seq, max_seqlen=max_seqlen,
+    meta = VarlenMetadata(layout=layout, cu_seqlens=cu, seq_lens=seq, max_seqlen=max_seqlen,
                           batch_size=B, total_tokens=offsets[-1], host_cu_seqlens=offsets, **extra)
+    object.__setattr__(meta, "_own", own)
+    return meta
 
 
 def _query_shape(q: Any, function: Optional[str]) -> tuple:
@@ -351,8 +394,10 @@ def _token_stride(v: Any, function: Optional[str]) -> Optional[int]:
 
 
 def prepare(cu_seqlens: Any, q: Any = None, *, layout: str = "tokens", bucket: bool = False,
-            function: Optional[str] = None, argument: str = "cu_seqlens", v: Any = None) -> tuple:
-    """``prepare_varlen_metadata`` that also says whether the result was freshly built (not cached)."""
+            function: Optional[str] = None, argument: str = "cu_seqlens", v: Any = None,
+            counted: bool = True) -> tuple:
+    """``prepare_varlen_metadata`` that also says whether the result was freshly built (not cached).
+    ``counted=False``: a host tensor's read is a free check (see ``read_host``)."""
     compiling = is_compiling()
     shape = getattr(q, "shape", None)
     device = getattr(q, "device", None)
@@ -378,7 +423,10 @@ def prepare(cu_seqlens: Any, q: Any = None, *, layout: str = "tokens", bucket: b
         device = cu_seqlens.device if is_tensor else torch.device("cpu")
     if is_tensor:
         check_index_tensor(cu_seqlens, argument, function)
-        host = read_host(cu_seqlens, argument, function)
+        if cu_seqlens.device.type == "meta":
+            raise GuardError("GL103", argument=argument, function=function,
+                             expected="a tensor with values (not on the meta device)", got=describe(cu_seqlens))
+        host = read_host(cu_seqlens, argument, function, counted=counted)
         host_key = None
     else:
         host = host_sequence(cu_seqlens, argument, function)
@@ -389,12 +437,17 @@ def prepare(cu_seqlens: Any, q: Any = None, *, layout: str = "tokens", bucket: b
                 return meta, False
     offsets = token_offsets(host, layout=layout, total_tokens=T, elements_per_token=HD,
                             argument=argument, function=function)
-    meta = _build(offsets, layout=layout, bucket=bucket, device=device, elements_per_token=HD,
+    meta = _build(offsets, layout=layout, bucket=bucket, device=device, elements_per_token=HD, q_shape=shape,
                   argument=argument, function=function, v_elements_per_token=v_stride)
     if not compiling:
         if host_key is None:
-            cache.put(cu_seqlens, tag, meta)
+            cache.put(cu_seqlens, tag, meta)  # also remembers that meta was made from this tensor as it is
+            origin, own = meta._origin, meta._own
+            if origin is not None and own is not None:
+                # What the guards' prepared path compares, in one tuple (see ready.guard_varlen).
+                object.__setattr__(meta, "_fast", (origin.ref, origin.fp, own[0], own[2], own[3]))
         else:
+            cache.seal(meta, None)
             cache.put_host(host_key, meta)
     return meta, True
 
@@ -422,4 +475,6 @@ def prepare_varlen_metadata(cu_seqlens: Any, q: Optional[torch.Tensor] = None, *
     Raises ``GuardError``: GL103 (invalid offsets), GL107 (token vs element offsets), GL105 (a read or
     upload would be needed during CUDA graph capture).
     """
+    if not _cache.enabled:
+        _cache.new_call()
     return prepare(cu_seqlens, q, layout=layout, bucket=bucket, function="prepare_varlen_metadata", v=v)[0]

@@ -163,8 +163,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if cu_k is not None and cu_k is not cu_q and not _same_offsets(cu_q, cu_k):
             raise _refuse("cu_seq_lens_k", "cu_seq_lens_q's offsets (varlen_attention takes one set)",
                           describe(cu_k))
-        max_len = kwargs.get("max_length_q")
-        out = _varlen(query, key, value, cu_q, max_len if type(max_len) is int else None, scaling, causal, backend)
+        out = _varlen(query, key, value, cu_q, kwargs.get("max_length_q"), scaling, causal, backend, planned=True)
         return out.view(batch, q_len, heads, head_dim), None
     if mask is not None and mask.dim() != 2:
         return _sdpa(query, key, value, mask, scaling, False), None
@@ -185,11 +184,24 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out.view(batch, q_len, heads, head_dim), None
 
 
-def _varlen(query, key, value, cu_seqlens, max_seqlen, scaling, causal, backend):
+def _varlen(query, key, value, cu_seqlens, max_seqlen, scaling, causal, backend, planned=False):
+    """``varlen_attention`` on (B, H, S, D) inputs. ``planned``: the model's own packed offsets and max
+    (``cu_seq_lens_q``/``max_length_q``): the guard reads the offsets once per forward to derive the lengths and
+    checks an int ``max_length_q`` against them (a short one is GL103, named as the model passed it); a tensor
+    one is not read (the derived max is used)."""
     from guardlint.kernels import varlen_attention
     q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (query, key, value))
-    return varlen_attention(q, k, v, cu_seqlens, max_seqlen=max_seqlen, softmax_scale=scaling, causal=causal,
-                            backend=backend)
+    if type(max_seqlen) is not int:
+        max_seqlen = None
+    try:
+        return varlen_attention(q, k, v, cu_seqlens, max_seqlen=max_seqlen, softmax_scale=scaling, causal=causal,
+                                backend=backend)
+    except GuardError as error:
+        if not planned or max_seqlen is None or error.argument != "max_seqlen":
+            raise
+        raise GuardError(error.code, argument="max_length_q", function=FUNCTION, expected=error.expected,
+                         got=error.got.replace("max_seqlen=", "max_length_q="), detail=error.detail,
+                         fix="Pass the longest length of cu_seq_lens_q as max_length_q, or leave it out.") from None
 
 
 def _sdpa(query, key, value, mask, scaling, causal):
@@ -226,8 +238,9 @@ _equal = IdentityCache(8)
 
 
 def _keyed(cache: IdentityCache, tensors: tuple, build):
-    """``build()`` once per version of ``tensors`` (per object: an entry dies with them): one plan per forward,
-    shared by every layer."""
+    """``build()`` once per state of ``tensors`` (per object: an entry dies with them; a host mask is compared by
+    contents, a device one by version and storage, see guard/_cache.py): one plan per forward, shared by every
+    layer."""
     value = cache.get(tensors)
     if value is MISS:
         value = build()

@@ -164,10 +164,15 @@ def test_guard_cudnn_vision_passes_caller_metadata():
     assert cudnn_vision_attention(q, q, q, cu, 2, 12, forward_metadata=meta)["forward_metadata"] is meta
 
     class EnginePlan:
-        packed_indptrs = torch.zeros(9, dtype=torch.int32)
+        def __init__(self, offsets):
+            self.packed_indptrs = torch.cat([offsets * 128] * 3)  # the engine's [qk | v | o] element offsets
 
-    plan = EnginePlan()
+    plan = EnginePlan(cu)
     assert cudnn_vision_attention(q, q, q, cu, 2, 12, forward_metadata=plan)["forward_metadata"] is plan
+    # offsets on the host are compared for free: a plan of other sequences is refused, not run
+    other = EnginePlan(torch.tensor([0, 6, 12], dtype=torch.int32))
+    assert code_of(lambda: cudnn_vision_attention(q, q, q, cu, 2, 12, forward_metadata=other)) == \
+        ("GL103", "cu_seqlens")
 
 
 def test_guard_cudnn_vision_kwargs_pass_through_untouched():
