@@ -2,7 +2,7 @@
 a drop-in for the engine's flashinfer_cudnn vision backend. Both are guarded: missing metadata is derived
 once. Backends: ``triton`` (ours, native odd head dims), ``gluon`` (ours, warp-specialized, Hopper D=64/80/96/128),
 ``flashinfer`` (ragged FA2/FA3, cuDNN prefill), ``sdpa`` (torch loop, the CPU default), ``torch-varlen`` and
-``auto`` (fastest measured).
+``auto`` (fastest measured). ``max_seqlen`` sizes launches; the Gluon kernel runs only where it is verified.
 """
 from __future__ import annotations
 
@@ -37,22 +37,25 @@ __all__ = ["BACKENDS", "cudnn_vision_attention", "select_backend", "varlen_atten
 
 @torch.library.custom_op("guardlint::varlen_attention_triton", mutates_args=())
 def varlen_attention_triton_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                               max_seqlen: int, softmax_scale: float, causal: bool) -> torch.Tensor:
+                               max_seqlen: int, softmax_scale: float, causal: bool,
+                               max_seqlen_verified: bool = False) -> torch.Tensor:
     """``torch.ops.guardlint.varlen_attention_triton``: the Triton kernel as one opaque op."""
-    return triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal)
+    return triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal,
+                                               max_seqlen_verified=max_seqlen_verified)
 
 
 @varlen_attention_triton_op.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal):
+def _(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, max_seqlen_verified=False):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def _run_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal):
+def _run_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal, verified: bool = False):
     if torch.compiler.is_compiling():
-        return varlen_attention_triton_op(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+        return varlen_attention_triton_op(q, k, v, cu_seqlens, max_seqlen, scale, causal, verified)
     # Eager calls skip the op dispatcher: it costs more than the rest of the host path together
     # (bench/results/attention_overhead.md).
-    return triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+    return triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal,
+                                               max_seqlen_verified=verified)
 
 
 # -- the Gluon path (Hopper): imported on first use, absent when this Triton has no Gluon --------------
@@ -84,11 +87,14 @@ def _(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal):
 
 
 def _gluon_eager(q, k, v, cu_seqlens, max_seqlen: int, scale: float, causal: bool) -> torch.Tensor:
+    """The Gluon kernel, reached only by calls whose max_seqlen is verified (``_resolve``): its grid holds
+    cdiv(max_seqlen, 128 or 192) query tiles per sequence and nothing covers more."""
     gluon_path = _gluon()
     if not gluon_path.supports(q, k, v, causal) or cu_seqlens.stride(0) != 1 or scale <= 0:
         # The plan is per shape; strides are checked here, per call: a layout TMA cannot read runs on Triton,
         # and so do strided offsets and a scale <= 0 (the Gluon softmax scales after masking with -inf).
-        return triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+        return triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal,
+                                                   max_seqlen_verified=True)
     return gluon_path.varlen_attention_gluon(q, k, v, cu_seqlens, max_seqlen, scale, causal)
 
 
@@ -169,7 +175,10 @@ def _check_inputs(function: str, q: Any, k: Any, v: Any, cu_seqlens: Any) -> Non
                    "A kernel would read a host pointer on the GPU (an illegal memory access).")
 
 
-def _check_call(function: str, max_seqlen: Any, softmax_scale: Any, causal: Any, backend: Any) -> None:
+def _check_call(function: str, max_seqlen: Any, softmax_scale: Any, causal: Any, backend: Any,
+                max_seqlen_verified: Any = False) -> None:
+    if type(max_seqlen_verified) is not bool:
+        raise _bad("max_seqlen_verified", "a bool (set by the guard)", describe(max_seqlen_verified), function)
     if type(max_seqlen) is not int or max_seqlen < 0:
         raise GuardError("GL103", argument="max_seqlen", function=function,
                          expected="a Python int >= 0 (the longest sequence)", got=describe(max_seqlen))
@@ -235,15 +244,32 @@ def _why_not(name: str, q: torch.Tensor) -> str:
 
 
 def select_backend(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
-                   softmax_scale: Optional[float] = None, causal: bool = False, backend: str = "auto") -> str:
-    """The concrete backend a call with these inputs runs (``auto`` and ``flashinfer`` resolved)."""
+                   softmax_scale: Optional[float] = None, causal: bool = False, backend: str = "auto",
+                   max_seqlen_verified: bool = False) -> str:
+    """The concrete backend a call with these inputs runs (``auto`` and ``flashinfer`` resolved; ``gluon`` is
+    ``triton`` unless max_seqlen is verified, as ``varlen_attention`` says)."""
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
     return _resolve(backend, q, k, cu_seqlens, max_seqlen, scale, causal, "select_backend",
-                    eager=not _capturing(q))
+                    eager=not _capturing(q), verified=hint_verified(q, max_seqlen, max_seqlen_verified))
 
 
+def hint_verified(q: torch.Tensor, max_seqlen: int, max_seqlen_verified: bool) -> bool:
+    """Whether no sequence is longer than ``max_seqlen``, as a fact: the guard checked it against the offsets
+    (``max_seqlen_verified``), or it is at least q's token count, which no sequence exceeds."""
+    return triton_path.covers(max_seqlen, q.shape[0], max_seqlen_verified)
+
+
+# Which kernels trust max_seqlen. The Triton kernel does not need to: its programs loop over the query tiles
+# a short grid leaves out (and run the one-tile kernel where the hint is verified). The Gluon kernels size
+# their grid by max_seqlen and each program owns one query tile, its producer warp and consumer warpgroups
+# working through one barrier protocol; a tile loop there would re-arm every barrier per tile and cost the
+# consumers registers they do not have (240 each, set by setmaxnreg; the Triton kernel's loop alone costs up to
+# 100 registers and spills). So ``gluon`` runs only where the hint is verified (``hint_verified``), and any
+# other call that ``gluon`` or ``auto`` would send there runs on the Triton kernel (``auto``: the fastest other
+# measured backend). The guard passes ``max_seqlen_verified=True`` where it derived max_seqlen from the
+# offsets or checked the caller's value against them.
 def _resolve(backend: str, q, k, cu_seqlens, max_seqlen: int, scale: float, causal: bool, function: str,
-             eager: bool = True) -> str:
+             eager: bool = True, verified: bool = False) -> str:
     if backend == "auto" or backend == "flashinfer":
         if q.device.type != "cuda":
             if backend == "flashinfer":
@@ -255,13 +281,16 @@ def _resolve(backend: str, q, k, cu_seqlens, max_seqlen: int, scale: float, caus
         def runnable(candidate: str) -> bool:
             if only_fi and not candidate.startswith("flashinfer-"):
                 return False
+            if candidate == "gluon" and not verified:
+                return False
             return _runnable(candidate, q, k, scale, causal)
 
         choice = dispatch.choose(
             device_type="cuda", device_name=name, capability=capability, head_dim=q.shape[2],
             dtype=str(q.dtype).replace("torch.", ""), causal=causal, batch=max(cu_seqlens.shape[0] - 1, 1),
-            max_seqlen=max(max_seqlen, 1), total_tokens=max(q.shape[0], 1), runnable=runnable,
-            memo_extra=(backend, q.shape[1] // k.shape[1], scale == q.shape[2] ** -0.5), eager=eager)
+            max_seqlen=triton_path.launch_rows(max_seqlen, max(q.shape[0], 1)), total_tokens=max(q.shape[0], 1),
+            runnable=runnable, memo_extra=(backend, q.shape[1] // k.shape[1], scale == q.shape[2] ** -0.5, verified),
+            eager=eager)
         if only_fi and not choice.startswith("flashinfer-"):
             # Not in the table for this shape: FA3 on Hopper, else FA2, else cuDNN; a head dim none of them
             # runs (80, 96, ...) goes to our kernel rather than to padded copies.
@@ -270,6 +299,8 @@ def _resolve(backend: str, q, k, cu_seqlens, max_seqlen: int, scale: float, caus
         return choice
     if not _runnable(backend, q, k, scale, causal):
         raise _cannot_run(backend, q, function)
+    if backend == "gluon" and not verified:
+        return "triton"
     return backend
 
 
@@ -320,6 +351,10 @@ def _run_cudnn_tokens(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, 
 
 def _run_triton_backend(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function):
     return _run_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal)
+
+
+def _run_triton_verified(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function):
+    return _run_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal, True)
 
 
 def _run_sdpa(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function):
@@ -375,9 +410,14 @@ def _runner(name: str, q, cu_seqlens, function: str):
     return _RUNNERS[name]
 
 
-def _planned_triton(q, k, cu_seqlens, max_seqlen: int, scale: float, causal: bool):
+def _verified_runner(run, verified: bool):
+    """``run``, or where it is the Triton kernel's and max_seqlen is verified, the one-tile-per-program kernel's."""
+    return _run_triton_verified if verified and run is _run_triton_backend else run
+
+
+def _planned_triton(q, k, cu_seqlens, max_seqlen: int, scale: float, causal: bool, verified: bool):
     """The Triton runner for eager calls of one signature: a launch planned once (no op dispatcher)."""
-    launch = triton_path.plan_launch(q, k, cu_seqlens, max_seqlen, scale, causal)
+    launch = triton_path.plan_launch(q, k, cu_seqlens, max_seqlen, scale, causal, max_seqlen_verified=verified)
 
     def run(q, k, v, cu_seqlens, *unused):
         return launch(q, k, v, cu_seqlens)
@@ -386,12 +426,12 @@ def _planned_triton(q, k, cu_seqlens, max_seqlen: int, scale: float, causal: boo
 
 
 def _run(name: str, q, k, v, cu_seqlens, sequence_lengths, max_seqlen: int, scale: float, causal: bool,
-         metadata, function: str) -> torch.Tensor:
-    return _runner(name, q, cu_seqlens, function)(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal,
-                                                  metadata, function)
+         metadata, function: str, verified: bool = False) -> torch.Tensor:
+    run = _verified_runner(_runner(name, q, cu_seqlens, function), verified)
+    return run(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function)
 
 
-# Per call signature (backend, shapes, dtypes, devices, max_seqlen, scale, causal): the validated,
+# Per call signature (backend, shapes, dtypes, devices, max_seqlen, scale, causal, max_seqlen_verified): the validated,
 # resolved (runner, scale). A hit skips validation and the backend choice, which depend on nothing else
 # (exact tensor types and scalar types are checked before the lookup, so 7.0 or True never hit 7 or 1).
 # Emptied with the dispatch table (``dispatch.reset()``); not used while torch.compile traces.
@@ -433,31 +473,37 @@ def _for_grad(backend: str, grad: Optional[str], function: str) -> str:
 
 
 def _plan_call(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend,
-               eager: bool, grad: Optional[str] = None, capturing: bool = False) -> tuple:
+               eager: bool, grad: Optional[str] = None, capturing: bool = False,
+               max_seqlen_verified: Any = False) -> tuple:
     """(run, scale, backend name) of a call: its inputs checked, its backend resolved (``capturing``: as a call
     under CUDA-graph capture), its launch planned where ``eager`` (a call whose plan is kept)."""
-    backend, scale = _checked_call(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend, grad)
-    return _plan_backend(function, q, k, cu_seqlens, max_seqlen, scale, causal, backend, eager, capturing)
+    backend, scale = _checked_call(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend, grad,
+                                   max_seqlen_verified)
+    verified = hint_verified(q, max_seqlen, max_seqlen_verified)
+    return _plan_backend(function, q, k, cu_seqlens, max_seqlen, scale, causal, backend, eager, capturing, verified)
 
 
 def _plan_calls(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend,
-                grad: Optional[str]) -> tuple:
+                grad: Optional[str], max_seqlen_verified: Any = False) -> tuple:
     """(the plan of an eager call, the plan of a call under CUDA-graph capture or None where it is the same
     backend): both made at once, outside capture, so that later calls ask whether the stream is capturing only
     where it matters."""
-    backend, scale = _checked_call(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend, grad)
-    run, scale, name = _plan_backend(function, q, k, cu_seqlens, max_seqlen, scale, causal, backend, True, False)
+    backend, scale = _checked_call(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend, grad,
+                                   max_seqlen_verified)
+    verified = hint_verified(q, max_seqlen, max_seqlen_verified)
+    run, scale, name = _plan_backend(function, q, k, cu_seqlens, max_seqlen, scale, causal, backend, True, False,
+                                     verified)
     if backend not in _CHOOSING:
         return (run, scale), None
-    captured = _plan_backend(function, q, k, cu_seqlens, max_seqlen, scale, causal, backend, True, True)
+    captured = _plan_backend(function, q, k, cu_seqlens, max_seqlen, scale, causal, backend, True, True, verified)
     return (run, scale), (None if captured[2] == name else captured[:2])
 
 
 def _checked_call(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend,
-                  grad: Optional[str]) -> tuple:
+                  grad: Optional[str], max_seqlen_verified: Any = False) -> tuple:
     """(backend, scale) of a call whose arguments pass the checks (``sdpa`` for ``auto`` where grad is needed)."""
     _check_inputs(function, q, k, v, cu_seqlens)
-    _check_call(function, max_seqlen, softmax_scale, causal, backend)
+    _check_call(function, max_seqlen, softmax_scale, causal, backend, max_seqlen_verified)
     backend = _for_grad(backend, grad, function)
     if isinstance(backend, GuardError):
         raise backend
@@ -471,12 +517,12 @@ def _checked_call(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale,
 
 
 def _plan_backend(function: str, q, k, cu_seqlens, max_seqlen, scale: float, causal, backend: str, eager: bool,
-                  capturing: bool) -> tuple:
+                  capturing: bool, verified: bool = False) -> tuple:
     name = _resolve(backend, q, k, cu_seqlens, max_seqlen, scale, causal, function,
-                    eager=not (capturing or torch.compiler.is_compiling()))
-    run = _runner(name, q, cu_seqlens, function)
-    if run is _run_triton_backend and eager:
-        run = _planned_triton(q, k, cu_seqlens, max_seqlen, scale, causal)
+                    eager=not (capturing or torch.compiler.is_compiling()), verified=verified)
+    run = _verified_runner(_runner(name, q, cu_seqlens, function), verified)
+    if run in (_run_triton_backend, _run_triton_verified) and eager:
+        run = _planned_triton(q, k, cu_seqlens, max_seqlen, scale, causal, verified)
     return run, scale, name
 
 
@@ -486,7 +532,7 @@ def _plan_backend(function: str, q, k, cu_seqlens, max_seqlen, scale: float, cau
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
                      sequence_lengths: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
                      metadata: Any = None, softmax_scale: Optional[float] = None, causal: bool = False,
-                     backend: str = "auto") -> torch.Tensor:
+                     backend: str = "auto", max_seqlen_verified: bool = False) -> torch.Tensor:
     """Attention over packed variable-length sequences.
 
     Args:
@@ -506,10 +552,15 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         backend: ``"auto"`` (fastest measured; ``"sdpa"`` when q, k or v requires grad and grad mode is on:
             only ``"sdpa"`` and ``"torch-varlen"`` have a backward, the others refuse such inputs with
             GL106 rather than return an output outside the graph), ``"triton"``, ``"gluon"`` (Hopper,
-            D 64/128, non-causal, 16-bit; other layouts of the same shapes run on Triton), ``"sdpa"``,
+            D 64/80/96/128, 16-bit, and a verified max_seqlen; other layouts and calls run on Triton), ``"sdpa"``,
             ``"torch-varlen"``,
             ``"flashinfer"`` (best FlashInfer variant; head dims it cannot run go to ``triton``),
             ``"flashinfer-fa2"``, ``"flashinfer-fa3"``, ``"flashinfer-cudnn"``.
+        max_seqlen_verified: set by the guard, not by callers: True where it derived ``max_seqlen`` from the
+            offsets or checked the caller's value against them. ``max_seqlen`` only sizes launches: a value
+            below the longest sequence makes the Triton kernel's programs loop over the tiles it leaves out
+            (slower, never a row unwritten), and the Gluon kernel, which cannot, runs only when it is verified
+            (this flag, or ``max_seqlen >= total_tokens``); ``select_backend`` says which kernel a call runs.
 
     Returns ``(total_tokens, num_heads, head_dim)`` in q's dtype. Raises ``GuardError`` GL106 for inputs
     no backend takes (or a backend that cannot run them), GL103 for inconsistent metadata.
@@ -520,10 +571,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     grad = _needs_grad(q, k, v)
     if (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and type(cu_seqlens) is Tensor
             and type(max_seqlen) is int and type(causal) is bool and type(backend) is str
-            and type(softmax_scale) in _SCALE_TYPES and not torch.compiler.is_compiling()):
+            and type(softmax_scale) in _SCALE_TYPES and type(max_seqlen_verified) is bool
+            and not torch.compiler.is_compiling()):
         signature = (backend, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, cu_seqlens.dtype, q.device,
                      k.device, v.device, cu_seqlens.device, cu_seqlens.shape, max_seqlen, softmax_scale, causal,
-                     grad)
+                     grad, max_seqlen_verified)
         plans = _calls.get(signature)
         if plans is not None:
             eager_plan, capture_plan = plans
@@ -533,16 +585,17 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         elif backend in _CHOOSING and _capturing(q):
             # First seen under capture: only the captured call is planned (nothing kept; an eager call plans both).
             planned = _plan_call(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend, True,
-                                 grad, True)[:2]
+                                 grad, True, max_seqlen_verified)[:2]
         else:
-            plans = _plan_calls(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend, grad)
+            plans = _plan_calls(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend, grad,
+                                max_seqlen_verified)
             if len(_calls) >= _MAX_CALLS:
                 _calls.clear()
             _calls[signature] = plans
             planned = plans[0]
     else:
         planned = _plan_call(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend, False,
-                             grad, backend in _CHOOSING and _capturing(q))[:2]
+                             grad, backend in _CHOOSING and _capturing(q), max_seqlen_verified)[:2]
     if metadata is not None:
         total = q.shape[0]
         if getattr(metadata, "total_tokens", total) != total:
@@ -604,8 +657,8 @@ def _int_max(value: Any, argument: str, function: str) -> int:
 
 @guard_cudnn_vision
 def cudnn_vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Any, bsz: int, seq_len: int,
-                           softmax_scale: Optional[float] = None, forward_metadata: Any = None,
-                           **kwargs: Any) -> torch.Tensor:
+                           softmax_scale: Optional[float] = None, forward_metadata: Any = None, *,
+                           max_seqlen_verified: bool = False, **kwargs: Any) -> torch.Tensor:
     """Drop-in for the engine's ``VisionFlashInferAttention.forward`` (flashinfer_cudnn backend).
 
     Args:
@@ -620,6 +673,7 @@ def cudnn_vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         kwargs: ``sequence_lengths`` ``(Bp,)`` / ``(Bp, 1, 1, 1)`` and ``max_seqlen`` (int) when there is no
             forward_metadata (the guard derives forward_metadata when they are missing); ``backend`` to
             override the choice below.
+        max_seqlen_verified: as for ``varlen_attention`` (set by the guard).
 
     Runs FlashInfer's cuDNN prefill when it is installed and takes the inputs (bfloat16, head dim 128 or
     192, CUDA, H == H_kv), otherwise ``varlen_attention``'s ``auto`` choice. Returns q's shape and dtype.
@@ -699,7 +753,8 @@ def cudnn_vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         out = fi.cudnn_prefill(q, k, v, o_off, qk_off, lengths, max_seqlen, scale, False, v_offsets=v_off)
     else:
         cu, lengths, max_tokens, plan = _token_view(q, fm, cu_seqlens, sequence_lengths, max_seqlen, function)
+        verified = hint_verified(q, max_tokens, max_seqlen_verified is True)
         name = _resolve(backend or "auto", q, k, cu, max_tokens, scale, False, function,
-                        eager=not _capturing(q))
-        out = _run(name, q, k, v, cu, lengths, max_tokens, scale, False, plan, function)
+                        eager=not _capturing(q), verified=verified)
+        out = _run(name, q, k, v, cu, lengths, max_tokens, scale, False, plan, function, verified)
     return out.view(*batch_shape, *out.shape[1:]) if reshaped else out

@@ -14,7 +14,9 @@ the Triton kernel cannot get from its compiler on Hopper (every wgmma there is w
 Scope: bf16/fp16, head dims 64 and 128 (80 and 96 in ``attention.gluon_split``), causal or not
 (``GUARDLINT_GLUON_CAUSAL=0`` leaves causal to the Triton kernel), q/k/v with contiguous heads (``stride(1) == D``):
 the shapes where the Triton kernel is furthest from FlashAttention-3. Everything else stays on the
-Triton kernel. Same math and the same grid as ``attention.triton`` (per sequence, longest first).
+Triton kernel. Same math and the same grid as ``attention.triton`` (per sequence, longest first), one query
+tile per program and no tile loop: max_seqlen must be at least the longest sequence, so ``varlen_attention``
+sends a call here only with a verified max_seqlen (``api._resolve`` says why) and the others to Triton.
 """
 from __future__ import annotations
 
@@ -411,7 +413,9 @@ def new_output(q: torch.Tensor) -> torch.Tensor:
 
 def varlen_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                            max_seqlen: int, softmax_scale: float, causal: bool = False) -> torch.Tensor:
-    """Launch on validated inputs that ``supports`` accepted; a new contiguous output like q."""
+    """Launch on validated inputs that ``supports`` accepted; a new contiguous output like q. ``max_seqlen`` must
+    be at least the longest sequence (verified: rows of longer sequences are left unwritten); a larger one is
+    clamped to the token count."""
     total_tokens, num_heads, head_dim = q.shape
     if head_dim in SPLIT_HEAD_DIMS:
         from .gluon_split import varlen_attention_gluon_split
@@ -419,8 +423,9 @@ def varlen_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         return varlen_attention_gluon_split(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal)
     batch = cu_seqlens.shape[0] - 1
     out = new_output(q)
-    if total_tokens == 0 or batch <= 0 or max_seqlen <= 0:
+    if total_tokens == 0 or batch <= 0:
         return out
+    max_seqlen = triton_path.launch_rows(max_seqlen, total_tokens)
     by_length = triton_path.longest_first(batch, total_tokens, max_seqlen)
     order = triton_path.sequence_order(cu_seqlens) if by_length else cu_seqlens
     wgs = consumer_groups(head_dim, causal)

@@ -233,13 +233,15 @@ def _descriptors(t: torch.Tensor, rows: int, parts: tuple) -> tuple:
 
 def varlen_attention_gluon_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                                  max_seqlen: int, softmax_scale: float, causal: bool = False) -> torch.Tensor:
-    """Launch on validated inputs (``attention.gluon.supports``) whose head dim is in ``PARTS``."""
+    """Launch on validated inputs (``attention.gluon.supports``) whose head dim is in ``PARTS``; ``max_seqlen`` as
+    for ``attention.gluon.varlen_attention_gluon`` (verified)."""
     total_tokens, num_heads, head_dim = q.shape
     d0, d1 = PARTS[head_dim]
     batch = cu_seqlens.shape[0] - 1
     out = gluon_path.new_output(q)
-    if total_tokens == 0 or batch <= 0 or max_seqlen <= 0:
+    if total_tokens == 0 or batch <= 0:
         return out
+    max_seqlen = triton_path.launch_rows(max_seqlen, total_tokens)
     by_length = triton_path.longest_first(batch, total_tokens, max_seqlen)
     order = triton_path.sequence_order(cu_seqlens) if by_length else cu_seqlens
     wgs = consumer_groups(head_dim, causal)

@@ -1,14 +1,23 @@
 """Varlen attention forward in Triton (FlashAttention-2 style), with native odd head dims.
 
-One program per (query tile, head, sequence); head dims that are not powers of two run as power-of-two
-parts, so q/k/v are read in place and never copied into padded buffers. Kernel, launcher, autotune set.
+Programs per (query tile, head, sequence); head dims that are not powers of two run as power-of-two parts,
+so q/k/v are read in place and never copied into padded buffers. Kernel, launcher, autotune set.
 """
 # Math, per sequence b (tokens cu_seqlens[b]:cu_seqlens[b+1]) and query head h (kv head h // (H / H_kv)):
 #     O[i] = sum_j softmax_j(scale * q[i] . k[j]) v[j]      over j < L_b (and j <= i when causal),
 # with an online softmax in fp32 (running max m, running sum l; exp2 with log2(e) folded into the scale).
-# Grid: (cdiv(max_seqlen, BLOCK_M), H, B); programs past their sequence's length exit at once. Sequences
-# of unequal lengths are visited longest first (a device-side argsort, kept per cu_seqlens version), and
-# causal query tiles last-first, so the longest programs start first and short ones fill the last wave.
+# Grid: (G, H, B) with G = cdiv(min(max_seqlen, total_tokens), BLOCK_M); programs past their sequence's length
+# exit at once. Sequences of unequal lengths are visited longest first (a device-side argsort, kept per
+# cu_seqlens version), and causal query tiles last-first, so the longest programs start first and short ones
+# fill the last wave.
+# max_seqlen only sizes the launch; no row depends on it. Each program loops over query tiles pid_m, pid_m + G,
+# pid_m + 2G, ... of its sequence (each in the causal order above): one iteration when the grid covers the
+# sequence, more when the hint fell short of it, so a short hint costs time, never a row. The loop is a
+# constexpr, TILE_LOOP, off where the launcher knows the hint covers every sequence (verified against the
+# offsets, or at least the token count): the kernel then compiles instruction for instruction to the
+# one-tile-per-program kernel (same PTX). With the loop it is 1.04-1.28x slower (H200, bf16, right hints):
+# LLVM hoists the pipelined key loops' prologue addresses out of the tile loop and keeps them in registers
+# (D=64, BLOCK_M=64: 122 -> 225 registers; spills at D=80/128 with 128x128 tiles, ptxas sm_90a).
 # Head-dim split: 80 = 64 + 16, 96 = 64 + 32, 240 = 128 + 64 + 32 + 16: QK^T is the sum of one tl.dot
 # per part, and PV keeps one accumulator per part.
 from __future__ import annotations
@@ -125,47 +134,25 @@ def _store_part(o_base, offs_m, stride_ot, col: tl.constexpr, width: tl.constexp
     tl.store(ptrs, (acc * inv_l[:, None]).to(o_base.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["length_class"])
-def _varlen_attention_fwd(
-    Q, K, V, O, cu_seqlens, seq_order,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    total_tokens, qk_scale,
-    length_class,  # autotune key only (short / long batches tune apart); unused by the kernel
-    HEAD_DIM: tl.constexpr,  # autotune key only: the parts below carry the shape
-    GROUP: tl.constexpr,
+@triton.jit
+def _heavy_first(tile, n_tiles, CAUSAL: tl.constexpr):
+    """The query tile a program takes as its ``tile``-th: causal, last first (the last tiles see the most
+    keys, so the longest programs start first)."""
+    if CAUSAL:
+        return n_tiles - 1 - tile
+    else:
+        return tile
+
+
+@triton.jit
+def _attend_query_tile(
+    q_base, k_base, v_base, o_base, stride_qt, stride_kt, stride_vt, stride_ot, tile_m, seq_len, qk_scale,
     D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-    CAUSAL: tl.constexpr, SORTED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.program_id(2)
-    if SORTED:
-        # Blocks start in grid order, so the longest sequences' programs go first and the last wave
-        # holds short ones (instead of an 8k-token image's tiles starting last and running alone).
-        # Clamped: the order is a device tensor, and no content of it may address outside cu_seqlens.
-        seq = tl.minimum(tl.maximum(tl.load(seq_order + seq), 0), tl.num_programs(2) - 1)
-
-    # Clamped so that any cu_seqlens content stays inside q/k/v/o: a wrong prefix sum gives a wrong
-    # answer (the guard's strict mode reports it), never an out-of-bounds access.
-    seq_start = tl.load(cu_seqlens + seq).to(tl.int64)
-    seq_end = tl.load(cu_seqlens + seq + 1).to(tl.int64)
-    seq_start = tl.minimum(tl.maximum(seq_start, 0), total_tokens)
-    seq_end = tl.minimum(tl.maximum(seq_end, seq_start), total_tokens)
-    seq_len = (seq_end - seq_start).to(tl.int32)
-    if pid_m * BLOCK_M >= seq_len:
-        return
-    if CAUSAL:
-        # The last query tiles of a causal sequence see the most keys: they take the first programs.
-        pid_m = tl.cdiv(seq_len, BLOCK_M) - 1 - pid_m
-
-    kv_head = head // GROUP
-    q_base = Q + seq_start * stride_qt + head * stride_qh
-    k_base = K + seq_start * stride_kt + kv_head * stride_kh
-    v_base = V + seq_start * stride_vt + kv_head * stride_vh
-    o_base = O + seq_start * stride_ot + head * stride_oh
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    """Query tile ``tile_m`` of one sequence and head: its rows attend over their keys and are stored."""
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < seq_len
     q0 = _load_part(q_base, offs_m, stride_qt, 0, D0, row_ok, True, UPCAST)
     q1 = q0
@@ -196,8 +183,8 @@ def _varlen_attention_fwd(
     # Key tiles [0, full_end) need no mask at all; [full_end, masked_end) get key-bound (and causal)
     # masks. Keeping the masks out of the main loop is worth ~10% on long sequences.
     if CAUSAL:
-        tile_end = tl.minimum((pid_m + 1) * BLOCK_M, seq_len)
-        full_end = (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N
+        tile_end = tl.minimum((tile_m + 1) * BLOCK_M, seq_len)
+        full_end = (tile_m * BLOCK_M // BLOCK_N) * BLOCK_N
     else:
         tile_end = seq_len
         full_end = (seq_len // BLOCK_N) * BLOCK_N
@@ -219,6 +206,58 @@ def _varlen_attention_fwd(
         _store_part(o_base, offs_m, stride_ot, D0 + D1, D2, acc2, inv_l, row_ok)
     if D3 > 0:
         _store_part(o_base, offs_m, stride_ot, D0 + D1 + D2, D3, acc3, inv_l, row_ok)
+
+
+@triton.jit(do_not_specialize=["length_class"])
+def _varlen_attention_fwd(
+    Q, K, V, O, cu_seqlens, seq_order,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    total_tokens, qk_scale,
+    length_class,  # autotune key only (short / long batches tune apart); unused by the kernel
+    HEAD_DIM: tl.constexpr,  # autotune key only: the parts below carry the shape
+    GROUP: tl.constexpr,
+    D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+    CAUSAL: tl.constexpr, SORTED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILE_LOOP: tl.constexpr = False,  # programs loop over their sequence's query tiles (an unverified hint)
+):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    if SORTED:
+        # Blocks start in grid order, so the longest sequences' programs go first and the last wave
+        # holds short ones (instead of an 8k-token image's tiles starting last and running alone).
+        # Clamped: the order is a device tensor, and no content of it may address outside cu_seqlens.
+        seq = tl.minimum(tl.maximum(tl.load(seq_order + seq), 0), tl.num_programs(2) - 1)
+
+    # Clamped so that any cu_seqlens content stays inside q/k/v/o: a wrong prefix sum gives a wrong
+    # answer (the guard's strict mode reports it), never an out-of-bounds access.
+    seq_start = tl.load(cu_seqlens + seq).to(tl.int64)
+    seq_end = tl.load(cu_seqlens + seq + 1).to(tl.int64)
+    seq_start = tl.minimum(tl.maximum(seq_start, 0), total_tokens)
+    seq_end = tl.minimum(tl.maximum(seq_end, seq_start), total_tokens)
+    seq_len = (seq_end - seq_start).to(tl.int32)
+    if pid_m * BLOCK_M >= seq_len:
+        return
+    n_tiles = tl.cdiv(seq_len, BLOCK_M)
+    tile_m = _heavy_first(pid_m, n_tiles, CAUSAL)
+
+    kv_head = head // GROUP
+    q_base = Q + seq_start * stride_qt + head * stride_qh
+    k_base = K + seq_start * stride_kt + kv_head * stride_kh
+    v_base = V + seq_start * stride_vt + kv_head * stride_vh
+    o_base = O + seq_start * stride_ot + head * stride_oh
+
+    if TILE_LOOP:
+        # Tiles pid_m, pid_m + G, ...: one iteration where the grid covers the sequence, more where max_seqlen
+        # fell short of it.
+        for tile in range(pid_m, n_tiles, tl.num_programs(0)):
+            _attend_query_tile(q_base, k_base, v_base, o_base, stride_qt, stride_kt, stride_vt, stride_ot,
+                               _heavy_first(tile, n_tiles, CAUSAL), seq_len, qk_scale, D0, D1, D2, D3, CAUSAL,
+                               UPCAST, PRECISION, BLOCK_M, BLOCK_N)
+    else:
+        _attend_query_tile(q_base, k_base, v_base, o_base, stride_qt, stride_kt, stride_vt, stride_ot, tile_m,
+                           seq_len, qk_scale, D0, D1, D2, D3, CAUSAL, UPCAST, PRECISION, BLOCK_M, BLOCK_N)
 
 
 # Hopper (H100/H200) choices, one line each (register and shared-memory figures from ptxas for sm_90a):
@@ -283,7 +322,7 @@ def _prune_configs(configs, named_args, **kwargs):
 # the tuning key (and of Triton's on-disk tuning cache key).
 SHORT_SEQLEN = 1024
 _varlen_attention_fwd_tuned = triton.autotune(
-    configs=_NARROW + _WIDE + _FP32, key=["HEAD_DIM", "CAUSAL", "GROUP", "length_class"],
+    configs=_NARROW + _WIDE + _FP32, key=["HEAD_DIM", "CAUSAL", "GROUP", "length_class", "TILE_LOOP"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_varlen_attention_fwd)
 
@@ -348,42 +387,61 @@ def _settings(block_m: int, kwargs: dict) -> tuple:
     return block_m, kwargs, DirectLaunch(_varlen_attention_fwd, kwargs, INTERPRET)
 
 
+def launch_rows(max_seqlen: int, total_tokens: int) -> int:
+    """The query rows per sequence a launch is sized for: the hint, clamped to [1, total_tokens] (no sequence
+    is longer than q, and a hint of 0 or less still launches one tile per sequence and head)."""
+    return min(max(max_seqlen, 1), total_tokens)
+
+
+def covers(max_seqlen: int, total_tokens: int, verified: bool) -> bool:
+    """Whether a grid sized by ``max_seqlen`` holds every query tile: the hint was checked against the offsets
+    (``verified``), or it is at least the token count, which no sequence exceeds. Otherwise programs loop."""
+    return max_seqlen >= total_tokens or (verified and max_seqlen > 0)
+
+
 def longest_first(batch: int, total_tokens: int, max_seqlen: int) -> bool:
     """Whether sequences are visited longest first: equal lengths (every sequence max_seqlen long) need no
     order; any other batch does."""
     return batch > 1 and total_tokens != batch * max_seqlen
 
 
-def _launch_key(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool) -> tuple:
-    """(key of ``_launches``, length class, whether sequences are visited longest first)."""
+def _launch_key(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool,
+                tile_loop: bool) -> tuple:
+    """(key of ``_launches``, length class, whether sequences are visited longest first); ``max_seqlen`` as
+    ``launch_rows`` gives it."""
     total_tokens, num_heads, head_dim = q.shape
     batch = cu_seqlens.shape[0] - 1
     size_class = 0 if max_seqlen <= SHORT_SEQLEN else 1
     by_length = longest_first(batch, total_tokens, max_seqlen)
-    key = (head_dim, num_heads // k.shape[1], causal, size_class, q.dtype, cu_seqlens.dtype, by_length)
+    key = (head_dim, num_heads // k.shape[1], causal, size_class, q.dtype, cu_seqlens.dtype, by_length, tile_loop)
     return key, size_class, by_length
 
 
 def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                             max_seqlen: int, softmax_scale: float, causal: bool, *,
                             out: Optional[torch.Tensor] = None,
-                            config: Optional[Tuple[int, int, int, int]] = None) -> torch.Tensor:
+                            config: Optional[Tuple[int, int, int, int]] = None,
+                            max_seqlen_verified: bool = False) -> torch.Tensor:
     """Launch the kernel. Inputs are already validated by the caller.
 
     q ``(total_tokens, num_heads, head_dim)``, k/v ``(total_tokens, num_kv_heads, head_dim)`` (copied when
     the last dim is strided); cu_seqlens ``(batch + 1,)`` int32/int64 on q's device (any stride); ``max_seqlen`` a host
-    int >= every sequence length (it sizes the grid). ``config`` = (BLOCK_M, BLOCK_N, num_warps,
-    num_stages) skips autotuning (benchmarks, the interpreter).
+    int that sizes the grid (``launch_rows``): any value gives the right output. ``max_seqlen_verified``: the
+    caller checked that no sequence is longer, so each program takes one query tile (a grid of the kernel built
+    without the tile loop); otherwise programs loop over the tiles a short hint leaves out. ``config`` =
+    (BLOCK_M, BLOCK_N, num_warps, num_stages) skips autotuning (benchmarks, the interpreter).
     """
     total_tokens, num_heads, head_dim = q.shape
     batch = cu_seqlens.shape[0] - 1
     if out is None:
         out = new_output(q)
-    if total_tokens == 0 or batch <= 0 or max_seqlen <= 0:
+    if total_tokens == 0 or batch <= 0:
         return out
+    tile_loop = not covers(max_seqlen, total_tokens, max_seqlen_verified)
+    max_seqlen = launch_rows(max_seqlen, total_tokens)
     q, k, v, cu_seqlens, softmax_scale = _unit_strides(q, k, v, cu_seqlens, softmax_scale)
     sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
-    key, size_class, by_length = _launch_key(q, k, cu_seqlens, max_seqlen, causal)
+    key, size_class, by_length = _launch_key(q, k, cu_seqlens, max_seqlen, causal, tile_loop)
     order = sequence_order(cu_seqlens) if by_length else cu_seqlens
     args = (q, k, v, out, cu_seqlens, order, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1], total_tokens,
             softmax_scale * LOG2E, size_class)
@@ -395,11 +453,12 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     d0, d1, d2, d3 = head_dim_parts(head_dim)
     meta = dict(HEAD_DIM=head_dim, GROUP=key[1], D0=d0, D1=d1, D2=d2, D3=d3, CAUSAL=bool(causal),
                 SORTED=by_length, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-                PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TILE_LOOP=tile_loop)
     if config is None and INTERPRET:
         block_m, block_n = INTERPRET_BLOCKS
         _launches[key] = _settings(block_m, dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1))
-        return varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, out=out)
+        return varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, out=out,
+                                       max_seqlen_verified=not tile_loop)
     if config is None:
         grid = lambda cfg: (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), num_heads, batch)  # noqa: E731
         _varlen_attention_fwd_tuned[grid](*args, **meta)
@@ -416,29 +475,33 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 def plan_launch(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, softmax_scale: float,
-                causal: bool):
+                causal: bool, *, max_seqlen_verified: bool = False):
     """``launch(q, k, v, cu_seqlens) -> out`` for inputs of these shapes and dtypes with these max_seqlen,
     scale and causal flag (plan once, run many): everything that depends only on them is worked out here;
     a launch reads strides, allocates the output and enqueues the kernel. The first launch of a key goes
     through ``varlen_attention_triton`` (autotuning); strided last dims or offsets and negative scales
-    always do."""
+    always do. ``max_seqlen_verified`` as there."""
     total_tokens, num_heads, _ = q.shape
     batch = cu_seqlens.shape[0] - 1
-    key, size_class, by_length = _launch_key(q, k, cu_seqlens, max_seqlen, causal)
+    verified = covers(max_seqlen, total_tokens, max_seqlen_verified)
+    max_seqlen = launch_rows(max_seqlen, total_tokens) if total_tokens else max_seqlen
+    key, size_class, by_length = _launch_key(q, k, cu_seqlens, max_seqlen, causal, not verified)
     qk_scale = softmax_scale * LOG2E
     ready = []  # [(grid, kwargs)] once the key's launch settings exist
 
     def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         if not ready:
-            out = varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal)
+            out = varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal,
+                                          max_seqlen_verified=verified)
             settings = _launches.get(key)
-            if settings is not None and total_tokens > 0 and batch > 0 and max_seqlen > 0:
+            if settings is not None and total_tokens > 0 and batch > 0:
                 ready.append(((-(-max_seqlen // settings[0]), num_heads, batch), settings[2]))
             return out
         out = new_output(q)
         sq, sk, sv = q.stride(), k.stride(), v.stride()
         if sq[2] != 1 or sk[2] != 1 or sv[2] != 1 or cu_seqlens.stride(0) != 1 or qk_scale < 0:
-            return varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, out=out)
+            return varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, out=out,
+                                           max_seqlen_verified=verified)
         so = out.stride()
         grid, direct = ready[0]
         order = sequence_order(cu_seqlens) if by_length else cu_seqlens
@@ -449,10 +512,12 @@ def plan_launch(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_
     return launch
 
 
-def tuned_config(head_dim: int, causal: bool, max_seqlen: int, group: int = 1) -> Optional[str]:
-    """The autotuner's pick for this key as text, once it has run on the GPU (None before)."""
+def tuned_config(head_dim: int, causal: bool, max_seqlen: int, group: int = 1,
+                 tile_loop: bool = False) -> Optional[str]:
+    """The autotuner's pick for this key as text, once it has run on the GPU (None before); ``tile_loop``: the
+    pick of the kernel with the tile loop (an unverified max_seqlen)."""
     for key, cfg in _varlen_attention_fwd_tuned.cache.items():
-        if tuple(key[:4]) == (head_dim, causal, group, length_class(max_seqlen)):
+        if tuple(key[:5]) == (head_dim, causal, group, length_class(max_seqlen), tile_loop):
             kw = cfg.kwargs
             return f"BLOCK_M={kw['BLOCK_M']} BLOCK_N={kw['BLOCK_N']} warps={cfg.num_warps} stages={cfg.num_stages}"
     return None

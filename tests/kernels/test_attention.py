@@ -288,7 +288,7 @@ def test_auto_plans_eager_and_captured_calls_apart(monkeypatch):
     """The plan cache keys on whether the call is being captured into a CUDA graph: auto may choose
     differently there, and the choice made for one must not be reused for the other."""
     seen = []
-    monkeypatch.setattr(attention, "_resolve", lambda *a, eager=True: seen.append(eager) or "sdpa")
+    monkeypatch.setattr(attention, "_resolve", lambda *a, eager=True, verified=False: seen.append(eager) or "sdpa")
     monkeypatch.setattr(attention, "_calls", {})
     q, k, v, cu, offsets = make_batch([9, 0, 14], head_dim=80)
     outs = []
@@ -409,7 +409,7 @@ def test_auto_asks_whether_the_stream_is_capturing_only_where_the_picks_differ(m
     queries the capture state (a driver call on CUDA) only when they differ, and then runs the right one."""
     ran, queries, capturing = [], [], [False]
 
-    def resolve(backend, q, k, cu, max_seqlen, scale, causal, function, eager=True):
+    def resolve(backend, q, k, cu, max_seqlen, scale, causal, function, eager=True, verified=False):
         return "sdpa" if eager else captured_pick
 
     def runner(name, q, cu, function):
@@ -433,7 +433,7 @@ def test_auto_asks_whether_the_stream_is_capturing_only_where_the_picks_differ(m
 def test_auto_first_seen_under_capture_plans_only_the_captured_call(monkeypatch):
     eagers = []
 
-    def resolve(backend, q, k, cu, max_seqlen, scale, causal, function, eager=True):
+    def resolve(backend, q, k, cu, max_seqlen, scale, causal, function, eager=True, verified=False):
         eagers.append(eager)
         return "sdpa"
 
@@ -469,7 +469,8 @@ def test_triton_launcher_reuses_launch_settings_per_key(monkeypatch):
     q, k, v, cu, offsets = make_batch([21, 3], heads=2, kv_heads=2, head_dim=96)
     monkeypatch.setattr(triton_path, "_launches", {})
     first = triton_path.varlen_attention_triton(q, k, v, cu, 21, 0.1, False)
-    key = (96, 1, False, 0, torch.float32, torch.int32, True)  # unequal lengths: visited longest first
+    # Unequal lengths: visited longest first; a hint nothing verified (21 of 24 tokens): programs loop.
+    key = (96, 1, False, 0, torch.float32, torch.int32, True, True)
     assert list(triton_path._launches) == [key]
     block_m, kwargs, _ = triton_path._launches[key]
     assert (block_m, kwargs["BLOCK_N"], kwargs["D0"], kwargs["D1"]) == (16, 16, 64, 32)

@@ -1,0 +1,159 @@
+"""max_seqlen is a launch size, never a correctness input: the Triton kernel (through the interpreter) writes every
+row for hints below, at and above the longest sequence, against float64 on a NaN-filled output; launches are
+clamped to the token count; a verified hint runs the kernel without the tile loop; and the Gluon backend runs
+only with a verified hint (a stand-in Gluon module here: the real one needs a Hopper GPU).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from guardlint.guard import mode, prepare_varlen_metadata
+from guardlint.kernels import varlen_attention
+from guardlint.kernels.attention import api as attention
+from guardlint.kernels.attention import triton as triton_path
+from guardlint.kernels.attention.reference import reference_varlen_attention
+
+# With the interpreter's 16-row query tiles: 2 and 3 tiles, one row, exactly one tile, empty sequences.
+LENGTHS = [20, 0, 37, 1, 16, 0]
+TOLERANCE = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+def make_batch(lengths, heads=4, kv_heads=2, head_dim=32, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    q = torch.randn(offsets[-1], heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(offsets[-1], kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(offsets[-1], kv_heads, head_dim, generator=gen).to(dtype)
+    return q, k, v, torch.tensor(offsets, dtype=torch.int32), offsets
+
+
+def hints(lengths):
+    """Below the longest sequence (down to 1), at it, just past it, the token count, and absurdly large."""
+    longest, total = max(lengths), sum(lengths)
+    return [1, longest - 1, longest, longest + 1, total, 10 ** 9]
+
+
+def assert_matches(out, q, k, v, offsets, causal, scale):
+    ref = reference_varlen_attention(q, k, v, offsets, scale, causal)
+    assert torch.isfinite(out).all(), "a row was left unwritten (NaN poison) or is not finite"
+    atol, rtol = TOLERANCE[q.dtype]
+    err = (out.double() - ref).abs()
+    assert (err <= atol + rtol * ref.abs()).all(), f"max abs error {err.max().item():.3g}"
+
+
+@pytest.fixture
+def poisoned_output(monkeypatch):
+    monkeypatch.setattr(triton_path, "new_output", lambda q: torch.full_like(q, float("nan")))
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(16, torch.float32), (32, torch.float32), (80, torch.bfloat16)],
+                         ids=["d16", "d32", "d80-bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_triton_writes_every_row_for_any_max_seqlen(head_dim, dtype, causal, poisoned_output):
+    # D=80 runs as two parts (64 + 16); GQA 4:2.
+    q, k, v, cu, offsets = make_batch(LENGTHS, head_dim=head_dim, dtype=dtype, seed=head_dim + int(causal))
+    for hint in hints(LENGTHS):
+        out = triton_path.varlen_attention_triton(q, k, v, cu, hint, 0.2, causal)
+        assert_matches(out, q, k, v, offsets, causal, 0.2)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_taller_query_tiles_loop_too(causal, poisoned_output):
+    # BLOCK_M = 32 = 2 * BLOCK_N: one program per sequence and head for a hint of 1, causal tiles last first.
+    q, k, v, cu, offsets = make_batch([45, 1, 70, 0], head_dim=32)
+    for hint in (1, 33):
+        out = triton_path.varlen_attention_triton(q, k, v, cu, hint, 0.15, causal, config=(32, 16, 4, 1))
+        assert_matches(out, q, k, v, offsets, causal, 0.15)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_attention_with_a_callers_short_max_seqlen(causal, poisoned_output):
+    """The engines' call: offsets, their lengths and a max_seqlen no one checks (the guard off, so the kernel sees
+    the value as given), planned at the first call and launched from the plan at the second."""
+    q, k, v, cu, offsets = make_batch(LENGTHS, head_dim=32)
+    lengths = cu[1:] - cu[:-1]
+    with mode("off"):
+        for hint in (1, max(LENGTHS) - 1, 10 ** 9):
+            for _ in range(2):
+                out = varlen_attention(q, k, v, cu, sequence_lengths=lengths, max_seqlen=hint, causal=causal,
+                                       backend="triton")
+                assert_matches(out, q, k, v, offsets, causal, 32 ** -0.5)
+
+
+def test_launch_rows_are_the_hint_clamped_to_the_token_count():
+    assert triton_path.launch_rows(10 ** 9, 40) == 40
+    assert triton_path.launch_rows(20, 40) == 20
+    assert triton_path.launch_rows(0, 40) == 1 and triton_path.launch_rows(-3, 40) == 1
+    # A grid covers every tile when the hint was verified or reaches the token count, never on a claim of 0.
+    assert triton_path.covers(40, 40, False) and triton_path.covers(20, 40, True)
+    assert not triton_path.covers(39, 40, False) and not triton_path.covers(0, 40, True)
+
+
+def test_only_a_verified_hint_runs_the_kernel_without_the_tile_loop(monkeypatch):
+    q, k, v, cu, offsets = make_batch([21, 3], head_dim=32)
+    kept = []
+    settings = triton_path._settings
+    monkeypatch.setattr(triton_path, "_launches", {})
+    monkeypatch.setattr(triton_path, "_settings", lambda block_m, kwargs: kept.append(kwargs["TILE_LOOP"])
+                        or settings(block_m, kwargs))
+    for hint, verified in ((21, False), (21, True), (24, False), (10 ** 9, False)):
+        out = triton_path.varlen_attention_triton(q, k, v, cu, hint, 0.1, False, max_seqlen_verified=verified)
+        assert_matches(out, q, k, v, offsets, False, 0.1)
+    # Two kernels: looping (21 unverified), one tile per program (21 verified; 24 and 10**9 reach the token count).
+    assert kept == [True, False]
+    assert sorted(key[-1] for key in triton_path._launches) == [False, True]
+
+
+# -- the Gluon backend: only with a verified max_seqlen -----------------------------------------------
+
+@pytest.fixture
+def stand_in_gluon(monkeypatch):
+    """A Gluon module that takes every call and records the max_seqlen it was launched with (its output: the
+    float64 reference), so the routing runs on the CPU; plans made here stay here."""
+    ran = []
+
+    def launch(q, k, v, cu_seqlens, max_seqlen, scale, causal=False):
+        ran.append(max_seqlen)
+        offsets = cu_seqlens.tolist()
+        return reference_varlen_attention(q, k, v, offsets, scale, causal).to(q.dtype)
+
+    module = SimpleNamespace(supports=lambda *args, **kwargs: True, varlen_attention_gluon=launch)
+    monkeypatch.setattr(attention, "_gluon", lambda: module)
+    monkeypatch.setattr(attention, "_gluon_runnable", lambda q, k, causal: True)
+    monkeypatch.setattr(attention, "_calls", {})
+    return ran
+
+
+def test_gluon_backend_runs_triton_for_an_unverified_max_seqlen(stand_in_gluon, poisoned_output):
+    q, k, v, cu, offsets = make_batch(LENGTHS, head_dim=32)
+    lengths = cu[1:] - cu[:-1]
+    total = sum(LENGTHS)
+    with mode("off"):  # the caller's values as given: nothing verified them
+        for hint in hints(LENGTHS):
+            stand_in_gluon.clear()
+            out = varlen_attention(q, k, v, cu, sequence_lengths=lengths, max_seqlen=hint, backend="gluon")
+            assert_matches(out, q, k, v, offsets, False, 32 ** -0.5)
+            # At least the token count is a fact, not a claim: no sequence is longer.
+            assert stand_in_gluon == ([hint] if hint >= total else []), hint
+            assert attention.select_backend(q, k, cu, hint, backend="gluon") == ("gluon" if hint >= total
+                                                                                 else "triton")
+        # Guarded callers cannot claim it: the guard sets the flag itself (to False when it did not check).
+        stand_in_gluon.clear()
+        varlen_attention(q, k, v, cu, sequence_lengths=lengths, max_seqlen=5, backend="gluon",
+                         max_seqlen_verified=True)
+        assert stand_in_gluon == []
+    assert attention.select_backend(q, k, cu, max(LENGTHS), backend="gluon", max_seqlen_verified=True) == "gluon"
+
+
+def test_gluon_backend_runs_gluon_for_a_derived_max_seqlen(stand_in_gluon):
+    q, k, v, cu, offsets = make_batch(LENGTHS, head_dim=32)
+    out = varlen_attention(q, k, v, cu, metadata=prepare_varlen_metadata(cu, q), backend="gluon")
+    assert_matches(out, q, k, v, offsets, False, 32 ** -0.5)
+    out = varlen_attention(q, k, v, cu, backend="gluon")  # derived by the guard
+    assert_matches(out, q, k, v, offsets, False, 32 ** -0.5)
+    assert stand_in_gluon == [max(LENGTHS)] * 2
