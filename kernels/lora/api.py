@@ -8,7 +8,7 @@ definition. Math, shapes and the grid are in the docstrings below and in ``lora.
 """
 from __future__ import annotations
 
-import math
+import itertools
 import operator
 import weakref
 from dataclasses import dataclass
@@ -39,6 +39,11 @@ class LoRABatchInfo:
     host int; ``seg_lens``: ``diff(seg_indptr)``; the guard derives both when missing. ``permutation``
     (int32/int64, ``(S,)``): sorted position ``p`` reads ``x[permutation[p]]`` and writes
     ``out[permutation[p]]``; ``None`` = identity. All tensors on the device of x.
+
+    Contents the kernels cannot use still give defined rows (``lora.triton``'s header has the rule, the
+    references follow it): segments overlap nowhere, a slot or rank out of range is no adapter, and rows
+    of no segment or no adapter are 0 (shrink) or left as they are (expand). Host tensors are checked
+    instead (GL204) in every mode but off; device tensors in strict mode, which reads them once.
     """
 
     use_cuda_graph: bool
@@ -92,9 +97,30 @@ def _check_output(function: str, out, shape: tuple, x: Tensor) -> None:
     _check_data(function, "base_output", out, len(shape), x.device, x.dtype)
     if out.shape != shape:
         raise _bad(function, "base_output", f"shape {shape}", out)
-    if 0 in out.stride() and any(st == 0 and n > 1 for st, n in zip(out.stride(), out.shape)):
-        # Written in place: rows that share memory would race.
-        raise _bad(function, "base_output", "a tensor whose elements do not share memory (no expand())", out)
+    # Updated in place: elements that share memory would be added into by several programs at once, and
+    # the result would depend on their timing.
+    if not out.is_contiguous() and _may_overlap(out.shape, out.stride()):
+        raise GuardError("GL205", argument="base_output", function=function,
+                         expected="a tensor whose elements do not share memory (each dimension's stride at least "
+                                  "the span of the dimensions with smaller strides; no expand() or overlapping "
+                                  "as_strided())",
+                         got=f"{describe(out)} with strides {tuple(out.stride())}",
+                         fix="Pass a tensor with its own memory per element (base_output.contiguous(), or the "
+                             "layer's output itself), then read the result from it.")
+
+
+def _may_overlap(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether two elements of a tensor with these sizes and strides may share memory: taken dimension by
+    dimension in order of stride, each stride must step past everything the smaller ones span. (A few
+    interleaved layouts that do not overlap fail this too; they are refused as well.)"""
+    if 0 in shape:
+        return False
+    span = 0
+    for stride, size in sorted((st, n) for st, n in zip(strides, shape) if n > 1):
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
 
 
 def _check_meta(function: str, name: str, t, device: torch.device, min_len: int, floating: bool = False) -> Tensor:
@@ -111,26 +137,28 @@ def _check_meta(function: str, name: str, t, device: torch.device, min_len: int,
     return t.contiguous()
 
 
-# Batch infos that passed _check_batch: id -> (weak reference, field values, device, tokens, slots, _Batch,
-# the permutation's version).
+# Batch infos that passed _check_batch: id -> (weak reference, field values, device, tokens, (slots, stored
+# rank), _Batch, versions of the fields whose values were checked).
 # Every layer of a forward calls several kernels with one batch info; checking it once saves ~3 µs a call.
 _checked: dict = {}
 _CHECKED_CAPACITY = 8
 
 
-def _check_batch(function: str, x: Tensor, batch_info, num_slots: int) -> _Batch:
-    """Check batch_info against x (S tokens) and the weight stack (num_slots) and unpack it.
+def _check_batch(function: str, x: Tensor, batch_info, num_slots: int, max_rank: Optional[int] = None) -> _Batch:
+    """Check batch_info against x (S tokens) and the weight stack (num_slots, stored rank max_rank) and
+    unpack it.
 
     A batch info seen before with the same field objects (compared by identity, so a field set to
-    another tensor or int is checked again), x's device, token count and num_slots is not re-checked."""
+    another tensor or int is checked again), x's device, token count, num_slots and max_rank, and the same
+    versions of the fields whose values were read, is not re-checked."""
     entry = _checked.get(id(batch_info))
-    if entry is not None and entry[0]() is batch_info and entry[3] == x.shape[0] and entry[4] == num_slots \
-            and entry[2] == x.device:
+    if entry is not None and entry[0]() is batch_info and entry[3] == x.shape[0] \
+            and entry[4] == (num_slots, max_rank) and entry[2] == x.device:
         now = getattr(batch_info, "__dict__", None)
         if now is not None and len(now) == len(entry[1]) and all(map(operator.is_, now.values(), entry[1])) \
-                and _version_of(entry[5].permutation) == entry[6]:
+                and _versions(entry[5]) == entry[6]:
             return entry[5]
-    batch = _check_batch_fields(function, x, batch_info, num_slots)
+    batch = _check_batch_fields(function, x, batch_info, num_slots, max_rank)
     fields = getattr(batch_info, "__dict__", None)
     # A contiguous copy of a strided field would go stale when the caller updates the field in place.
     copied = (batch.seg_indptr is not batch_info.seg_indptr or batch.weight_indices is not batch_info.weight_indices
@@ -143,18 +171,35 @@ def _check_batch(function: str, x: Tensor, batch_info, num_slots: int) -> _Batch
             return batch
         if len(_checked) >= _CHECKED_CAPACITY:
             _checked.pop(next(iter(_checked)))
-        _checked[id(batch_info)] = (ref, tuple(fields.values()), x.device, x.shape[0], num_slots, batch,
-                                    _version_of(batch.permutation))
+        _checked[id(batch_info)] = (ref, tuple(fields.values()), x.device, x.shape[0], (num_slots, max_rank), batch,
+                                    _versions(batch))
     return batch
 
 
-def _version_of(t: Optional[Tensor]) -> int:
-    """A permutation's version counter (its values are checked, so an in-place update is checked again)."""
-    # Under torch.compile the counter is not a traceable value (nor are the values checked).
-    return -1 if t is None or _is_compiling() else t._version
+def _versions(batch: _Batch):
+    """Version counters of the fields whose values were checked (so an in-place update is checked again):
+    the permutation's; on the host, also seg_indptr's, weight_indices' and lora_ranks', and whether the
+    mode let them be checked."""
+    # Under torch.compile the counters are not traceable values (nor are the values checked).
+    if _is_compiling():
+        return -1
+    permutation = -1 if batch.permutation is None else batch.permutation._version
+    if batch.seg_indptr.device.type != "cpu":
+        return permutation
+    return (permutation, batch.seg_indptr._version, batch.weight_indices._version, batch.lora_ranks._version,
+            _guard_state.current == _guard_state.OFF)
 
 
-def _check_batch_fields(function: str, x: Tensor, batch_info, num_slots: int) -> _Batch:
+def _check_batch_fields(function: str, x: Tensor, batch_info, num_slots: int,
+                        max_rank: Optional[int] = None) -> _Batch:
+    if isinstance(batch_info, tuple):
+        # Positional fields whose order changed between releases, and none can be set (the guard completes a
+        # batch info by setting seg_lens and max_len on a copy).
+        raise GuardError("GL204", argument="batch_info", function=function,
+                         expected="a LoRABatchInfo (keywords only) or a mutable object with its fields",
+                         got=f"{type(batch_info).__name__}, a tuple",
+                         fix="Build guardlint.kernels.lora.LoRABatchInfo(...) (or the engine's own LoRABatchInfo) "
+                             "with keywords instead of a namedtuple.")
     missing = [f for f in ("num_segments", "seg_indptr", "weight_indices", "lora_ranks", "scalings")
                if not hasattr(batch_info, f)]
     if missing:
@@ -196,7 +241,45 @@ def _check_batch_fields(function: str, x: Tensor, batch_info, num_slots: int) ->
                 # read; the kernels then skip out-of-range entries, never reading or writing through them.
                 _check_permutation_values(function, _read_host(permutation, "batch_info.permutation",
                                                                function))
+    if seg_indptr.device.type == "cpu" and _guard_state.current != _guard_state.OFF and not _is_compiling():
+        # Host values cost no device read: what the kernels would quietly define (lora.triton's header) is
+        # reported instead. On the device only strict mode reads them.
+        _check_host_values(function, seg_indptr[: num_segments + 1].tolist(), weight_indices[:num_segments].tolist(),
+                           lora_ranks.tolist(), x.shape[0], num_slots, max_rank)
     return _Batch(seg_indptr, weight_indices, lora_ranks, scalings, permutation, num_segments, max_len)
+
+
+def _check_host_values(function: str, indptr: Sequence[int], slots: Sequence[int], ranks: Sequence[int], tokens: int,
+                       num_slots: int, max_rank: Optional[int]) -> None:
+    """GL204 for live segments the kernels would give no rows or no adapter: seg_indptr not prefix sums
+    from 0 within x's tokens, a slot outside the weight stack, a used slot's rank outside [0, max_rank].
+    Messages name positions, never values."""
+    arg = "batch_info.seg_indptr"
+    fix = ("Rebuild seg_indptr for this batch: prefix sums of the segment lengths from 0, ending at most at "
+           "x.shape[0] (or keep num_segments to the live segments).")
+    if indptr[0] != 0:
+        raise GuardError("GL204", argument=arg, function=function, expected="prefix sums starting at 0",
+                         got="a nonzero first entry", fix=fix)
+    for i in range(1, len(indptr)):
+        if indptr[i] < indptr[i - 1]:
+            raise GuardError("GL204", argument=arg, function=function,
+                             expected="non-decreasing prefix sums over the live segments",
+                             got=f"a decrease at index {i}", fix=fix)
+    if indptr[-1] > tokens:
+        raise GuardError("GL204", argument=arg, function=function,
+                         expected=f"offsets in [0, {tokens}] (x's token count) over the live segments",
+                         got=f"an offset past the tokens at index {len(indptr) - 1}", fix=fix)
+    for g, slot in enumerate(slots):
+        if not 0 <= slot < num_slots:
+            raise GuardError("GL204", argument="batch_info.weight_indices", function=function,
+                             expected=f"slots in [0, {num_slots}) (the weight stack's)",
+                             got=f"an out-of-range slot at segment {g}",
+                             fix="Map each segment to a loaded adapter's slot (slot 0 with rank 0 for no adapter).")
+        if max_rank is not None and not 0 <= ranks[slot] <= max_rank:
+            raise GuardError("GL204", argument="batch_info.lora_ranks", function=function,
+                             expected=f"ranks in [0, {max_rank}] (the stored rank) for the slots in use",
+                             got=f"an out-of-range rank for slot {slot} (segment {g})",
+                             fix="Set lora_ranks[slot] to the adapter's rank, at most the stack's stored rank.")
 
 
 def _check_permutation_values(function: str, values: Sequence[int]) -> None:
@@ -276,54 +359,42 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _live_segments(batch_info, num_slots: int, max_rank: int, tokens: Optional[int] = None,
-                   function: str = "lora reference"):
-    """(rows, slot, rank, scaling) per non-empty live segment; slot None for an out-of-range slot/rank.
+def _live_segments(batch_info, num_slots: int, max_rank: int, tokens: int, function: str = "lora reference"):
+    """(rows, slot, rank, scaling) per live segment that takes a product, by the rule of ``lora.triton``'s
+    header: segment ``g`` covers sorted positions ``[c_g, c_{g+1})``, ``c`` the running maximum of
+    ``seg_indptr`` clamped to ``[0, tokens]``; it takes a product when its slot is in ``[0, num_slots)``
+    and that slot's rank in ``(0, max_rank]``. Every other row has no adapter.
 
-    With ``tokens`` (x's row count) given, offsets past it and a ``permutation`` that is not one of
-    ``range(tokens)`` are GL204 (they would index rows out of bounds, or leave rows unwritten)."""
+    A ``permutation`` that is not one of ``range(tokens)`` is GL204 (it would leave rows unwritten)."""
     n = batch_info.num_segments
-    indptr = batch_info.seg_indptr[: n + 1].tolist()
+    bounds = list(itertools.accumulate((min(max(v, 0), tokens) for v in batch_info.seg_indptr[: n + 1].tolist()),
+                                       max))
     slots = batch_info.weight_indices[:n].tolist()
     ranks = batch_info.lora_ranks.tolist()
     scalings = batch_info.scalings.tolist()
     permutation = getattr(batch_info, "permutation", None)
-    if tokens is not None:
-        bad = next((i for i, v in enumerate(indptr) if not 0 <= v <= tokens), None)
-        if bad is not None:
-            raise GuardError("GL204", argument="batch_info.seg_indptr", function=function,
-                             expected=f"offsets in [0, {tokens}] (x's token count) over the live segments",
-                             got=f"an out-of-range offset at index {bad}",
-                             fix="Rebuild seg_indptr for this batch (prefix sums of the segment lengths, ending at "
-                                 "x.shape[0]), or keep num_segments to the live segments.")
-        if permutation is not None:
-            _check_permutation_values(function, permutation.tolist())
+    if permutation is not None:
+        _check_permutation_values(function, permutation.tolist())
     for g in range(n):
-        start, stop = indptr[g], indptr[g + 1]
-        if stop <= start:
+        start, stop = bounds[g], bounds[g + 1]
+        slot = slots[g]
+        if stop <= start or not 0 <= slot < num_slots or not 0 < ranks[slot] <= max_rank:
             continue
         if permutation is not None:
             rows = permutation[start:stop].long()
         else:
             rows = torch.arange(start, stop, device=batch_info.seg_indptr.device)
-        slot = slots[g]
-        if not 0 <= slot < num_slots or not 0 <= ranks[slot] <= max_rank:
-            yield rows, None, 0, math.nan
-        else:
-            yield rows, slot, ranks[slot], scalings[slot]
+        yield rows, slot, ranks[slot], scalings[slot]
 
 
 def sgemm_lora_a_reference(x: Tensor, weights: Tensor, batch_info, stack_num: int = 1) -> Tensor:
     """Definition of :func:`sgemm_lora_a`: per segment, stack ``i`` columns ``[iR, iR + r)`` =
-    ``x[rows] @ A[slot, iR : iR + r].T``; all other columns, and rows of no live segment, are 0."""
+    ``x[rows] @ A[slot, iR : iR + r].T``; all other columns, and rows of no segment or no adapter, are 0."""
     S = x.shape[0]
     R = weights.shape[1] // stack_num
     out = torch.zeros((S, stack_num * R), dtype=x.dtype, device=x.device)
     ct = _compute_dtype(x.dtype)
-    for rows, slot, r, _ in _live_segments(batch_info, weights.shape[0], R, x.shape[0], "sgemm_lora_a"):
-        if slot is None:
-            out[rows] = math.nan
-            continue
+    for rows, slot, r, _ in _live_segments(batch_info, weights.shape[0], R, S, "sgemm_lora_a"):
         xs = x[rows].to(ct)
         for i in range(stack_num):
             out[rows, i * R: i * R + r] = (xs @ weights[slot, i * R: i * R + r].to(ct).T).to(x.dtype)
@@ -338,15 +409,12 @@ def _expand_rows(out: Tensor, rows: Tensor, cols: slice, delta: Tensor, scaling:
 def sgemm_lora_b_reference(x: Tensor, weights: Tensor, batch_info, base_output: Optional[Tensor] = None) -> Tensor:
     """Definition of :func:`sgemm_lora_b`: ``out = base_output or zeros``; per segment
     ``out[rows] += scaling * x[rows, :r] @ B[slot][:, :r].T`` (in place, computed in float32 and rounded
-    once); returns out."""
+    once); rows of no segment or no adapter are left as they are. Returns out."""
     out = base_output if base_output is not None else x.new_zeros((x.shape[0], weights.shape[1]))
     ct = _compute_dtype(x.dtype)
     for rows, slot, r, scaling in _live_segments(batch_info, weights.shape[0], weights.shape[2], x.shape[0],
                                                  "sgemm_lora_b"):
-        if slot is None:
-            out[rows] = math.nan
-        elif r > 0:
-            _expand_rows(out, rows, slice(None), x[rows, :r].to(ct) @ weights[slot, :, :r].to(ct).T, scaling)
+        _expand_rows(out, rows, slice(None), x[rows, :r].to(ct) @ weights[slot, :, :r].to(ct).T, scaling)
     return out
 
 
@@ -359,13 +427,9 @@ def qkv_lora_b_reference(x: Tensor, weights: Tensor, batch_info, output_offset,
     out = base_output if base_output is not None else x.new_zeros((x.shape[0], weights.shape[1]))
     ct = _compute_dtype(x.dtype)
     for rows, slot, r, scaling in _live_segments(batch_info, weights.shape[0], R, x.shape[0], "qkv_lora_b"):
-        if slot is None:
-            out[rows] = math.nan
-            continue
         for i in range(3):
-            if r > 0:
-                delta = x[rows, i * R: i * R + r].to(ct) @ weights[slot, off[i]: off[i + 1], :r].to(ct).T
-                _expand_rows(out, rows, slice(off[i], off[i + 1]), delta, scaling)
+            delta = x[rows, i * R: i * R + r].to(ct) @ weights[slot, off[i]: off[i + 1], :r].to(ct).T
+            _expand_rows(out, rows, slice(off[i], off[i + 1]), delta, scaling)
     return out
 
 
@@ -383,9 +447,6 @@ def step_a_q_reference(q_nope: Tensor, lora_b: Tensor, batch_info, *, qk_nope_he
     out = q_nope.new_zeros((S, H, R))
     ct = _compute_dtype(q_nope.dtype)
     for rows, slot, r, _ in _live_segments(batch_info, lora_b.shape[0], R, q_nope.shape[0], "step_a_q"):
-        if slot is None:
-            out[rows] = math.nan
-            continue
         b_k = _per_head_b(lora_b, slot, H, qk_nope_head_dim, v_head_dim)[:, :qk_nope_head_dim, :r]
         out[rows, :, :r] = torch.einsum("thk,hkr->thr", q_nope[rows].to(ct), b_k.to(ct)).to(out.dtype)
     return out
@@ -397,11 +458,8 @@ def step_b_q_reference(lora_q: Tensor, lora_a: Tensor, batch_info, base_output: 
     out = base_output if base_output is not None else lora_q.new_zeros((S, H, lora_a.shape[2]))
     ct = _compute_dtype(lora_q.dtype)
     for rows, slot, r, scaling in _live_segments(batch_info, lora_a.shape[0], R, lora_q.shape[0], "step_b_q"):
-        if slot is None:
-            out[rows] = math.nan
-        elif r > 0:
-            delta = torch.einsum("thr,rc->thc", lora_q[rows, :, :r].to(ct), lora_a[slot, :r].to(ct))
-            out[rows] = (out[rows].to(ct) + scaling * delta).to(out.dtype)
+        delta = torch.einsum("thr,rc->thc", lora_q[rows, :, :r].to(ct), lora_a[slot, :r].to(ct))
+        out[rows] = (out[rows].to(ct) + scaling * delta).to(out.dtype)
     return out
 
 
@@ -413,9 +471,6 @@ def step_a_v_reference(attn_latent: Tensor, lora_a: Tensor, batch_info) -> Tenso
     out = attn_latent.new_zeros((S, H, R))
     ct = _compute_dtype(attn_latent.dtype)
     for rows, slot, r, _ in _live_segments(batch_info, lora_a.shape[0], R, attn_latent.shape[0], "step_a_v"):
-        if slot is None:
-            out[rows] = math.nan
-            continue
         out[rows, :, :r] = torch.einsum("thc,rc->thr", attn_latent[rows].to(ct),
                                         lora_a[slot, :r].to(ct)).to(out.dtype)
     return out
@@ -429,12 +484,9 @@ def step_b_v_reference(lora_v: Tensor, lora_b: Tensor, batch_info, base_output: 
     out = base_output if base_output is not None else lora_v.new_zeros((S, H, v_head_dim))
     ct = _compute_dtype(lora_v.dtype)
     for rows, slot, r, scaling in _live_segments(batch_info, lora_b.shape[0], R, lora_v.shape[0], "step_b_v"):
-        if slot is None:
-            out[rows] = math.nan
-        elif r > 0:
-            b_v = _per_head_b(lora_b, slot, H, qk_nope_head_dim, v_head_dim)[:, qk_nope_head_dim:, :r]
-            delta = torch.einsum("thr,hvr->thv", lora_v[rows, :, :r].to(ct), b_v.to(ct))
-            out[rows] = (out[rows].to(ct) + scaling * delta).to(out.dtype)
+        b_v = _per_head_b(lora_b, slot, H, qk_nope_head_dim, v_head_dim)[:, qk_nope_head_dim:, :r]
+        delta = torch.einsum("thr,hvr->thv", lora_v[rows, :, :r].to(ct), b_v.to(ct))
+        out[rows] = (out[rows].to(ct) + scaling * delta).to(out.dtype)
     return out
 
 
@@ -574,17 +626,28 @@ def _begin(spec: _Spec, x, weights, backend: Optional[str], base_output=None) ->
     stack against x. Returns the backend."""
     fn = spec.function
     _check_data(fn, spec.x, x, spec.ndim)
+    if base_output is not None and getattr(base_output, "requires_grad", False) and base_output.is_leaf \
+            and _grad_enabled():
+        # Every backend updates base_output in place, which autograd refuses for a leaf that requires grad.
+        raise GuardError("GL205", argument="base_output", function=fn,
+                         expected="a tensor that does not require grad, or a non-leaf one (it is updated in place)",
+                         got=f"{describe(base_output)}, a leaf with requires_grad=True, grad mode enabled",
+                         fix="Pass a tensor that does not require grad (base.detach()); under autograd use the "
+                             "reference backend (backend='torch' or None) on a non-leaf copy (base.clone()), or "
+                             "pass base_output=None and add the result.")
     backend = _resolve_backend(fn, backend, x, (spec.x, x), (spec.weights, weights), ("base_output", base_output))
     _check_weights(fn, spec.weights, weights, x)
     return backend
 
 
-def _end(spec: _Spec, x: Tensor, weights: Tensor, batch_info, base_output: Optional[Tensor], shape: tuple) -> _Batch:
+def _end(spec: _Spec, x: Tensor, weights: Tensor, batch_info, base_output: Optional[Tensor], shape: tuple,
+         max_rank: int) -> _Batch:
     """The checks every public function ends with, after its own shape checks: the output it updates in
-    place (when given) against ``shape``, then the batch info against x and the weight stack."""
+    place (when given) against ``shape``, then the batch info against x and the weight stack (whose stored
+    rank is ``max_rank``)."""
     if base_output is not None:
         _check_output(spec.function, base_output, shape, x)
-    return _check_batch(spec.function, x, batch_info, weights.shape[0])
+    return _check_batch(spec.function, x, batch_info, weights.shape[0], max_rank)
 
 
 def _check_int(function: str, name: str, value, lo: int, hi: Optional[int] = None) -> None:
@@ -622,7 +685,8 @@ def sgemm_lora_a(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, stack_nu
     Tensor
         ``(S, stack_num * R)``, x's dtype and device. For a token of a segment with slot ``s`` and rank
         ``r = lora_ranks[s]``, stack ``i``'s first ``r`` columns are ``x @ A[s, iR : iR + r].T`` and its
-        other columns 0; rows of no live segment are 0.
+        other columns 0; rows of no live segment, or of a segment without an adapter (rank 0, a slot or rank
+        out of range), are 0.
     """
     fn = "sgemm_lora_a"
     spec = _SPECS[fn]
@@ -630,8 +694,8 @@ def sgemm_lora_a(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, stack_nu
     _check_int(fn, "stack_num", stack_num, 1)
     if weights.shape[2] != x.shape[1] or weights.shape[1] % stack_num:
         raise _bad(fn, "weights", f"(num_slots, stack_num * R, K={x.shape[1]}) with stack_num={stack_num}", weights)
-    _rank_of(fn, "weights", weights.shape[1] // stack_num, weights, "weights.shape[1] // stack_num")
-    batch = _end(spec, x, weights, batch_info, None, ())
+    R = _rank_of(fn, "weights", weights.shape[1] // stack_num, weights, "weights.shape[1] // stack_num")
+    batch = _end(spec, x, weights, batch_info, None, (), R)
     if backend == "torch":
         return sgemm_lora_a_reference(x, weights, batch_info, stack_num)
     return _launch(_sgemm_lora_a_op, _sgemm_lora_a_launch, None, x, weights, *_op_batch(batch), stack_num)
@@ -655,7 +719,8 @@ def sgemm_lora_b(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, base_out
         As for :func:`sgemm_lora_a`; ``scalings`` apply here.
     base_output : Tensor, optional
         ``(S, N)``, x's dtype and device, any strides without overlap: updated in place. Rows of segments
-        whose slot has rank 0, and rows of no live segment, are not touched.
+        without an adapter (rank 0, or a slot or rank out of range), and rows of no live segment, are not
+        touched. It must not be a leaf that requires grad while grad mode is on (GL205).
 
     Returns
     -------
@@ -667,9 +732,9 @@ def sgemm_lora_b(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, base_out
     backend = _begin(spec, x, weights, backend, base_output)
     if weights.shape[2] != x.shape[1]:
         raise _bad(fn, "weights", f"(num_slots, N, R={x.shape[1]}) (R = x.shape[1])", weights)
-    _rank_of(fn, "x", x.shape[1], x, "x.shape[1]")
+    R = _rank_of(fn, "x", x.shape[1], x, "x.shape[1]")
     shape = (x.shape[0], weights.shape[1])
-    batch = _end(spec, x, weights, batch_info, base_output, shape)
+    batch = _end(spec, x, weights, batch_info, base_output, shape, R)
     if backend == "torch":
         return sgemm_lora_b_reference(x, weights, batch_info, base_output)
     out = base_output if base_output is not None else _new_output(shape, x.dtype, x.device)
@@ -738,7 +803,7 @@ def qkv_lora_b(x: Tensor, weights: Tensor, batch_info: LoRABatchInfo, output_off
     n_total = weights.shape[1]
     starts, offsets = _slice_starts(fn, output_offset, n_total, x)
     shape = (x.shape[0], n_total)
-    batch = _end(spec, x, weights, batch_info, base_output, shape)
+    batch = _end(spec, x, weights, batch_info, base_output, shape, R)
     if backend == "torch":
         return qkv_lora_b_reference(x, weights, batch_info, starts if starts is not None else offsets, base_output)
     accumulate = base_output is not None
@@ -787,7 +852,7 @@ def step_a_q(q_nope: Tensor, lora_b: Tensor, batch_info: LoRABatchInfo, *, qk_no
     if qk != qk_nope_head_dim:
         raise _bad(fn, "q_nope", f"(S, H, qk_nope_head_dim={qk_nope_head_dim})", q_nope)
     R = _rank_of(fn, "lora_b", lora_b.shape[2], lora_b, "lora_b.shape[2]")
-    batch = _end(spec, q_nope, lora_b, batch_info, None, ())
+    batch = _end(spec, q_nope, lora_b, batch_info, None, (), R)
     if backend == "torch":
         return step_a_q_reference(q_nope, lora_b, batch_info, qk_nope_head_dim=qk_nope_head_dim,
                                   v_head_dim=v_head_dim)
@@ -830,7 +895,7 @@ def step_b_q(lora_q: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, base_out
         raise _bad(fn, "lora_a", f"(num_slots, R={R}, kv_lora_rank) (R = lora_q.shape[2])", lora_a)
     _rank_of(fn, "lora_q", R, lora_q, "lora_q.shape[2]")
     shape = (S, H, lora_a.shape[2])
-    batch = _end(spec, lora_q, lora_a, batch_info, base_output, shape)
+    batch = _end(spec, lora_q, lora_a, batch_info, base_output, shape, R)
     if backend == "torch":
         return step_b_q_reference(lora_q, lora_a, batch_info, base_output)
     out = base_output if base_output is not None else _new_output(shape, lora_q.dtype, lora_q.device)
@@ -870,7 +935,7 @@ def step_a_v(attn_latent: Tensor, lora_a: Tensor, batch_info: LoRABatchInfo, *,
         raise _bad(fn, "lora_a", f"(num_slots, R, kv_lora_rank={attn_latent.shape[2]}) (attn_latent.shape[2])",
                    lora_a)
     R = _rank_of(fn, "lora_a", lora_a.shape[1], lora_a, "lora_a.shape[1]")
-    batch = _end(spec, attn_latent, lora_a, batch_info, None, ())
+    batch = _end(spec, attn_latent, lora_a, batch_info, None, (), R)
     if backend == "torch":
         return step_a_v_reference(attn_latent, lora_a, batch_info)
     a0, a1, a2 = lora_a.stride()
@@ -916,7 +981,7 @@ def step_b_v(lora_v: Tensor, lora_b: Tensor, batch_info: LoRABatchInfo, base_out
                    lora_b)
     _rank_of(fn, "lora_v", R, lora_v, "lora_v.shape[2]")
     shape = (S, H, v_head_dim)
-    batch = _end(spec, lora_v, lora_b, batch_info, base_output, shape)
+    batch = _end(spec, lora_v, lora_b, batch_info, base_output, shape, R)
     if backend == "torch":
         return step_b_v_reference(lora_v, lora_b, batch_info, base_output, qk_nope_head_dim=qk_nope_head_dim,
                                   v_head_dim=v_head_dim)

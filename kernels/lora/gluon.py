@@ -14,8 +14,8 @@ descriptors are built per call); inside a CUDA graph that is gone.
 
 Semantics are the Triton shrink's: each row's adapter is looked up (``_row_adapters``); a tile whose rows
 use several adapters runs its K loop once per adapter (x re-read, mostly from L2), keeping each pass's
-rows; rows of rank-0 slots and rows no live segment covers are zeros, rows of out-of-range slots or ranks
-NaN. Scope (``supports``): bf16/fp16, one head, no permutation (TMA cannot gather rows), unit K stride and
+rows; rows of rank-0 slots, of out-of-range slots or ranks, and rows no live segment covers are zeros.
+Scope (``supports``): bf16/fp16, one head, no permutation (TMA cannot gather rows), unit K stride and
 16-byte aligned rows, a stack of at most ``MAX_N`` columns; every other call takes the Triton kernel.
 """
 from __future__ import annotations
@@ -45,51 +45,47 @@ _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrie
 @gluon.jit
 def _row_adapters(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, row0, num_segments, num_tokens,
                   num_slots, max_rank, BM: gl.constexpr, BLOCK_SEG: gl.constexpr, WARPS_: gl.constexpr):
-    """Per row of the tile: slot, rank, whether it takes a product (``todo``) and whether it is bad; the
-    same rules as the Triton kernels' packed lookup (``lora.triton._row_adapters``). The tables are
-    read as whole vectors, independent of each other, and each row picks its entries out of them in
-    registers: one round trip to memory before W's address is known, not one per dependent lookup."""
+    """Per row of the tile: slot, rank and whether it takes a product (``todo``); the same rules as the
+    Triton kernels' packed lookup (``lora.triton._row_adapters``): a row's segment is the first ``g``
+    with ``seg_indptr[g + 1] > row``, from ``seg_indptr[0]`` on; an out-of-range slot or rank is no
+    adapter. The tables are read as whole vectors, independent of each other, and each row picks its
+    entries out of them in registers: one round trip to memory before W's address is known, not one per
+    dependent lookup."""
     grid2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [WARPS_, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, grid2)
     pos = row0 + gl.arange(0, BM, layout=rows_l)
     # The first chunk of every table at once (a batch of up to BLOCK_SEG segments and slots needs no more).
+    # Offsets, slots and ranks are compared in their own width: an int64 past 2**31 must not wrap.
     g = gl.arange(0, BLOCK_SEG, layout=gl.SliceLayout(0, grid2))
-    starts = gl.load(seg_indptr_ptr + g, mask=g < num_segments, other=0).to(gl.int32)
-    ends = gl.load(seg_indptr_ptr + g + 1, mask=g < num_segments, other=_INT_MAX).to(gl.int32)
-    wi = gl.load(weight_indices_ptr + g, mask=g < num_segments, other=0).to(gl.int32)
-    ranks = gl.load(lora_ranks_ptr + g, mask=g < num_slots, other=0).to(gl.int32)
-    seg = gl.sum((gl.expand_dims(ends, 0) <= gl.expand_dims(pos, 1)).to(gl.int32), axis=1)
+    starts = gl.load(seg_indptr_ptr + g, mask=g < 1, other=0)
+    ends = gl.load(seg_indptr_ptr + g + 1, mask=g < num_segments, other=-1)
+    wi = gl.load(weight_indices_ptr + g, mask=g < num_segments, other=0)
+    ranks = gl.load(lora_ranks_ptr + g, mask=g < num_slots, other=0)
+    first = gl.sum(starts, axis=0)
+    seg = gl.min(gl.where(gl.expand_dims(ends, 0) > gl.expand_dims(pos, 1), gl.expand_dims(g, 0), _INT_MAX), axis=1)
     for g0 in range(BLOCK_SEG, num_segments, BLOCK_SEG):
         gg = g0 + g
-        more = gl.load(seg_indptr_ptr + gg + 1, mask=gg < num_segments, other=_INT_MAX).to(gl.int32)
-        seg += gl.sum((gl.expand_dims(more, 0) <= gl.expand_dims(pos, 1)).to(gl.int32), axis=1)
-    # The row's segment's bounds and slot, picked out of the same vectors (one-hot sums).
-    hit = gl.expand_dims(g, 0) == gl.expand_dims(seg, 1)
-    lo = gl.sum(gl.where(hit, gl.expand_dims(starts, 0), 0), axis=1)
-    hi = gl.sum(gl.where(hit, gl.expand_dims(ends, 0), 0), axis=1)
-    slot = gl.sum(gl.where(hit, gl.expand_dims(wi, 0), 0), axis=1)
+        more = gl.load(seg_indptr_ptr + gg + 1, mask=gg < num_segments, other=-1)
+        seg = gl.minimum(seg, gl.min(gl.where(gl.expand_dims(more, 0) > gl.expand_dims(pos, 1),
+                                              gl.expand_dims(gg, 0), _INT_MAX), axis=1))
+    # The row's segment's slot, picked out of the same vector (one-hot sums).
+    slot = gl.sum(gl.where(gl.expand_dims(g, 0) == gl.expand_dims(seg, 1), gl.expand_dims(wi, 0), 0), axis=1)
     for g0 in range(BLOCK_SEG, num_segments, BLOCK_SEG):
         gg = g0 + g
-        m = gg < num_segments
-        hit = gl.expand_dims(gg, 0) == gl.expand_dims(seg, 1)
-        lo += gl.sum(gl.where(hit, gl.expand_dims(gl.load(seg_indptr_ptr + gg, mask=m, other=0).to(gl.int32), 0),
-                              0), axis=1)
-        hi += gl.sum(gl.where(hit, gl.expand_dims(gl.load(seg_indptr_ptr + gg + 1, mask=m, other=0).to(gl.int32),
-                                                  0), 0), axis=1)
-        slot += gl.sum(gl.where(hit, gl.expand_dims(gl.load(weight_indices_ptr + gg, mask=m, other=0).to(gl.int32),
-                                                    0), 0), axis=1)
-    live = (pos < num_tokens) & (seg < num_segments) & (pos >= lo) & (pos < hi)
+        more = gl.load(weight_indices_ptr + gg, mask=gg < num_segments, other=0)
+        slot += gl.sum(gl.where(gl.expand_dims(gg, 0) == gl.expand_dims(seg, 1), gl.expand_dims(more, 0), 0), axis=1)
+    live = (pos < num_tokens) & (seg < num_segments) & (pos >= first)
     slot_ok = live & (slot >= 0) & (slot < num_slots)
+    slot = gl.where(slot_ok, slot, 0).to(gl.int32)
     rank = gl.sum(gl.where(gl.expand_dims(g, 0) == gl.expand_dims(slot, 1), gl.expand_dims(ranks, 0), 0), axis=1)
     for j0 in range(BLOCK_SEG, num_slots, BLOCK_SEG):
         j = j0 + g
-        more = gl.load(lora_ranks_ptr + j, mask=j < num_slots, other=0).to(gl.int32)
+        more = gl.load(lora_ranks_ptr + j, mask=j < num_slots, other=0)
         rank += gl.sum(gl.where(gl.expand_dims(j, 0) == gl.expand_dims(slot, 1), gl.expand_dims(more, 0), 0),
                        axis=1)
-    rank = gl.where(slot_ok, rank, 0)
-    bad = live & ((slot_ok == 0) | (rank < 0) | (rank > max_rank))
-    todo = slot_ok & (rank > 0) & (bad == 0)
-    return slot, rank, todo, bad
+    todo = slot_ok & (rank > 0) & (rank <= max_rank)
+    return slot, gl.where(todo, rank, 0).to(gl.int32), todo
+
 
 @gluon.jit
 def _issue(desc, bar, buf, row, col):
@@ -115,7 +111,7 @@ def _shrink_gluon_kernel(x_desc, w_desc, out_ptr, seg_indptr_ptr, weight_indices
         if i < n_k:
             _issue(x_desc, x_bars.index(i), x_smem.index(i), row0, i * BK)
 
-    slot, rank, todo, bad = _row_adapters(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, row0,
+    slot, rank, todo = _row_adapters(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, row0,
                                           num_segments, num_tokens, num_slots, max_rank, BM, BLOCK_SEG,
                                           WM * WN)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WM, WN], instr_shape=[16, 8])
@@ -166,7 +162,6 @@ def _shrink_gluon_kernel(x_desc, w_desc, out_ptr, seg_indptr_ptr, weight_indices
                 mbarrier.wait(x_bars.index(i), 0)
 
     rows = row0 + gl.arange(0, BM, layout=rows_l)
-    total = gl.where(gl.expand_dims(gl.convert_layout(bad, rows_l), 1), float("nan"), total)
     ptrs = out_ptr + gl.expand_dims(rows.to(gl.int64) * stride_ot, 1) + gl.expand_dims(cols, 0)
     gl.store(ptrs, total.to(out_ptr.dtype.element_ty),
              mask=gl.expand_dims(rows < num_tokens, 1) & gl.expand_dims(cols < N, 0))

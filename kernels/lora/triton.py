@@ -21,15 +21,24 @@ Expand (``out[t, h, n] = (out[t, h, n] if accumulate else 0) + scaling[slot] * s
 
     grid = (token tiles * column groups, H or 3 qkv slices)
 
-Token tiles are flattened over the segments: segment ``g`` owns ``ceil(len_g / BLOCK_S)`` consecutive
-tiles, and a program finds its segment with one vector load of ``seg_indptr`` and a prefix sum
-(``_find_tile``). ``ceil(S / BLOCK_S) + num_segments (+ 1)`` bounds the tile count, so the grid needs no
-``max_len`` and no host read; programs past the last tile exit. Only the first ``num_segments``
-segments are read (the stale tail of a CUDA-graph buffer never is); a fresh output gets one more
-segment, ``[seg_indptr[num_segments], S)``, written as zeros. Segments with an out-of-range slot or rank
-are written as NaN instead of being read out of bounds (``GUARDLINT_MODE=strict`` reports them as GL204
-before launch). An expand program walks ``BLOCK_N`` column tiles of one column group; the loop is
-software-pipelined, so its base reads are in flight through ``cp.async`` instead of registers.
+Which rows a segment covers, whatever ``seg_indptr`` holds (the torch references in ``lora.api`` agree
+exactly): with ``c_j = min(max(0, seg_indptr[0], ..., seg_indptr[j]), S)``, the running maximum clamped
+to the tokens, live segment ``g < num_segments`` covers sorted positions ``[c_g, c_{g+1})``. For prefix
+sums from 0 that is the usual; a decrease makes no segments overlap (a row added into twice would race),
+a first entry above 0 leaves the head ``[0, c_0)`` to no segment, like the tail ``[c_n, S)``. A segment
+whose slot is outside ``[0, L)`` or whose rank is outside ``[0, R]`` has no adapter, as rank 0 has. Rows
+of no segment or no adapter: shrink writes 0; expand leaves ``out`` as it was when accumulating and
+writes 0 into a fresh output. Nothing is read out of bounds and no NaN comes from metadata.
+``GUARDLINT_MODE=strict`` (and every mode but off, for host tensors) reports such metadata as GL204.
+
+Token tiles are flattened over columns: the live segments, then (fresh outputs) the tail and the head.
+Column ``g`` owns ``ceil(len_g / BLOCK_S)`` consecutive tiles, and a program finds its column with one
+vector load of ``seg_indptr``, a running maximum and a prefix sum (``_find_tile``).
+``ceil(S / BLOCK_S) + num_segments (+ 1)`` bounds the tile count (the column lengths add up to at most
+``S``), so the grid needs no ``max_len`` and no host read; programs past the last tile exit. Only the
+first ``num_segments`` segments are read (the stale tail of a CUDA-graph buffer never is). An expand
+program walks ``BLOCK_N`` column tiles of one column group; the loop is software-pipelined, so its base
+reads are in flight through ``cp.async`` instead of registers.
 
 Decode batches (8 tokens a segment or fewer, ``_PACKED_FROM_CLASS``) take packed expand tiles instead:
 ``BLOCK_S`` consecutive sorted positions whatever their segments, each row's adapter looked up
@@ -102,57 +111,119 @@ EXPAND_HIGH_RANK = 64
 
 
 @triton.jit
-def _find_tile(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, num_segments, num_tokens, num_slots,
-               max_rank, tile, with_tail, HAS_SCALING: tl.constexpr, BLOCK_S: tl.constexpr,
-               BLOCK_SEG: tl.constexpr):
-    """Segment of flattened token tile ``tile`` (-1 past the last tile), its first sorted position and
-    stop, and its adapter: slot, rank, scaling, and whether slot or rank is out of range (``bad``).
+def _max_combine(a, b):
+    return tl.maximum(a, b)
 
-    Segment ``num_segments`` is the tail ``[seg_indptr[num_segments], S)``, counted only when
-    ``with_tail``; it and missing tiles have rank 0."""
-    n_cols = num_segments + with_tail
-    # Columns (segments) that end at or before the tile precede it: their count is the tile's column, their
-    # tiles the column's first tile. Both in one int64 sum: count in the low 32 bits, tiles above.
+
+@triton.jit
+def _pair_sum(a, b, c, d):
+    return a + c, b + d
+
+
+@triton.jit
+def _sum_max(a, b, c, d):
+    return a + c, tl.maximum(b, d)
+
+
+@triton.jit
+def _column_tiles(seg_indptr_ptr, num_segments, num_tokens, tile, n_cols, c0, RUNNING_MAX: tl.constexpr,
+                  BLOCK_S: tl.constexpr, BLOCK_SEG: tl.constexpr):
+    """The tile search of ``_find_tile`` over columns ``[0, n_cols)``: ``(before, span, drop)``. ``before``:
+    count and tiles of the columns ending at or before the tile, in one int64 (count low, tiles high).
+    ``span``, with ``RUNNING_MAX`` only: the tile's column's start and stop (start low, stop high).
+    ``drop``, without it only: the largest decrease between consecutive live offsets; when > 0 the columns
+    are only right with ``RUNNING_MAX``."""
     before = tl.full((), 0, tl.int64)
+    span = tl.full((), 0, tl.int64)
+    drop = tl.full((), 0, tl.int32)
     done = tl.full((), 0, tl.int32)
+    carry = tl.full((), 0, tl.int32)
     for g0 in range(0, n_cols, BLOCK_SEG):
         g = g0 + tl.arange(0, BLOCK_SEG)
         live = g < num_segments
-        lo = tl.load(seg_indptr_ptr + tl.minimum(g, num_segments), mask=g < n_cols, other=0).to(tl.int32)
-        hi = tl.load(seg_indptr_ptr + g + 1, mask=live, other=0).to(tl.int32)
-        # Clamp so that a corrupt seg_indptr can skip tokens but never address memory outside x; the
-        # tail ends at S, columns past it are empty.
-        lo = tl.minimum(tl.maximum(lo, 0), num_tokens)
-        hi = tl.minimum(tl.maximum(tl.where(live, hi, tl.where(g < n_cols, num_tokens, 0)), lo), num_tokens)
+        # Clamped in their own width (an int64 past 2**31 must not wrap into range): a corrupt seg_indptr
+        # can skip tokens but never address memory outside x.
+        starts = tl.load(seg_indptr_ptr + g, mask=g <= num_segments, other=0)
+        ends = tl.load(seg_indptr_ptr + g + 1, mask=live, other=0)
+        starts = tl.minimum(tl.maximum(starts, 0), num_tokens).to(tl.int32)
+        ends = tl.minimum(tl.maximum(ends, 0), num_tokens).to(tl.int32)
+        if RUNNING_MAX:
+            lo = tl.maximum(tl.associative_scan(starts, 0, _max_combine), carry)
+            carry = tl.max(lo, 0)
+        else:
+            lo = starts
+        hi = tl.where(live, tl.maximum(ends, lo), tl.where(g == num_segments, num_tokens, c0))
+        lo = tl.where((g <= num_segments) & (g < n_cols), lo, 0)
+        hi = tl.where(g < n_cols, hi, 0)
         n_tiles = (hi - lo + BLOCK_S - 1) // BLOCK_S
-        ends = tl.cumsum(n_tiles, 0) + done
-        before += tl.sum(tl.where(ends <= tile, n_tiles.to(tl.int64) * 4294967296 + 1, 0), 0)
+        ends_t = tl.cumsum(n_tiles, 0) + done
+        counted = tl.where(ends_t <= tile, n_tiles.to(tl.int64) * 4294967296 + 1, 0)
+        # One reduction for both results (one exchange between warps, not two).
+        if RUNNING_MAX:
+            mine = (ends_t - n_tiles <= tile) & (tile < ends_t)
+            b, sp = tl.reduce((counted, tl.where(mine, hi.to(tl.int64) * 4294967296 + lo, 0)), 0, _pair_sum)
+            span += sp
+        else:
+            b, d = tl.reduce((counted, tl.where(live, starts - ends, 0)), 0, _sum_max)
+            drop = tl.maximum(drop, d)
+        before += b
         done += tl.sum(n_tiles, 0)
+    return before, span, drop
+
+
+@triton.jit
+def _find_tile(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, num_segments, num_tokens, num_slots,
+               max_rank, tile, with_tail, HAS_SCALING: tl.constexpr, BLOCK_S: tl.constexpr,
+               BLOCK_SEG: tl.constexpr):
+    """Column of flattened token tile ``tile`` (-1 past the last tile), its first sorted position and
+    stop, and its adapter: slot, rank (0 for no adapter, or an out-of-range slot or rank) and scaling.
+
+    Columns: the live segments, ``[c_g, c_{g+1})`` with ``c`` the running maximum of ``seg_indptr``
+    clamped to ``[0, S]``; with ``with_tail``, then the rows no segment covers: the tail ``[c_n, S)``
+    (column ``num_segments``) and the head ``[0, c_0)`` (column ``num_segments + 1``), both rank 0."""
+    n_cols = num_segments + 2 * with_tail
+    # The head's end, loaded beside the first chunk, not after it.
+    c0 = tl.minimum(tl.maximum(tl.load(seg_indptr_ptr), 0), num_tokens).to(tl.int32)
+    # Prefix sums never decrease, and then the running maximum is seg_indptr itself: the search takes no scan,
+    # and the column's bounds are two loads beside the slot's. A decrease (seen in the same reduction) runs
+    # the search again with the running maximum, so that no segments overlap (rows added into twice would
+    # race) and none leaves a gap.
+    before, span, drop = _column_tiles(seg_indptr_ptr, num_segments, num_tokens, tile, n_cols, c0, False, BLOCK_S,
+                                       BLOCK_SEG)
+    if drop > 0:
+        before, span, _ = _column_tiles(seg_indptr_ptr, num_segments, num_tokens, tile, n_cols, c0, True, BLOCK_S,
+                                        BLOCK_SEG)
     seg = (before & 4294967295).to(tl.int32)
     first = (before >> 32).to(tl.int32)
     found = seg < n_cols
     live = found & (seg < num_segments)
-    # Scalar loads of the lines just read (L1 hits).
-    lo = tl.load(seg_indptr_ptr + tl.minimum(seg, num_segments), mask=found, other=0).to(tl.int32)
-    hi = tl.load(seg_indptr_ptr + seg + 1, mask=live, other=0).to(tl.int32)
-    slot = tl.load(weight_indices_ptr + seg, mask=live, other=0).to(tl.int32)
-    lo = tl.minimum(tl.maximum(lo, 0), num_tokens)
-    stop = tl.where(found, tl.minimum(tl.maximum(tl.where(live, hi, num_tokens), lo), num_tokens), 0)
+    lo = tl.load(seg_indptr_ptr + seg, mask=found & (seg <= num_segments), other=0)
+    hi = tl.load(seg_indptr_ptr + seg + 1, mask=live, other=0)
+    lo = tl.minimum(tl.maximum(lo, 0), num_tokens).to(tl.int32)
+    hi = tl.minimum(tl.maximum(hi, 0), num_tokens).to(tl.int32)
+    stop = tl.where(live, tl.maximum(hi, lo), tl.where(seg == num_segments, num_tokens, c0))
+    lo = tl.where(drop > 0, (span & 4294967295).to(tl.int32), tl.where(seg > num_segments, 0, lo))
+    stop = tl.where(drop > 0, (span >> 32).to(tl.int32), stop)
+    stop = tl.where(found, stop, 0)
     pos = tl.where(found, lo + (tile - first) * BLOCK_S, 0)
     seg = tl.where(found, seg, -1)
 
-    slot_bad = (slot < 0) | (slot >= num_slots)
-    ok = live & (slot_bad == 0)
-    rank = tl.load(lora_ranks_ptr + slot, mask=ok, other=0).to(tl.int32)
+    # Slots and ranks are range-checked in their own width too.
+    slot = tl.load(weight_indices_ptr + seg, mask=live, other=0)
+    ok = live & (slot >= 0) & (slot < num_slots)
+    slot = tl.where(ok, slot, 0).to(tl.int32)
+    rank = tl.load(lora_ranks_ptr + slot, mask=ok, other=0)
     # Loaded beside the rank, not after it: one round trip less before the loads that matter.
     if HAS_SCALING:
         scaling = tl.load(scalings_ptr + slot, mask=ok, other=0.0).to(tl.float32)
     else:
         scaling = 1.0
-    bad = live & (slot_bad | (rank < 0) | (rank > max_rank))
-    rank = tl.where(bad, 0, rank)
-    slot = tl.where(ok, slot, 0)
-    return seg, pos, stop, slot, rank, scaling, bad
+    # An out-of-range rank is no adapter, as an out-of-range slot is; a scaling that takes no product is 0
+    # (an inf there times a zero product would be NaN).
+    rank = tl.where(ok & (rank > 0) & (rank <= max_rank), rank, 0).to(tl.int32)
+    scaling = tl.where(rank > 0, scaling, 0.0)
+    slot = tl.where(rank > 0, slot, 0)
+    return seg, pos, stop, slot, rank, scaling
 
 
 @triton.jit
@@ -173,26 +244,23 @@ def _tile_rows(permutation_ptr, pos, stop, num_tokens, HAS_PERMUTATION: tl.const
 def _row_adapters(seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, pos, live, num_segments,
                   num_slots, max_rank, BLOCK_SEG: tl.constexpr):
     """Adapter of each row of a packed tile (sorted positions ``pos``; ``live`` rows only): slot, rank,
-    scaling, whether the row takes a product (``todo``: a live segment whose slot has rank > 0) and
-    whether its slot or rank is out of range (``bad``). A row's segment is the number of live segments
-    ending at or before it; rows outside ``[seg_indptr[g], seg_indptr[g + 1])`` of that segment (the tail,
-    a corrupt seg_indptr) take no product."""
-    seg = tl.zeros(pos.shape, tl.int32)
+    scaling and whether the row takes a product (``todo``: a segment whose slot is in range with a rank
+    in ``(0, max_rank]``). A row's segment is the first ``g`` with ``seg_indptr[g + 1] > pos``, and
+    only from ``seg_indptr[0]`` on: the same rows as ``_find_tile``'s running maximum gives each."""
+    seg = tl.full(pos.shape, 2147483647, tl.int32)
     for g0 in range(0, num_segments, BLOCK_SEG):
         g = g0 + tl.arange(0, BLOCK_SEG)
-        ends = tl.load(seg_indptr_ptr + g + 1, mask=g < num_segments, other=2147483647).to(tl.int32)
-        seg += tl.sum((ends[None, :] <= pos[:, None]).to(tl.int32), 1)
-    live = live & (seg < num_segments)
-    lo = tl.load(seg_indptr_ptr + seg, mask=live, other=0).to(tl.int32)
-    hi = tl.load(seg_indptr_ptr + seg + 1, mask=live, other=0).to(tl.int32)
-    live = live & (pos >= lo) & (pos < hi)
-    slot = tl.load(weight_indices_ptr + seg, mask=live, other=0).to(tl.int32)
+        # Compared in the offsets' own width: an int64 past 2**31 must not wrap.
+        ends = tl.load(seg_indptr_ptr + g + 1, mask=g < num_segments, other=-1)
+        seg = tl.minimum(seg, tl.min(tl.where(ends[None, :] > pos[:, None], g[None, :], 2147483647), 1))
+    live = live & (seg < num_segments) & (pos >= tl.load(seg_indptr_ptr))
+    slot = tl.load(weight_indices_ptr + seg, mask=live, other=0)
     slot_ok = live & (slot >= 0) & (slot < num_slots)
-    rank = tl.load(lora_ranks_ptr + slot, mask=slot_ok, other=0).to(tl.int32)
+    slot = tl.where(slot_ok, slot, 0).to(tl.int32)
+    rank = tl.load(lora_ranks_ptr + slot, mask=slot_ok, other=0)
     scaling = tl.load(scalings_ptr + slot, mask=slot_ok, other=0.0).to(tl.float32)
-    bad = live & ((slot_ok == 0) | (rank < 0) | (rank > max_rank))
-    todo = slot_ok & (rank > 0) & (bad == 0)
-    return tl.where(todo, slot, 0), tl.where(todo, rank, 0), scaling, todo, bad
+    todo = slot_ok & (rank > 0) & (rank <= max_rank)
+    return tl.where(todo, slot, 0), tl.where(todo, rank, 0).to(tl.int32), tl.where(todo, scaling, 0.0), todo
 
 
 # Batch-shape scalars change every step; specializing on them (== 1, divisible by 16) would only
@@ -220,7 +288,7 @@ def _lora_shrink_kernel(
     n_blocks_n = (N + BLOCK_N - 1) // BLOCK_N
     tile = pid // n_blocks_n
     pid_n = pid % n_blocks_n
-    seg, pos, stop, slot, rank, _, bad = _find_tile(
+    seg, pos, stop, slot, rank, _ = _find_tile(
         seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, lora_ranks_ptr, num_segments, num_tokens, num_slots,
         max_rank, tile, 1, False, BLOCK_S, BLOCK_SEG)
     rows, t_in = _tile_rows(permutation_ptr, pos, stop, num_tokens, HAS_PERMUTATION, BLOCK_S)
@@ -249,11 +317,11 @@ def _lora_shrink_kernel(
         acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
     out_ptrs = out_ptr + head.to(tl.int64) * stride_oh + rows[:, None] * stride_ot + offs_n[None, :] * stride_on
     if SPLIT_K == 1:
-        _shrink_store(acc, out_ptrs, t_in, n_in, offs_n, rank, max_rank, bad)
-    elif (rank == 0) | bad:
-        # Nothing was reduced: zeros (or NaN) straight from the first part.
+        _shrink_store(acc, out_ptrs, t_in, n_in, offs_n, rank, max_rank)
+    elif rank == 0:
+        # Nothing was reduced: zeros straight from the first part.
         if part == 0:
-            _shrink_store(acc, out_ptrs, t_in, n_in, offs_n, rank, max_rank, bad)
+            _shrink_store(acc, out_ptrs, t_in, n_in, offs_n, rank, max_rank)
     elif seg >= 0:
         # Each part leaves its float32 partial in its own cell and counts itself in; the part that arrives
         # last (the counter starts the launch at zero) adds the partials in part order, so the sum does
@@ -269,16 +337,15 @@ def _lora_shrink_kernel(
             for p in tl.static_range(SPLIT_K):
                 # .cg: from L2, where the other parts' writes are, never a stale L1 line.
                 total += tl.load(cells + p * (BLOCK_S * BLOCK_N) + cell, cache_modifier=".cg")
-            _shrink_store(total, out_ptrs, t_in, n_in, offs_n, rank, max_rank, bad)
+            _shrink_store(total, out_ptrs, t_in, n_in, offs_n, rank, max_rank)
             # Every part has counted itself in: the counter is zero again for the next launch on the stream.
             tl.store(arrivals_ptr + tile_id, 0)
 
 
 @triton.jit
-def _shrink_store(acc, out_ptrs, t_in, n_in, offs_n, rank, max_rank, bad):
+def _shrink_store(acc, out_ptrs, t_in, n_in, offs_n, rank, max_rank):
     # Columns are stacks of R; in each stack only the slot's first r columns are the product.
     acc = tl.where(((offs_n % max_rank) < rank)[None, :], acc, 0.0)
-    acc = tl.where(bad, float("nan"), acc)
     tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=t_in[:, None] & n_in[None, :])
 
 
@@ -312,12 +379,12 @@ def _lora_expand_kernel(
         # a tile); each row looks its adapter up, and the tile takes one dot per distinct adapter.
         rows, t_in = _tile_rows(permutation_ptr, tile * BLOCK_S, num_tokens, num_tokens, HAS_PERMUTATION,
                                 BLOCK_S)
-        slot, rank, scaling, todo, bad = _row_adapters(
+        slot, rank, scaling, todo = _row_adapters(
             seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, tile * BLOCK_S + tl.arange(0, BLOCK_S),
             t_in, num_segments, num_slots, max_rank, BLOCK_SEG)
         w_slot = 0
     else:
-        seg, pos, stop, slot, rank, scaling, bad = _find_tile(
+        seg, pos, stop, slot, rank, scaling = _find_tile(
             seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, scalings_ptr, num_segments, num_tokens, num_slots,
             max_rank, tile, with_tail, True, BLOCK_S, BLOCK_SEG)
         rows, t_in = _tile_rows(permutation_ptr, pos, stop, num_tokens, HAS_PERMUTATION, BLOCK_S)
@@ -366,14 +433,13 @@ def _lora_expand_kernel(
     # the rows without one; a tile without any skips its columns).
     if PACKED:
         if ACCUMULATE:
-            t_in = t_in & (todo | bad)
+            t_in = t_in & todo
             skip = tl.max(t_in.to(tl.int32), 0) == 0
         else:
             skip = False
         scaling = scaling[:, None]
-        bad = bad[:, None]
     elif ACCUMULATE:
-        skip = (rank == 0) & (bad == 0)
+        skip = rank == 0
     else:
         skip = seg < 0
     nb_hi = tl.where(skip, nb_lo, nb_hi)
@@ -383,60 +449,60 @@ def _lora_expand_kernel(
     # value would also apply to the other branch.
     if ALIGNED_SLICES:
         _expand_columns(xt, w_ptr + w_off, out_ptr, out_rows, (n_lo // 8) * 8, (width // 8) * 8, nb_lo, nb_hi,
-                        t_in, x_rows, stride_xk, slot, todo, rank, max_rank, scaling, bad, stride_wl, stride_wn,
+                        t_in, x_rows, stride_xk, slot, todo, rank, max_rank, scaling, stride_wl, stride_wn,
                         stride_wk, stride_on, ACCUMULATE, PACKED, UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K,
                         K_CHUNKS, STAGES)
     elif SLICES == 2:
         if ((n_lo % 8) == 0) & ((width % 8) == 0):
             _expand_columns(xt, w_ptr + w_off, out_ptr, out_rows, (n_lo // 8) * 8, (width // 8) * 8, nb_lo, nb_hi,
-                            t_in, x_rows, stride_xk, slot, todo, rank, max_rank, scaling, bad, stride_wl, stride_wn,
+                            t_in, x_rows, stride_xk, slot, todo, rank, max_rank, scaling, stride_wl, stride_wn,
                             stride_wk, stride_on, ACCUMULATE, PACKED, UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K,
                             K_CHUNKS, STAGES)
         else:
             _expand_columns(xt, w_ptr + w_off, out_ptr, out_rows, n_lo, width, nb_lo, nb_hi,
-                            t_in, x_rows, stride_xk, slot, todo, rank, max_rank, scaling, bad, stride_wl, stride_wn,
+                            t_in, x_rows, stride_xk, slot, todo, rank, max_rank, scaling, stride_wl, stride_wn,
                             stride_wk, stride_on, ACCUMULATE, PACKED, UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K,
                             K_CHUNKS, STAGES)
     else:
         _expand_columns(xt, w_ptr + w_off, out_ptr, out_rows, n_lo, width, nb_lo, nb_hi,
-                        t_in, x_rows, stride_xk, slot, todo, rank, max_rank, scaling, bad, stride_wl, stride_wn,
+                        t_in, x_rows, stride_xk, slot, todo, rank, max_rank, scaling, stride_wl, stride_wn,
                         stride_wk, stride_on, ACCUMULATE, PACKED, UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K,
                         K_CHUNKS, STAGES)
 
 
 @triton.jit
 def _expand_columns(xt, w_slot_ptr, out_ptr, out_rows, n_lo, width, nb_lo, nb_hi, t_in, x_rows, stride_xk, slot,
-                    todo, rank, max_rank, scaling, bad, stride_wl, stride_wn, stride_wk, stride_on,
+                    todo, rank, max_rank, scaling, stride_wl, stride_wn, stride_wk, stride_on,
                     ACCUMULATE: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, STAGES: tl.constexpr):
     """Column tiles ``[nb_lo, nb_hi)`` (clipped to ``width``) of one token tile, from column ``n_lo`` on:
-    ``out = (out if ACCUMULATE) + scaling * x @ W`` per tile, NaN where ``bad``. The rank is one dot
+    ``out = (out if ACCUMULATE) + scaling * x @ W`` per tile. The rank is one dot
     operand ``xt`` (``K_CHUNKS == 1``) or ``K_CHUNKS`` chunks of x re-read per tile (ranks above 128).
-    Packed tiles: ``slot``, ``todo``, ``rank`` are per row (scaling and bad per row too) and each distinct
+    Packed tiles: ``slot``, ``todo``, ``rank`` are per row (scaling too) and each distinct
     slot among the ``todo`` rows adds its own dot, its rows alone selected."""
     nb_hi = tl.minimum(nb_hi, (width + BLOCK_N - 1) // BLOCK_N)
     w_cols = w_slot_ptr + n_lo.to(tl.int64) * stride_wn
     out_rows = out_ptr + n_lo.to(tl.int64) * stride_on + out_rows
     if PACKED:
         _expand_tiles(xt, w_cols, out_rows, width, nb_lo, nb_hi, t_in, x_rows, stride_xk, slot, todo, rank,
-                      max_rank, scaling, bad, stride_wl, stride_wn, stride_wk, stride_on, ACCUMULATE, PACKED, True,
+                      max_rank, scaling, stride_wl, stride_wn, stride_wk, stride_on, ACCUMULATE, PACKED, True,
                       UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K, K_CHUNKS, STAGES)
     elif rank == max_rank:
         # Every stored rank column is the adapter's: W's tiles go to the dot as loaded. Selecting its
         # columns costs a round trip through shared memory per tile (side by side on the H200, same
         # configs: rank 64 prefill 28.9 against 32.1 us, 512 tokens at rank 16 5.6 against 6.2 us).
         _expand_tiles(xt, w_cols, out_rows, width, nb_lo, nb_hi, t_in, x_rows, stride_xk, slot, todo, rank,
-                      max_rank, scaling, bad, stride_wl, stride_wn, stride_wk, stride_on, ACCUMULATE, PACKED, False,
+                      max_rank, scaling, stride_wl, stride_wn, stride_wk, stride_on, ACCUMULATE, PACKED, False,
                       UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K, K_CHUNKS, STAGES)
     else:
         _expand_tiles(xt, w_cols, out_rows, width, nb_lo, nb_hi, t_in, x_rows, stride_xk, slot, todo, rank,
-                      max_rank, scaling, bad, stride_wl, stride_wn, stride_wk, stride_on, ACCUMULATE, PACKED, True,
+                      max_rank, scaling, stride_wl, stride_wn, stride_wk, stride_on, ACCUMULATE, PACKED, True,
                       UPCAST, DOT_PRECISION, BLOCK_N, BLOCK_K, K_CHUNKS, STAGES)
 
 
 @triton.jit
 def _expand_tiles(xt, w_cols, out_rows, width, nb_lo, nb_hi, t_in, x_rows, stride_xk, slot, todo, rank, max_rank,
-                  scaling, bad, stride_wl, stride_wn, stride_wk, stride_on, ACCUMULATE: tl.constexpr,
+                  scaling, stride_wl, stride_wn, stride_wk, stride_on, ACCUMULATE: tl.constexpr,
                   PACKED: tl.constexpr, W_SELECT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNKS: tl.constexpr, STAGES: tl.constexpr):
     """The column loop of ``_expand_columns``; ``W_SELECT``: zero W's columns past the rank (they may hold
@@ -466,7 +532,6 @@ def _expand_tiles(xt, w_cols, out_rows, width, nb_lo, nb_hi, t_in, x_rows, strid
         acc = acc * scaling
         if ACCUMULATE:
             acc = acc + base.to(tl.float32)
-        acc = tl.where(bad, float("nan"), acc)
         tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=out_mask)
 
 

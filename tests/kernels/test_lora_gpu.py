@@ -100,14 +100,14 @@ def test_gluon_shrink_stacks_and_ranks(stack_num, R, gluon_calls, monkeypatch):
     assert gluon_calls
 
 
-def test_gluon_shrink_poisons_out_of_range_slots_and_ranks(gluon_calls):
+def test_gluon_shrink_zeroes_out_of_range_slots_and_ranks(gluon_calls):
     lens = [300, 200, 600, 100]
     info, S = batch(lens, [10 ** 6, 1, 0, 3], [16, 17, 0, 9])  # slot 1: rank above the stored 16
     g = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(S, 512, generator=g, device="cuda").to(torch.bfloat16)
     w = (torch.randn(SLOTS, 16, 512, generator=g, device="cuda") * 512 ** -0.5).to(torch.bfloat16)
-    out = sgemm_lora_a(x, w, info)  # derive mode: values are not checked before launch
-    assert torch.isnan(out[:500]).all() and not torch.isnan(out[500:]).any()
+    out = sgemm_lora_a(x, w, info)  # derive mode: device values are not checked before launch
+    assert torch.equal(out[:500], torch.zeros_like(out[:500])) and out[500:].abs().sum() > 0
     check(out, x, w, info)
     assert gluon_calls
 

@@ -105,7 +105,7 @@ def test_the_grid_does_not_depend_on_max_len_so_a_short_one_drops_no_tokens(max_
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["segment-tiles", "packed-tiles"])
-def test_out_of_range_slot_and_rank_poison_their_rows_instead_of_reading_out_of_bounds(packed, monkeypatch):
+def test_out_of_range_slot_and_rank_are_no_adapter_instead_of_reading_out_of_bounds(packed, monkeypatch):
     monkeypatch.setattr(lora._k, "_PACKED_FROM_CLASS", 0 if packed else 99)
     info, S = layout("mixed", 16)
     info.weight_indices = info.weight_indices.clone()
@@ -113,19 +113,26 @@ def test_out_of_range_slot_and_rank_poison_their_rows_instead_of_reading_out_of_
     info.lora_ranks = torch.tensor([16, 17, 0, 9], dtype=torch.int32)  # slot 1 (segments 1, 3): rank too big
     x, w = rand(S, 16, dtype=torch.float32, seed=7), rand(SLOTS, 40, 16, dtype=torch.float32, seed=8)
     base = rand(S, 40, dtype=torch.float32, seed=9)
-    out = sgemm_lora_b(x, w, info, base.clone())  # derive mode: no value checks, max_len given
+    with pytest.raises(GuardError) as err:  # host tensors: checked in derive mode too
+        sgemm_lora_b(x, w, info, base.clone())
+    assert err.value.code == "GL204" and err.value.argument == "batch_info.weight_indices"
+    with mode("off"):  # as device tensors go in derive mode: no value checks, max_len given
+        out = sgemm_lora_b(x, w, info, base.clone())
     ref = sgemm_lora_b_reference(x, w, info, base.clone())
     bad = list(range(0, 5)) + list(range(6, 23))
-    assert torch.isnan(out[bad]).all() and torch.isnan(ref[bad]).all()
-    good = [r for r in range(S) if r not in bad]
-    torch.testing.assert_close(out[good], ref[good], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[bad], base[bad]) and torch.equal(ref[bad], base[bad])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_corrupt_live_seg_indptr_is_clamped_to_x():
     x, w, info = shrink_inputs()
     info.seg_indptr = torch.tensor([0, 5, 10 ** 6, -3, 20, 30, 31], dtype=torch.int32)
-    out = sgemm_lora_a(x, w, info)  # derive mode with max_len given: nothing checks the values
-    assert out.shape == (x.shape[0], 16)
+    with pytest.raises(GuardError) as err:
+        sgemm_lora_a(x, w, info)
+    assert err.value.code == "GL204" and err.value.argument == "batch_info.seg_indptr"
+    with mode("off"):
+        out = sgemm_lora_a(x, w, info)
+    torch.testing.assert_close(out, sgemm_lora_a_reference(x, w, info), rtol=1e-5, atol=1e-5)
 
 
 def _errors():
