@@ -100,8 +100,11 @@ def _gluon_eager(q, k, v, cu_seqlens, max_seqlen: int, scale: float, causal: boo
 
 # -- validation (GL106: what no backend can take) ---------------------------------------------------
 
-def _bad(argument: str, expected: str, got: str, function: str, detail: str = "") -> GuardError:
-    return GuardError("GL106", argument=argument, expected=expected, got=got, function=function, detail=detail)
+def _bad(argument: str, expected: str, got: str, function: str, detail: str = "",
+         fix: Optional[str] = None) -> GuardError:
+    """GL106 with the fix that fits this failure (None: the catalog's reshape advice, for the layout ones)."""
+    return GuardError("GL106", argument=argument, expected=expected, got=got, function=function, detail=detail,
+                      fix=fix)
 
 
 def _cannot_run(backend: str, q: torch.Tensor, function: str) -> GuardError:
@@ -117,6 +120,8 @@ def _cannot_run(backend: str, q: torch.Tensor, function: str) -> GuardError:
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_CU_FIX = "Pass cu_seqlens as a 1-D int32 tensor of token offsets (B+1,)."
+_BACKEND_FIX = f"Use one of {', '.join(BACKENDS)}."
 
 
 def _inputs_fit(q: Any, k: Any, v: Any, cu_seqlens: Any) -> bool:
@@ -131,6 +136,7 @@ def _inputs_fit(q: Any, k: Any, v: Any, cu_seqlens: Any) -> bool:
                 and kv_dim == head_dim and kv_heads > 0 and heads % kv_heads == 0 and head_dim % 16 == 0
                 and 16 <= head_dim <= MAX_HEAD_DIM and dtype in DTYPES and k.dtype is dtype and v.dtype is dtype
                 and cu_seqlens.dtype in _INDEX_DTYPES and cu_seqlens.dim() == 1 and cu_seqlens.numel() > 0
+                and cu_seqlens.layout is torch.strided
                 and k.device == device and v.device == device and cu_seqlens.device == device)
     except (AttributeError, TypeError, ValueError):
         return False
@@ -148,47 +154,66 @@ def _check_inputs(function: str, q: Any, k: Any, v: Any, cu_seqlens: Any) -> Non
             raise _bad(name, f"a 3-D tensor {shape}", describe(t), function,
                        "Packed varlen layout: flatten (B, S, H, D) to (B*S, H, D) and pass cu_seqlens.")
     if q.dtype not in DTYPES:
-        raise _bad("q", "float16, bfloat16 or float32", describe(q), function)
+        raise _bad("q", "float16, bfloat16 or float32", describe(q), function,
+                   fix="Cast q, k and v to one of float16, bfloat16 or float32.")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
-            raise _bad(name, f"q's dtype {q.dtype}", describe(t), function)
+            raise _bad(name, f"q's dtype {q.dtype}", describe(t), function, fix="Cast k and v to q's dtype.")
         if t.device != q.device:
-            raise _bad(name, f"q's device {q.device}", describe(t), function)
+            raise _bad(name, f"q's device {q.device}", describe(t), function,
+                       fix="Move q, k and v to one device (k.to(q.device)).")
     total, heads, head_dim = q.shape
     if k.shape != v.shape:
-        raise _bad("v", f"k's shape {tuple(k.shape)}", describe(v), function)
+        raise _bad("v", f"k's shape {tuple(k.shape)}", describe(v), function,
+                   fix="Pass v with k's shape (total_tokens, num_kv_heads, head_dim).")
     if k.shape[0] != total:
-        raise _bad("k", f"{total} tokens (q's total_tokens)", describe(k), function)
+        raise _bad("k", f"{total} tokens (q's total_tokens)", describe(k), function,
+                   fix="Pack k and v with the same cu_seqlens as q (one row per token).")
     if k.shape[2] != head_dim:
-        raise _bad("k", f"head_dim {head_dim} (q's)", describe(k), function)
+        raise _bad("k", f"head_dim {head_dim} (q's)", describe(k), function, fix="Project k and v to q's head_dim.")
     if heads < 1 or k.shape[1] < 1 or heads % k.shape[1]:
-        raise _bad("k", f"num_kv_heads dividing num_heads={heads} (GQA)", describe(k), function)
+        raise _bad("k", f"num_kv_heads dividing num_heads={heads} (GQA)", describe(k), function,
+                   fix="Use a num_kv_heads that divides num_heads (or repeat kv heads: "
+                       "k.repeat_interleave(num_heads // num_kv_heads, dim=1)).")
     if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:
         raise _bad("q", f"head_dim 64, 80, 96, 128 or another multiple of 16 up to {MAX_HEAD_DIM}",
-                   describe(q), function)
+                   describe(q), function,
+                   fix="Pad head_dim to a multiple of 16 (at most 256) and slice the output, or use backend=\"sdpa\".")
     if not isinstance(cu_seqlens, torch.Tensor):
-        raise _bad("cu_seqlens", "an integer tensor of token offsets (B+1,)", describe(cu_seqlens), function)
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in _INDEX_DTYPES:
-        raise _bad("cu_seqlens", "a 1-D int32/int64 tensor (B+1,)", describe(cu_seqlens), function)
+        raise _bad("cu_seqlens", "an integer tensor of token offsets (B+1,)", describe(cu_seqlens), function,
+                   fix=_CU_FIX)
+    if cu_seqlens.layout is not torch.strided:
+        # A sparse (or other non-strided) tensor has no data pointer for a kernel, nor host values to slice.
+        raise _bad("cu_seqlens", "a dense (strided) 1-D tensor of token offsets (B+1,)",
+                   f"{describe(cu_seqlens)} with layout {cu_seqlens.layout}", function, fix=_CU_FIX)
+    if cu_seqlens.dim() != 1:
+        # A (1, B+1) tensor would read as one sequence boundary per row: offsets no sequence spans, zeros out.
+        raise _bad("cu_seqlens", "1-D token offsets (B+1,)", f"shape {tuple(cu_seqlens.shape)}", function,
+                   fix=_CU_FIX)
+    if cu_seqlens.numel() < 1 or cu_seqlens.dtype not in _INDEX_DTYPES:
+        raise _bad("cu_seqlens", "a 1-D int32/int64 tensor (B+1,)", describe(cu_seqlens), function, fix=_CU_FIX)
     if cu_seqlens.device != q.device:
         raise _bad("cu_seqlens", f"q's device {q.device}", describe(cu_seqlens), function,
-                   "A kernel would read a host pointer on the GPU (an illegal memory access).")
+                   "A kernel would read a host pointer on the GPU (an illegal memory access).",
+                   fix="Move cu_seqlens to q's device once per batch (cu_seqlens.to(q.device, non_blocking=True)).")
 
 
 def _check_call(function: str, max_seqlen: Any, softmax_scale: Any, causal: Any, backend: Any,
                 max_seqlen_verified: Any = False) -> None:
     if type(max_seqlen_verified) is not bool:
-        raise _bad("max_seqlen_verified", "a bool (set by the guard)", describe(max_seqlen_verified), function)
+        raise _bad("max_seqlen_verified", "a bool (set by the guard)", describe(max_seqlen_verified), function,
+                   fix="Leave max_seqlen_verified to the guard.")
     if type(max_seqlen) is not int or max_seqlen < 0:
         raise GuardError("GL103", argument="max_seqlen", function=function,
                          expected="a Python int >= 0 (the longest sequence)", got=describe(max_seqlen))
     if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool)
                                       or not math.isfinite(softmax_scale)):
-        raise _bad("softmax_scale", "None or a finite float", describe(softmax_scale), function)
+        raise _bad("softmax_scale", "None or a finite float", describe(softmax_scale), function,
+                   fix="Pass softmax_scale=None (head_dim ** -0.5) or a finite float.")
     if not isinstance(causal, bool):
-        raise _bad("causal", "a bool", describe(causal), function)
+        raise _bad("causal", "a bool", describe(causal), function, fix="Pass causal=True or causal=False.")
     if backend not in BACKENDS:
-        raise _bad("backend", " / ".join(repr(b) for b in BACKENDS), describe(backend), function)
+        raise _bad("backend", " / ".join(repr(b) for b in BACKENDS), describe(backend), function, fix=_BACKEND_FIX)
 
 
 # -- backend choice ---------------------------------------------------------------------------------
@@ -268,6 +293,15 @@ def hint_verified(q: torch.Tensor, max_seqlen: int, max_seqlen_verified: bool) -
 # other call that ``gluon`` or ``auto`` would send there runs on the Triton kernel (``auto``: the fastest other
 # measured backend). The guard passes ``max_seqlen_verified=True`` where it derived max_seqlen from the
 # offsets or checked the caller's value against them.
+# Two other backends trust the hint and are treated the same way: torch's varlen flash (``torch-varlen``) sizes
+# its grid by max_seqlen, and FlashInfer's cuDNN prefill (``flashinfer-cudnn``) takes it as
+# max_token_per_sequence; with a hint below the longest sequence either can leave rows unwritten. So ``auto``
+# and ``flashinfer`` leave them out where the hint is unverified, and an explicit choice of either runs the
+# Triton kernel (``sdpa`` for ``torch-varlen`` where grad is needed, as only it keeps the graph). FlashInfer's
+# ragged FA2/FA3 path is not affected: it plans from the host offsets (``_host_offsets``), not from the hint.
+HINT_TRUSTING = ("gluon", "torch-varlen", "flashinfer-cudnn")
+
+
 def _resolve(backend: str, q, k, cu_seqlens, max_seqlen: int, scale: float, causal: bool, function: str,
              eager: bool = True, verified: bool = False) -> str:
     if backend == "auto" or backend == "flashinfer":
@@ -281,7 +315,7 @@ def _resolve(backend: str, q, k, cu_seqlens, max_seqlen: int, scale: float, caus
         def runnable(candidate: str) -> bool:
             if only_fi and not candidate.startswith("flashinfer-"):
                 return False
-            if candidate == "gluon" and not verified:
+            if candidate in HINT_TRUSTING and not verified:
                 return False
             return _runnable(candidate, q, k, scale, causal)
 
@@ -295,11 +329,11 @@ def _resolve(backend: str, q, k, cu_seqlens, max_seqlen: int, scale: float, caus
             # Not in the table for this shape: FA3 on Hopper, else FA2, else cuDNN; a head dim none of them
             # runs (80, 96, ...) goes to our kernel rather than to padded copies.
             choice = next((f"flashinfer-{v}" for v in ("fa3", "fa2", "cudnn")
-                           if _runnable(f"flashinfer-{v}", q, k, scale, causal)), "triton")
+                           if runnable(f"flashinfer-{v}")), "triton")
         return choice
     if not _runnable(backend, q, k, scale, causal):
         raise _cannot_run(backend, q, function)
-    if backend == "gluon" and not verified:
+    if backend in HINT_TRUSTING and not verified:
         return "triton"
     return backend
 
@@ -406,7 +440,8 @@ def _runner(name: str, q, cu_seqlens, function: str):
         return _run_empty
     if name in ("triton", "gluon") and (cu_seqlens.shape[0] - 1 > _MAX_GRID_YZ or q.shape[1] > _MAX_GRID_YZ):
         raise _bad("cu_seqlens", f"at most {_MAX_GRID_YZ} sequences and heads per launch (CUDA grid y/z)",
-                   describe(cu_seqlens), function)
+                   describe(cu_seqlens), function,
+                   fix="Split the batch into launches of at most 65535 sequences (or heads), or use backend=\"sdpa\".")
     return _RUNNERS[name]
 
 
@@ -431,9 +466,10 @@ def _run(name: str, q, k, v, cu_seqlens, sequence_lengths, max_seqlen: int, scal
     return run(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function)
 
 
-# Per call signature (backend, shapes, dtypes, devices, max_seqlen, scale, causal, max_seqlen_verified): the validated,
-# resolved (runner, scale). A hit skips validation and the backend choice, which depend on nothing else
-# (exact tensor types and scalar types are checked before the lookup, so 7.0 or True never hit 7 or 1).
+# Per call signature (backend, shapes, dtypes, devices, cu_seqlens layout, max_seqlen, scale, causal,
+# max_seqlen_verified): the validated, resolved (runner, scale). A hit skips validation and the backend choice,
+# which depend on nothing else (exact tensor types and scalar types are checked before the lookup, so 7.0 or
+# True never hit 7 or 1).
 # Emptied with the dispatch table (``dispatch.reset()``); not used while torch.compile traces.
 _calls: dict = {}
 _MAX_CALLS = 4096
@@ -507,6 +543,8 @@ def _checked_call(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale,
     backend = _for_grad(backend, grad, function)
     if isinstance(backend, GuardError):
         raise backend
+    if grad is not None and backend == "torch-varlen" and not hint_verified(q, max_seqlen, max_seqlen_verified):
+        backend = "sdpa"  # the hint is not trusted (see HINT_TRUSTING), and the Triton kernel has no backward
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
     if max_seqlen == 0 and q.shape[0] > 0 and cu_seqlens.shape[0] > 1:
         # Offsets from 0 to total_tokens with no sequence longer than 0 cannot cover any token: a kernel
@@ -574,8 +612,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             and type(softmax_scale) in _SCALE_TYPES and type(max_seqlen_verified) is bool
             and not torch.compiler.is_compiling()):
         signature = (backend, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, cu_seqlens.dtype, q.device,
-                     k.device, v.device, cu_seqlens.device, cu_seqlens.shape, max_seqlen, softmax_scale, causal,
-                     grad, max_seqlen_verified)
+                     k.device, v.device, cu_seqlens.device, cu_seqlens.shape, cu_seqlens.layout, max_seqlen,
+                     softmax_scale, causal, grad, max_seqlen_verified)
         plans = _calls.get(signature)
         if plans is not None:
             eager_plan, capture_plan = plans
@@ -714,7 +752,11 @@ def cudnn_vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         token_cu = cu_seqlens
     if not isinstance(token_cu, torch.Tensor):
         token_cu = getattr(fm, "packed_indptrs", None)
-    _check_inputs(function, q, k, v, token_cu.view(-1) if isinstance(token_cu, torch.Tensor) else token_cu)
+    if fm is not None and isinstance(token_cu, torch.Tensor) and token_cu.layout is torch.strided:
+        # A plan's offsets are checked flat; the caller's own cu_seqlens is checked as given, since a (1, B+1)
+        # tensor read as flat offsets by one path and by rows by another would give zeros, not an error.
+        token_cu = token_cu.view(-1)
+    _check_inputs(function, q, k, v, token_cu)
     if fm is None:
         n = sequence_lengths.numel()
         if cu_seqlens.numel() not in (n + 1, 3 * (n + 1)):
@@ -731,22 +773,29 @@ def cudnn_vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         # covers every token; a 4-D q fixes both exactly.
         if reshaped and (bsz, seq_len) != tuple(batch_shape):
             raise _bad("bsz", f"q's leading dims (bsz, seq_len) = {tuple(batch_shape)}", f"({bsz}, {seq_len})",
-                       function)
+                       function, fix="Pass bsz and seq_len as q's leading dims (bsz, seq_len) for a 4-D q.")
         if bsz * seq_len < q.shape[0]:
             raise _bad("seq_len", f"bsz * seq_len >= q's token count {q.shape[0]}", f"bsz={bsz}, seq_len={seq_len}",
-                       function)
+                       function, fix="Pass bsz and seq_len with bsz * seq_len covering q's tokens.")
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
     if backend is not None and backend not in BACKENDS:
-        raise _bad("backend", " / ".join(repr(b) for b in BACKENDS), describe(backend), function)
+        raise _bad("backend", " / ".join(repr(b) for b in BACKENDS), describe(backend), function, fix=_BACKEND_FIX)
+    verified = hint_verified(q, max_seqlen, max_seqlen_verified is True)
     grad = _needs_grad(q, k, v)
     if grad is not None:
         backend = _for_grad(backend or "auto", grad, function)
         if isinstance(backend, GuardError):
             raise backend
+        if backend == "torch-varlen" and not verified:
+            backend = "sdpa"  # as in varlen_attention: the hint is not trusted, and only sdpa keeps the graph
     use_cudnn = (backend in (None, "flashinfer-cudnn") and k.shape[1] == q.shape[1]
                  and _runnable("flashinfer-cudnn", q, k, scale, False))
     if backend == "flashinfer-cudnn" and not use_cudnn:
         raise _cannot_run(backend, q, function)
+    if use_cudnn and not verified:
+        # cuDNN takes max_seqlen as max_token_per_sequence (see HINT_TRUSTING): an unverified hint goes to the
+        # choice below, which leaves cuDNN out (an explicit "flashinfer-cudnn" runs the Triton kernel there).
+        use_cudnn = False
     if use_cudnn:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         qk_off, v_off, o_off, lengths, max_seqlen = _packed_view(q, k, fm, cu_seqlens, sequence_lengths, max_seqlen)

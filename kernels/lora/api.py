@@ -16,8 +16,10 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from guardlint.guard import GuardError, _state as _guard_state, describe, guard_lora
+from guardlint.guard._cache import fingerprint as _fingerprint, unchanged as _unchanged
 from guardlint.guard.metadata import capturing as _capturing, read_host as _read_host
 from guardlint.guard.validate import permutation_error
 
@@ -138,7 +140,7 @@ def _check_meta(function: str, name: str, t, device: torch.device, min_len: int,
 
 
 # Batch infos that passed _check_batch: id -> (weak reference, field values, device, tokens, (slots, stored
-# rank), _Batch, versions of the fields whose values were checked).
+# rank), _Batch, fingerprints of the fields whose values were checked).
 # Every layer of a forward calls several kernels with one batch info; checking it once saves ~3 µs a call.
 _checked: dict = {}
 _CHECKED_CAPACITY = 8
@@ -150,13 +152,13 @@ def _check_batch(function: str, x: Tensor, batch_info, num_slots: int, max_rank:
 
     A batch info seen before with the same field objects (compared by identity, so a field set to
     another tensor or int is checked again), x's device, token count, num_slots and max_rank, and the same
-    versions of the fields whose values were read, is not re-checked."""
+    contents (host) or versions (device) of the fields whose values were read, is not re-checked."""
     entry = _checked.get(id(batch_info))
     if entry is not None and entry[0]() is batch_info and entry[3] == x.shape[0] \
             and entry[4] == (num_slots, max_rank) and entry[2] == x.device:
         now = getattr(batch_info, "__dict__", None)
         if now is not None and len(now) == len(entry[1]) and all(map(operator.is_, now.values(), entry[1])) \
-                and _versions(entry[5]) == entry[6]:
+                and _still(entry[5], entry[6]):
             return entry[5]
     batch = _check_batch_fields(function, x, batch_info, num_slots, max_rank)
     fields = getattr(batch_info, "__dict__", None)
@@ -172,22 +174,55 @@ def _check_batch(function: str, x: Tensor, batch_info, num_slots: int, max_rank:
         if len(_checked) >= _CHECKED_CAPACITY:
             _checked.pop(next(iter(_checked)))
         _checked[id(batch_info)] = (ref, tuple(fields.values()), x.device, x.shape[0], (num_slots, max_rank), batch,
-                                    _versions(batch))
+                                    _fingerprints(batch))
     return batch
 
 
-def _versions(batch: _Batch):
-    """Version counters of the fields whose values were checked (so an in-place update is checked again):
-    the permutation's; on the host, also seg_indptr's, weight_indices' and lora_ranks', and whether the
-    mode let them be checked."""
-    # Under torch.compile the counters are not traceable values (nor are the values checked).
-    if _is_compiling():
-        return -1
-    permutation = -1 if batch.permutation is None else batch.permutation._version
+def _checked_fields(batch: _Batch) -> tuple:
+    """The fields whose values were checked: the permutation; on the host, also seg_indptr, weight_indices and
+    lora_ranks."""
     if batch.seg_indptr.device.type != "cpu":
-        return permutation
-    return (permutation, batch.seg_indptr._version, batch.weight_indices._version, batch.lora_ranks._version,
+        return (batch.permutation,)
+    return (batch.permutation, batch.seg_indptr, batch.weight_indices, batch.lora_ranks)
+
+
+def _fingerprints(batch: _Batch):
+    """What the checked fields hold (so an update is checked again) and whether the mode let them be checked.
+    Host fields are compared by contents, not by version counter: a write through a numpy view of the same
+    memory changes the values without bumping ``_version``."""
+    # Under torch.compile the fields are not traceable values (nor are the values checked).
+    if _is_compiling():
+        return None
+    if torch._C._len_torch_dispatch_stack():
+        # Under a dispatch mode (fake tensors) the real fields' memory is read as it is, not through the mode.
+        with _disable_current_modes():
+            return _fingerprints(batch)
+    return (tuple(None if t is None else _fingerprint(_host_array(t)) for t in _checked_fields(batch)),
             _guard_state.current == _guard_state.OFF)
+
+
+def _host_array(t: Tensor):
+    """A host tensor as a numpy view of its memory (compared by address, shape, dtype and bytes: no tensor
+    method runs, so a call served from the cache makes no Tensor host read), else the tensor itself (a device
+    tensor: compared by version and storage)."""
+    if t.device.type == "cpu" and t.layout is torch.strided and not t.requires_grad:
+        try:
+            return t.numpy()
+        except (RuntimeError, TypeError, ValueError):
+            pass
+    return t
+
+
+def _still(batch: _Batch, fps) -> bool:
+    """Do the checked fields still hold what ``_fingerprints`` saw, in the same mode? While torch.compile
+    traces, a check made while tracing stands (values are not checked there); one made eagerly is made again."""
+    if _is_compiling():
+        return fps is None
+    if torch._C._len_torch_dispatch_stack():
+        with _disable_current_modes():
+            return _still(batch, fps)
+    return fps is not None and fps[1] == (_guard_state.current == _guard_state.OFF) and all(
+        fp is None or _unchanged(_host_array(t), fp) for t, fp in zip(_checked_fields(batch), fps[0]))
 
 
 def _check_batch_fields(function: str, x: Tensor, batch_info, num_slots: int,
