@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import subprocess
 import sys
 from typing import Optional
@@ -29,30 +28,8 @@ from guardlint.kernels import cudnn_vision_attention, varlen_attention
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 H, D = 2, 16
 
-
-@pytest.fixture(autouse=True)
-def fresh():
-    clear_cache()
-    reset_stats()
-    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("timed out", pytrace=False))
-    signal.alarm(60)
-    yield
-    signal.alarm(0)
-    clear_cache()
-
-
-def offsets_of(lengths) -> list:
-    return [0, *np.cumsum(lengths, dtype=np.int64).tolist()]
-
-
-def reference(q, k, v, offsets) -> torch.Tensor:
-    q, k, v = (t.double() for t in (q, k, v))
-    out = torch.zeros_like(q)
-    for s, e in zip(offsets[:-1], offsets[1:]):
-        if e > s:
-            out[s:e] = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1),
-                                                      v[s:e].transpose(0, 1)).transpose(0, 1)
-    return out
+# One fixture (fresh caches, a 60 s alarm) and one float64 reference for the adversarial suites.
+from test_adversarial_values import fresh, offsets_of, reference  # noqa: E402,F401
 
 
 class Buffer:
