@@ -12,6 +12,7 @@ Usage: python bench/kernel_regression.py --extract HEAD~3 --base .base   (here, 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import random
@@ -114,11 +115,17 @@ def main() -> None:
     except Exception as e:  # no Gluon here (not a Hopper GPU, or an older Triton)
         print(f"gluon not compared: {type(e).__name__}: {e}")
     for name, q, k, v, cu, max_seqlen, scale, causal in attention_cases(torch):
-        for label, new_mod, old_mod, fn_name in (("triton", new_tri, old_tri, "varlen_attention_triton"),
-                                                  ("gluon", new_glu, old_glu, "varlen_attention_gluon")):
+        # The Triton kernel twice: on a hint the guard proved (the one-tile kernel guarded calls run) and on an
+        # unverified one (programs loop over the tiles a short grid would leave out).
+        for label, new_mod, old_mod, fn_name, extra in (
+                ("triton, verified hint", new_tri, old_tri, "varlen_attention_triton", {"max_seqlen_verified": True}),
+                ("triton, unverified hint", new_tri, old_tri, "varlen_attention_triton", {}),
+                ("gluon", new_glu, old_glu, "varlen_attention_gluon", {})):
             if new_mod is None or (label == "gluon" and not new_mod.supports(q, k, v, causal)):
                 continue
             new_fn, old_fn = getattr(new_mod, fn_name), getattr(old_mod, fn_name)
+            if extra:
+                new_fn = functools.partial(new_fn, **extra)
             try:
                 a = new_fn(q, k, v, cu, max_seqlen, scale, causal)
                 b = old_fn(q, k, v, cu, max_seqlen, scale, causal)
