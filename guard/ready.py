@@ -70,6 +70,23 @@ def _no_values(argument: str, value: Any, function: str, code: str) -> GuardErro
                           "prepared metadata (or sequence_lengths and max_seqlen) instead.")
 
 
+
+def _plan_trusted(function: str, plan: VarlenMetadata, q: Any, argument: str, code: str, fit: Optional[bool],
+                  compiling: bool) -> bool:
+    """Whether a prepared plan's facts hold for this call: prepared for q's token count (else ``code``), from
+    this call's offsets (``fit``, from ``check_plan_source``), and, when the guard did not build it (hand-made or
+    ``dataclasses.replace``-d), its own facts checked: never taken as validated. Never while torch.compile traces."""
+    q_shape = getattr(q, "shape", None)
+    if not compiling and q_shape is not None and len(q_shape) and plan.total_tokens != q_shape[0]:
+        raise GuardError(code, argument=argument, function=function,
+                         expected=f"metadata prepared for q's token count T={q_shape[0]}",
+                         got=f"metadata for {describe(plan.total_tokens)} tokens (a stale plan?)")
+    if compiling:
+        return False
+    if plan._origin is None:
+        return check_plan_facts(function, plan, q, argument) and fit is True
+    return fit is True
+
 @overload
 def guard_varlen(fn: Callable[_P, _R], **rename: str) -> Callable[_P, _R]: ...
 @overload
@@ -255,19 +272,8 @@ def _build_varlen(fn: Callable, **rename: str) -> Callable:
         compiling = is_compiling()
         if type(meta) is VarlenMetadata:
             plan = meta
-            fit = check_plan_source(function, meta, cu, nC)
-            q_shape = getattr(q, "shape", None)
-            if not compiling and q_shape is not None and len(q_shape) and meta.total_tokens != q_shape[0]:
-                raise GuardError("GL103", argument=nM, function=function,
-                                 expected=f"metadata prepared for q's token count T={q_shape[0]}",
-                                 got=f"metadata for {describe(meta.total_tokens)} tokens (a stale plan?)")
-            if compiling:
-                trusted = False
-            elif meta._origin is None:
-                # Not built by the guard (hand-made or dataclasses.replace-d): checked, never taken as validated.
-                trusted = check_plan_facts(function, meta, q, nM) and fit is True
-            else:
-                trusted = fit is True
+            trusted = _plan_trusted(function, meta, q, nM, "GL103", check_plan_source(function, meta, cu, nC),
+                                    compiling)
         elif meta is not None:
             # Any object with the same fields serves (the engines' own metadata: true lengths are
             # seq_lens there, sequence_lengths the padded ones); missing ones are derived below.
@@ -614,17 +620,7 @@ def _build_cudnn(fn: Callable, **rename: str) -> Callable:
         elif type(fm) is VarlenMetadata:
             fit = check_plan_source(function, fm, cu, nC, _token_reader(packed_q, function, nC) if cu is not None
                                     else None)
-            q_shape = getattr(packed_q, "shape", None)
-            if not compiling and q_shape is not None and len(q_shape) and fm.total_tokens != q_shape[0]:
-                raise GuardError("GL107", argument=nF, function=function,
-                                 expected=f"metadata prepared for q's token count T={q_shape[0]}",
-                                 got=f"metadata for {describe(fm.total_tokens)} tokens (a stale plan?)")
-            if compiling:
-                trusted = False
-            elif fm._origin is None:
-                trusted = check_plan_facts(function, fm, packed_q, nF) and fit is True
-            else:
-                trusted = fit is True
+            trusted = _plan_trusted(function, fm, packed_q, nF, "GL107", fit, compiling)
             if fm.layout != "cudnn":
                 # Prepared for other kernels: re-plan from its host offsets (no read).
                 fm, fresh = prepare(fm.host_cu_seqlens, packed_q, layout="cudnn", bucket=True, function=function,
