@@ -23,7 +23,7 @@ engines-vllm: $(STAMP)
 	$(BIN)/python tests/engines/fetch.py vllm
 
 # pytest-xdist workers for `make test`: auto is one per CPU; 0 runs in one process (as `make test-serial`).
-# On 2 idle cores the whole suite takes about 2 minutes with 2 workers (3 min 52 s of CPU time): the kernels
+# On 2 idle cores the whole suite takes about 3 minutes with 2 workers (about 6 minutes of CPU time): the kernels
 # lane runs in Triton's interpreter and is most of it.
 PYTEST_WORKERS ?= auto
 
@@ -42,7 +42,7 @@ typecheck: $(STAMP)
 	      -e 's#^$(TYPECHECK)/guardlint/#_guardlint/#' $(TYPECHECK)/mypy.out; exit $$rc
 
 test: $(STAMP) engines typecheck
-	@echo "== ruff, mypy (contracts/, lint/, guard/), then the CPU test suite over $(PYTEST_WORKERS) pytest-xdist workers: about 2 minutes on 2 idle cores"
+	@echo "== ruff, mypy (contracts/, lint/, guard/), then the CPU test suite over $(PYTEST_WORKERS) pytest-xdist workers: about 3 minutes on 2 idle cores"
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) tests
 
