@@ -28,6 +28,12 @@ for s in "$@"; do
     tests) STEP_TIMEOUT=${TESTS_TIMEOUT:-420} step tests python3 -m pytest -q -m gpu -p no:cacheprovider -k "not flashinfer" tests/kernels/test_attention_gpu.py tests/guard/test_guard_vit.py ;;
     tests-flashinfer) STEP_TIMEOUT=${FI_TIMEOUT:-540} step tests-flashinfer python3 -m pytest -q -m gpu -p no:cacheprovider -k flashinfer tests/kernels/test_attention_gpu.py tests/guard/test_guard_vit.py ;;
     lora) step lora python3 bench/lora.py --write ;;
+    # The adversarial GPU suites: hints the guard did not verify, LoRA metadata of every shape.
+    tests-adversarial) step tests-adversarial python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_attention_hint_gpu.py tests/kernels/test_lora_adversarial_gpu.py ;;
+    # The kernels of an earlier revision (.base, from bench/kernel_regression.py --extract REV) beside today's.
+    regression) STEP_TIMEOUT=420 step regression python3 bench/kernel_regression.py --base .base --write ;;
+    # The guard's host cost per call with every tensor on the GPU.
+    guard-overhead) step guard-overhead python3 bench/guard_overhead.py --device cuda --batches 200 --write ;;
     engines) step engines python3 -m pytest -q -m gpu -p no:cacheprovider tests/engines/test_engines_gpu.py ;;
     lora-tests) step lora-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_lora_gpu.py ;;
     eager) step eager python3 bench/lora_eager.py --write ;;

@@ -3,7 +3,9 @@
 Thread CPU time (``time.thread_time_ns``) of batches of calls against the undecorated function in the
 same run: batches alternate, and the added cost is the median over many adjacent pairs of the
 difference, so load changes on a shared machine hit both sides of each pair alike.
-Run: ``.venv/bin/python bench/guard_overhead.py [--batches 400 --calls 1000]``.
+Run: ``.venv/bin/python bench/guard_overhead.py [--batches 400 --calls 1000] [--device cuda]``.
+With ``--device cuda`` every tensor the guard sees lives on the GPU (the engines' case): the prepared
+metadata is checked by version and storage, never read, and the results go to ``guard_overhead_cuda``.
 """
 from __future__ import annotations
 
@@ -84,21 +86,22 @@ def added_us(guarded_call, raw_call, batches: int, calls: int) -> tuple[float, f
     return added / 1e3, statistics.median(g) / 1e3, statistics.median(r) / 1e3
 
 
-def cases():
+def cases(device: str = "cpu"):
     T, H, D = 1200, 16, 80
-    q = torch.randn(T, H, D)
-    cu = torch.tensor([0, 480, 1200], dtype=torch.int32)
+    q = torch.randn(T, H, D, device=device)
+    cu = torch.tensor([0, 480, 1200], dtype=torch.int32, device=device)
     meta = prepare_varlen_metadata(cu, q)
     cudnn_meta = prepare_varlen_metadata(cu, q, layout="cudnn", bucket=True)
     g_varlen = guard_varlen(varlen_attention)
     g_cudnn = guard_cudnn_vision(cudnn_vision_attention)
     g_generic = guard(["GL101", "GL102"])(cudnn_vision_attention)
     g_lora = guard_lora(sgemm_lora_a)
-    x = torch.randn(1200, 64)
-    w = torch.randn(4, 16, 64)
-    seg_indptr = torch.tensor([0, 480, 1200], dtype=torch.int32)
-    info_given = BatchInfo(False, 2, 2, seg_indptr, torch.tensor([0, 1]), torch.tensor([16, 16, 16, 16]),
-                           torch.ones(4), 720, None, None)
+    x = torch.randn(1200, 64, device=device)
+    w = torch.randn(4, 16, 64, device=device)
+    seg_indptr = torch.tensor([0, 480, 1200], dtype=torch.int32, device=device)
+    info_given = BatchInfo(False, 2, 2, seg_indptr, torch.tensor([0, 1], device=device),
+                           torch.tensor([16, 16, 16, 16], device=device), torch.ones(4, device=device), 720,
+                           None, None)
     info_missing = dataclasses.replace(info_given, max_len=None)
     # (case, goal key, mode, guarded call, undecorated call)
     return [
@@ -144,12 +147,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, default=400)
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--out-dir", default=None, help="where to write guard_overhead.json/.md")
+    ap.add_argument("--device", default="cpu", help="where the tensors live (cpu or cuda)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     load_before = os.getloadavg()[0]
     rows = []
     reset_stats()
-    for name, goal_key, m, guarded_call, raw_call in cases():
+    for name, goal_key, m, guarded_call, raw_call in cases(args.device):
         with mode(m):
             guarded_call()  # first call derives and fills the cache
             add, g, r = added_us(guarded_call, raw_call, args.batches, args.calls)
@@ -162,10 +166,11 @@ def main(argv=None) -> int:
     meta.update({"cpu": cpu_name(), "batches": args.batches, "calls_per_batch": args.calls,
                  "host_reads_during_run": s["host_reads"], "timer": "time.thread_time_ns",
                  "load_average_1min": f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after",
-                 "cpus": os.cpu_count()})
-    table = write_results("guard_overhead", rows, ["case", "mode", "added_us", "guarded_us", "undecorated_us",
+                 "cpus": os.cpu_count(), "tensors_on": args.device})
+    name = "guard_overhead" if args.device == "cpu" else f"guard_overhead_{args.device}"
+    table = write_results(name, rows, ["case", "mode", "added_us", "guarded_us", "undecorated_us",
                                                    "goal_us", "meets_goal"],
-                          meta=meta, title="Guard overhead per call (CPU thread time, µs)",
+                          meta=meta, title=f"Guard overhead per call (CPU thread time, µs; tensors on {args.device})",
                           out_dir=args.out_dir)
     print(table)
     return 0 if all(r["meets_goal"] for r in rows) else 1

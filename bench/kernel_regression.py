@@ -28,6 +28,7 @@ FILES = {  # name in --base: (path in the repository, module it is loaded beside
     "attention_triton.py": ("kernels/attention/triton.py", "guardlint.kernels.attention"),
     "attention_gluon.py": ("kernels/attention/gluon.py", "guardlint.kernels.attention"),
     "lora_triton.py": ("kernels/lora/triton.py", "guardlint.kernels.lora"),
+    "lora_gluon.py": ("kernels/lora/gluon.py", "guardlint.kernels.lora"),
 }
 IMAGES = (1024, 4096, 256, 2304, 576, 8192)
 
@@ -35,8 +36,11 @@ IMAGES = (1024, 4096, 256, 2304, 576, 8192)
 def extract(rev: str, base: Path) -> None:
     base.mkdir(parents=True, exist_ok=True)
     for name, (path, _) in FILES.items():
-        text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout
+        got = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
+        if got.returncode:
+            print(f"{path} not in {rev}: skipped")
+            continue
+        text = got.stdout
         (base / name).write_text(text)
     (base / "REV").write_text(subprocess.run(["git", "rev-parse", rev], cwd=ROOT, capture_output=True, text=True,
                                              check=True).stdout)
@@ -78,6 +82,83 @@ def time_pair(torch, calls: dict, rounds: int, iters: int) -> dict:
     return {"old_us": round(statistics.median(per["old"]), 2), "new_us": round(statistics.median(per["new"]), 2),
             "ratio": round(statistics.median(ratios), 4), "ratio_min": round(min(ratios), 4),
             "ratio_max": round(max(ratios), 4)}
+
+
+def time_graphs(torch, graphs: dict, calls: int, rounds: int) -> dict:
+    """As ``time_pair``, for CUDA graphs of ``calls`` captured calls each: per-call µs of a replay."""
+    for g in graphs.values():
+        g.replay()
+    torch.cuda.synchronize()
+    per = {k: [] for k in graphs}
+    ratios = []
+    for _ in range(rounds):
+        order = list(graphs)
+        random.shuffle(order)
+        got = {}
+        for k in order:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                graphs[k].replay()
+            end.record()
+            end.synchronize()
+            got[k] = start.elapsed_time(end) * 1e3 / (5 * calls)
+            per[k].append(got[k])
+        ratios.append(got["new"] / got["old"])
+    return {"old_us": round(statistics.median(per["old"]), 2), "new_us": round(statistics.median(per["new"]), 2),
+            "ratio": round(statistics.median(ratios), 4), "ratio_min": round(min(ratios), 4),
+            "ratio_max": round(max(ratios), 4)}
+
+
+class _OldGluon:
+    """``kernels._gluon`` as the earlier LoRA module sees it: ``load("lora.gluon")`` gives the earlier Gluon
+    shrink (when --base has one), everything else the current helpers."""
+
+    def __init__(self, current, old_lora_gluon):
+        self._current, self._old = current, old_lora_gluon
+
+    def load(self, name):
+        return self._old if name == "lora.gluon" and self._old is not None else self._current.load(name)
+
+    def __getattr__(self, name):
+        return getattr(self._current, name)
+
+
+def lora_graph_rows(torch, lapi, new_k, old_k, rounds: int) -> list:
+    """Every LoRA kernel of bench/lora.py's cases, captured in CUDA graphs (16 calls each) with the current and
+    the earlier modules, replayed side by side: the path engines take (prefill shrinks on Hopper run the Gluon
+    kernel there)."""
+    sys.path.insert(0, str(HERE))
+    import lora as bench_lora  # bench/lora.py: its cases, inputs and kernel table
+
+    from guardlint.kernels import lora
+    rows = []
+    for case in bench_lora.all_cases(False):
+        S, info, _, t = bench_lora.build(case, "cuda", torch, lora)
+        for name, (ours, *_rest) in bench_lora.kernels(case, S, torch, lora).items():
+            graphs, outs = {}, {}
+            try:
+                for label, module in (("new", new_k), ("old", old_k)):
+                    lapi._k = module
+                    try:
+                        outs[label] = ours(t, info).clone()  # compiled and checked outside the capture
+                        torch.cuda.synchronize()
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g):
+                            for _ in range(16):
+                                ours(t, info)
+                        graphs[label] = g
+                    finally:
+                        lapi._k = new_k
+                same = bool(torch.equal(outs["new"], outs["old"]))
+                timing = time_graphs(torch, graphs, 16, rounds)
+            except Exception as e:  # noqa: BLE001 - a changed signature: said, and the other cases still run
+                print(f"lora graph {case.name} {name}: {type(e).__name__}: {e}", flush=True)
+                continue
+            rows.append({"kernel": f"lora {name}, graph replay", "case": case.name,
+                         "bitwise_equal": same, **timing})
+            print(rows[-1], flush=True)
+    return rows
 
 
 def attention_cases(torch):
@@ -143,6 +224,13 @@ def main() -> None:
     from guardlint.kernels import lora
     lapi = importlib.import_module("guardlint.kernels.lora.api")
     new_k, old_k = lapi._k, load_base(args.base, "lora_triton.py")
+    old_lora_gluon = None
+    if (args.base / "lora_gluon.py").exists():
+        try:
+            old_lora_gluon = load_base(args.base, "lora_gluon.py")
+        except Exception as e:  # noqa: BLE001 - no Gluon here
+            print(f"earlier lora gluon not loaded: {type(e).__name__}: {e}")
+    old_k._gluon = _OldGluon(old_k._gluon, old_lora_gluon)
     dev, bf = "cuda", torch.bfloat16
     S, K, N, R, L = 4096, 4096, 4096, 16, 4
     lens = [512] * 8
@@ -179,6 +267,7 @@ def main() -> None:
             continue
         rows.append({"kernel": "lora triton", "case": name, "bitwise_equal": bool(torch.equal(a, b)), **t})
         print(rows[-1], flush=True)
+    rows += lora_graph_rows(torch, lapi, new_k, old_k, args.rounds)
 
     rev = (args.base / "REV").read_text().strip() if (args.base / "REV").exists() else "?"
     md = [f"# Kernels before ({rev[:10]}) and after, side by side",
