@@ -19,7 +19,9 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 rc=0
-step() { name=$1; shift; echo "=== $name: $*"; start=$(date +%s); timeout "${STEP_TIMEOUT:-300}" "$@" 2>&1 | tee "$LOGS/$name.log"; r=${PIPESTATUS[0]}; echo "=== $name: exit $r in $(( $(date +%s) - start )) s"; [ "$r" = 0 ] || rc=1; }
+# Each step's new or changed result files are copied to $OUT/results at once, so a call that runs out of time
+# still brings back what its finished steps wrote.
+step() { name=$1; shift; echo "=== $name: $*"; start=$(date +%s); touch /tmp/.step-start; timeout "${STEP_TIMEOUT:-300}" "$@" 2>&1 | tee "$LOGS/$name.log"; r=${PIPESTATUS[0]}; echo "=== $name: exit $r in $(( $(date +%s) - start )) s"; [ "$r" = 0 ] || rc=1; mkdir -p "$OUT/results"; find bench/results -type f -newer /tmp/.step-start -exec cp {} "$OUT/results/" \; ; }
 for s in "$@"; do
   case $s in
     # FlashInfer JIT-compiles each kernel on first use (FA2 ~21 s, FA3 ~83 s a head dim on a fresh machine):
@@ -32,6 +34,7 @@ for s in "$@"; do
     tests-adversarial) step tests-adversarial python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_attention_hint_gpu.py tests/kernels/test_lora_adversarial_gpu.py ;;
     # The kernels of an earlier revision (.base, from bench/kernel_regression.py --extract REV) beside today's.
     regression) STEP_TIMEOUT=420 step regression python3 bench/kernel_regression.py --base .base --write ;;
+    regression-lora) step regression-lora python3 bench/kernel_regression.py --base .base --lora-only --rounds 9 ;;
     # The guard's host cost per call with every tensor on the GPU.
     guard-overhead) step guard-overhead python3 bench/guard_overhead.py --device cuda --batches 200 --write ;;
     engines) step engines python3 -m pytest -q -m gpu -p no:cacheprovider tests/engines/test_engines_gpu.py ;;

@@ -15,6 +15,7 @@ import argparse
 import functools
 import importlib.util
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -110,6 +111,23 @@ def time_graphs(torch, graphs: dict, calls: int, rounds: int) -> dict:
             "ratio_max": round(max(ratios), 4)}
 
 
+def graph_kernels(torch, graph, calls: int) -> dict:
+    """What one replay of ``graph`` ran, by the profiler: the kernels' names and their device time per call
+    (µs), the timer that launch gaps and the event pair's own cost do not reach."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+    names, total = set(), 0.0
+    for e in prof.events():
+        if str(e.device_type).endswith("CUDA") and getattr(e, "device_time", 0) > 0:
+            names.add(e.name[:40])
+            total += e.device_time
+    return {"kernels": sorted(names), "kernel_us": round(total / (3 * calls), 2)}
+
+
 class _OldGluon:
     """``kernels._gluon`` as the earlier LoRA module sees it: ``load("lora.gluon")`` gives the earlier Gluon
     shrink (when --base has one), everything else the current helpers."""
@@ -122,6 +140,22 @@ class _OldGluon:
 
     def __getattr__(self, name):
         return getattr(self._current, name)
+
+
+def pin_configs(new_k, old_k) -> int:
+    """Give the earlier module the launch configs the current one tuned, key by key: both tune on their own,
+    trials are noisy, and two choices would compare configs, not code. Returns how many entries differed."""
+    changed = 0
+    for tuned in ("_shrink", "_expand"):
+        new_t, old_t = getattr(new_k, tuned), getattr(old_k, tuned)
+        for key, (bs, bn, options, _) in new_t.chosen.items():
+            had = old_t.chosen.get(key)
+            if had is None:
+                continue
+            if had[2] != options:
+                changed += 1
+            old_t.chosen[key] = (bs, bn, options, old_k.DirectLaunch(old_t.kernel, options, False))
+    return changed
 
 
 def lora_graph_rows(torch, lapi, new_k, old_k, rounds: int) -> list:
@@ -143,6 +177,8 @@ def lora_graph_rows(torch, lapi, new_k, old_k, rounds: int) -> list:
                     try:
                         outs[label] = ours(t, info).clone()  # compiled and checked outside the capture
                         torch.cuda.synchronize()
+                        if label == "old":
+                            pinned = pin_configs(new_k, old_k)
                         g = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(g):
                             for _ in range(16):
@@ -152,12 +188,80 @@ def lora_graph_rows(torch, lapi, new_k, old_k, rounds: int) -> list:
                         lapi._k = new_k
                 same = bool(torch.equal(outs["new"], outs["old"]))
                 timing = time_graphs(torch, graphs, 16, rounds)
+                timing["configs_pinned"] = pinned
+                for label in ("new", "old"):
+                    ran = graph_kernels(torch, graphs[label], 16)
+                    timing[f"{label}_kernels"] = ran["kernels"]
+                    timing[f"{label}_kernel_us"] = ran["kernel_us"]
             except Exception as e:  # noqa: BLE001 - a changed signature: said, and the other cases still run
                 print(f"lora graph {case.name} {name}: {type(e).__name__}: {e}", flush=True)
                 continue
             rows.append({"kernel": f"lora {name}, graph replay", "case": case.name,
                          "bitwise_equal": same, **timing})
             print(rows[-1], flush=True)
+    return rows
+
+
+def dump_binaries(modules: dict, kernel: str, tag: str) -> None:
+    """With GUARDLINT_DUMP_ASM=DIR, write each module's compiled ``kernel`` (PTX and cubin, every
+    specialization launched so far) there: the code the GPU ran, to read with cuobjdump -sass."""
+    where = os.environ.get("GUARDLINT_DUMP_ASM")
+    if not where:
+        return
+    Path(where).mkdir(parents=True, exist_ok=True)
+    for label, module in modules.items():
+        fn = getattr(module, kernel)
+        for caches in getattr(fn, "device_caches", {}).values():
+            for i, compiled in enumerate(caches[0].values()):
+                for kind in ("ptx", "cubin"):
+                    data = compiled.asm.get(kind)
+                    if data is not None:
+                        mode = "wb" if isinstance(data, bytes) else "w"
+                        with open(Path(where) / f"{kernel}-{tag}-{label}-{i}.{kind}", mode) as f:
+                            f.write(data)
+
+
+def gluon_direct_rows(torch, old_gluon, rounds: int) -> list:
+    """The Gluon shrink alone, launched directly (no dispatch) by each version on bench/lora.py's prefill cases,
+    in CUDA graphs side by side: tells a change of the kernel from a change of which kernel the call reaches."""
+    sys.path.insert(0, str(HERE))
+    import lora as bench_lora
+
+    from guardlint.kernels import lora
+    from guardlint.kernels.lora import gluon as new_gluon
+    rows = []
+    for case in bench_lora.all_cases(False):
+        S, info, _, t = bench_lora.build(case, "cuda", torch, lora)
+        x, A = t["x"], t["A"]
+        N = A.shape[1]
+        if N > new_gluon.KERNEL_MAX_N:
+            continue
+        graphs, outs = {}, {}
+        for label, module in (("new", new_gluon), ("old", old_gluon)):
+            out = torch.empty(S, N, dtype=x.dtype, device=x.device)
+
+            def call(module=module, out=out):
+                ws = A.stride()
+                module.launch(x, (x.stride(0), 0, 1), A, (ws[0], 0, ws[1], ws[2]), out, (out.stride(0), 0, 1),
+                              info.seg_indptr, info.weight_indices, info.lora_ranks, info.num_segments, S,
+                              x.shape[1], N, case.R)
+            call()
+            torch.cuda.synchronize()
+            outs[label] = out.clone()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(16):
+                    call()
+            graphs[label] = g
+        timing = time_graphs(torch, graphs, 16, rounds)
+        dump_binaries({"new": new_gluon, "old": old_gluon}, "_shrink_gluon_kernel", case.name)
+        for label in ("new", "old"):
+            ran = graph_kernels(torch, graphs[label], 16)
+            timing[f"{label}_kernels"] = ran["kernels"]
+            timing[f"{label}_kernel_us"] = ran["kernel_us"]
+        rows.append({"kernel": "lora gluon shrink, direct launch, graph replay", "case": case.name,
+                     "bitwise_equal": bool(torch.equal(outs["new"], outs["old"])), **timing})
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -180,6 +284,7 @@ def main() -> None:
     ap.add_argument("--base", type=Path, default=ROOT / ".base")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--lora-only", action="store_true", help="skip the attention kernels")
     args = ap.parse_args()
     if args.extract:
         extract(args.extract, args.base)
@@ -195,7 +300,7 @@ def main() -> None:
         old_glu = load_base(args.base, "attention_gluon.py")
     except Exception as e:  # no Gluon here (not a Hopper GPU, or an older Triton)
         print(f"gluon not compared: {type(e).__name__}: {e}")
-    for name, q, k, v, cu, max_seqlen, scale, causal in attention_cases(torch):
+    for name, q, k, v, cu, max_seqlen, scale, causal in ([] if args.lora_only else attention_cases(torch)):
         # The Triton kernel twice: on a hint the guard proved (the one-tile kernel guarded calls run) and on an
         # unverified one (programs loop over the tiles a short grid would leave out).
         for label, new_mod, old_mod, fn_name, extra in (
@@ -268,16 +373,30 @@ def main() -> None:
         rows.append({"kernel": "lora triton", "case": name, "bitwise_equal": bool(torch.equal(a, b)), **t})
         print(rows[-1], flush=True)
     rows += lora_graph_rows(torch, lapi, new_k, old_k, args.rounds)
+    if old_lora_gluon is not None:
+        try:
+            rows += gluon_direct_rows(torch, old_lora_gluon, args.rounds)
+        except Exception as e:  # noqa: BLE001 - a changed launch signature: said, the table still written
+            print(f"gluon direct: {type(e).__name__}: {e}", flush=True)
 
     rev = (args.base / "REV").read_text().strip() if (args.base / "REV").exists() else "?"
     md = [f"# Kernels before ({rev[:10]}) and after, side by side",
           "", f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {args.rounds} rounds in shuffled "
           "order; the ratio is the median of the rounds' new/old ratios (the expand times include a clone of its "
           "base output in both). Command: `python3 bench/kernel_regression.py --base .base --write`.", "",
-          "| kernel | case | old µs | new µs | new/old (min-max) | same output |", "|---|---|---|---|---|---|"]
+          "Graph rows also give the profiler's kernel time per call (old / new) and the kernels each side ran.", "",
+          "| kernel | case | old µs | new µs | new/old (min-max) | profiler old / new µs | kernels (new) "
+          "| same output |",
+          "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        md.append(f"| {r['kernel']} | {r['case']} | {r['old_us']} | {r['new_us']} | {r['ratio']} "
-                  f"({r['ratio_min']}-{r['ratio_max']}) | {'bitwise' if r['bitwise_equal'] else 'no'} |")
+        prof = f"{r['old_kernel_us']} / {r['new_kernel_us']}" if "new_kernel_us" in r else ""
+        ran = ", ".join(r.get("new_kernels", []))
+        if "old_kernels" in r and r["old_kernels"] != r.get("new_kernels"):
+            ran += f" (old: {', '.join(r['old_kernels'])})"
+        pinned = " (configs pinned)" if r.get("configs_pinned") else ""
+        md.append(f"| {r['kernel']}{pinned} | {r['case']} | {r['old_us']} | {r['new_us']} | {r['ratio']} "
+                  f"({r['ratio_min']}-{r['ratio_max']}) | {prof} | {ran} "
+                  f"| {'bitwise' if r['bitwise_equal'] else 'no'} |")
     text = "\n".join(md) + "\n"
     print(text)
     if args.write:
