@@ -3,7 +3,7 @@
 Thread CPU time (``time.thread_time_ns``) of batches of calls against the undecorated function in the
 same run: batches alternate, and the added cost is the median over many adjacent pairs of the
 difference, so load changes on a shared machine hit both sides of each pair alike.
-Run: ``.venv/bin/python bench/guard_overhead.py [--batches 400 --calls 1000] [--device cuda]``.
+Run: ``.venv/bin/python bench/guard_overhead.py [--batches 400 --calls 1000] [--device cuda] [--device-path]``.
 With ``--device cuda`` every tensor the guard sees lives on the GPU (the engines' case): the prepared
 metadata is checked by version and storage, never read, and the results go to ``guard_overhead_cuda``.
 """
@@ -148,7 +148,13 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--out-dir", default=None, help="where to write guard_overhead.json/.md")
     ap.add_argument("--device", default="cpu", help="where the tensors live (cpu or cuda)")
+    ap.add_argument("--device-path", action="store_true",
+                    help="on CPU tensors, have the cache compare them as device tensors (version and place, not "
+                         "contents): the device path's host cost on a machine without a GPU")
     args = ap.parse_args(argv)
+    if args.device_path:
+        from guardlint.guard import _cache
+        _cache.HOST_VALUES_MAX = _cache.HOST_BYTES_MAX = 0
     torch.set_num_threads(1)
     load_before = os.getloadavg()[0]
     rows = []
@@ -166,8 +172,15 @@ def main(argv=None) -> int:
     meta.update({"cpu": cpu_name(), "batches": args.batches, "calls_per_batch": args.calls,
                  "host_reads_during_run": s["host_reads"], "timer": "time.thread_time_ns",
                  "load_average_1min": f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after",
-                 "cpus": os.cpu_count(), "tensors_on": args.device})
+                 "cpus": os.cpu_count(), "tensors_on": args.device,
+                 "cache_compares": "version and place (--device-path)" if args.device_path else "by device"})
+    if args.device_path:
+        meta["note"] = ("only the cache's comparison is the device's: paths that branch on where a tensor lives "
+                        "(values passed, LoRA max_len passed) still take the host route here and check contents; "
+                        "guard_overhead_cuda has them on the GPU")
     name = "guard_overhead" if args.device == "cpu" else f"guard_overhead_{args.device}"
+    if args.device_path:
+        name += "_device_path"
     table = write_results(name, rows, ["case", "mode", "added_us", "guarded_us", "undecorated_us",
                                                    "goal_us", "meets_goal"],
                           meta=meta, title=f"Guard overhead per call (CPU thread time, µs; tensors on {args.device})",

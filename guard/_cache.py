@@ -1,8 +1,9 @@
 """Small LRUs of values derived from tensors, served only while their sources are unchanged (``unchanged``).
 
-A host tensor (CPU, up to 1 MiB) is compared by contents, so every write shows. A device tensor (and a larger host
-one) is compared by version counter and storage (same storage, offset, sizes, strides, dtype): writes that bypass the
-version counter do not show (``t.data[i] = x``, DLPack or CUDA-IPC views, other libraries' in-place kernels).
+A host tensor (CPU, up to 1 MiB) is compared by contents, so every write shows. A device tensor (and a larger
+host one) is compared by version counter and place (data pointer, sizes, strides, dtype; an alias held in the
+entry keeps the storage, so no other memory can take that address): writes that bypass the version counter do
+not show (``t.data[i] = x``, DLPack or CUDA-IPC views, other libraries' in-place kernels).
 For callers who write that way: ``GUARDLINT_CACHE=off``, ``set_cache(False)`` or ``with caching(False):``.
 """
 from __future__ import annotations
@@ -92,8 +93,10 @@ def _host_view(alias: Tensor) -> Any:
 def fingerprint(source: Any) -> Any:
     """What ``unchanged`` compares ``source`` against later; None: compared by identity only.
 
-    A tensor's layout is kept as an alias (``detach()``: the same storage, offset, sizes and strides, checked
-    by ``is_set_to``; it keeps the storage alive, so its address cannot be reused while the entry lives)."""
+    A device tensor is compared by version counter and by where its elements are: data pointer, sizes,
+    strides and dtype. An alias (``detach()``) keeps its storage alive, so that address cannot be taken by
+    other memory while the entry lives. (``is_set_to`` would say the same through the dispatcher: on a CUDA
+    tensor that call costs more than the rest of a prepared call's check.)"""
     if isinstance(source, Tensor):
         if source.layout is not torch.strided or source.is_meta:  # sparse and the like: no storage to compare
             return (_OPAQUE, source._version, (source.layout, source.shape, source.dtype))
@@ -105,7 +108,7 @@ def fingerprint(source: Any) -> Any:
             view = _host_view(alias)
             if view is not None:
                 return (_BYTES, alias, source.dtype, view, view.tobytes())
-        return (_VERSION, source._version, alias, source.dtype)
+        return (_VERSION, source._version, alias, source.dtype, source.data_ptr(), source.shape, source.stride())
     if isinstance(source, list):
         return (_ITEMS, tuple(source))
     if hasattr(source, "__array_interface__") and hasattr(source, "tobytes"):
@@ -122,7 +125,8 @@ def unchanged(source: Any, fp: Any) -> bool:
     if kind == _VALUES:
         return source.tolist() == fp[1]
     if kind == _VERSION:
-        return source._version == fp[1] and source.is_set_to(fp[2]) and source.dtype is fp[3]
+        return source._version == fp[1] and source.data_ptr() == fp[4] and source.dtype is fp[3] \
+            and source.shape == fp[5] and source.stride() == fp[6]
     if kind == _BYTES:
         return source.is_set_to(fp[1]) and source.dtype is fp[2] and fp[3].tobytes() == fp[4]
     if kind == _OPAQUE:

@@ -18,7 +18,7 @@ from guardlint.contracts import get as get_contract
 
 from . import _cache, _state
 from . import metadata as _metadata
-from ._cache import _VALUES, MISS, IdentityCache, cache, unchanged
+from ._cache import _VALUES, _VERSION, MISS, IdentityCache, cache, unchanged
 from ._codegen import accesses, make_wrapper
 from .decorator import Param, bind, qualified_name
 from .derive import Context, DERIVERS
@@ -129,8 +129,13 @@ def _fresh(meta: Any, cu: Any, q: Any) -> bool:
     if fast is None or fast[0]() is not cu or not _cache.enabled:
         return False
     fp = fast[1]
-    # unchanged(cu, fp), with its most common kind (a few host ints) inline
-    if not (cu.tolist() == fp[1] if fp[0] == _VALUES else unchanged(cu, fp)):
+    # unchanged(cu, fp), with its two common kinds inline: a device tensor (version and place) and a few host ints
+    kind = fp[0]
+    if kind == _VERSION:
+        if cu._version != fp[1] or cu.data_ptr() != fp[4] or cu.dtype is not fp[3] or cu.shape != fp[5] \
+                or cu.stride() != fp[6]:
+            return False
+    elif not (cu.tolist() == fp[1] if kind == _VALUES else unchanged(cu, fp)):
         return False
     return fast[2]._version == fast[3] and q.__class__ is torch.Tensor and q.shape == fast[4]
 
@@ -247,6 +252,15 @@ def _build_varlen(fn: Callable, **rename: str) -> Callable:
                 return (q, cu, meta.seq_lens, meta.max_seqlen, meta, True) if flag is not None else \
                     (q, cu, meta.seq_lens, meta.max_seqlen, meta)
             return prepared(q, cu, seq, mx, meta)
+        if meta is None and seq is None and mx is None and mode == DERIVE and cu.__class__ is Tensor \
+                and q.__class__ is Tensor and cache_module.enabled and q.dim() == 3 and not is_compiling():
+            # cu_seqlens alone, its plan already derived for this q's shape and unchanged since: the plan's values
+            # (the lookup the path below makes, without the checks the plan passed when it was made).
+            hit = cache.get(cu, ("meta", "tokens", False, q.shape, q.device))
+            if hit is not MISS:
+                _state.note_cached(SEQ_DERIVATION, MAX_DERIVATION)
+                return (q, cu, hit.seq_lens, hit.max_seqlen, meta, True) if flag is not None else \
+                    (q, cu, hit.seq_lens, hit.max_seqlen, meta)
         if meta is None and mode == DERIVE and mx.__class__ is int and seq.__class__ is Tensor \
                 and cu.__class__ is Tensor and q.__class__ is Tensor and cu.is_cpu \
                 and checked_values.get((cu, seq), (mx, q.shape)) is True:
@@ -580,6 +594,18 @@ def _build_cudnn(fn: Callable, **rename: str) -> Callable:
             else:
                 out = (q, cu, fm, seq, mx)
             return (*out, True) if flag is not None else out
+        if fm is None and seq is None and mx is None and mode == DERIVE and cu.__class__ is Tensor \
+                and q.__class__ is Tensor and cache_module.enabled and q.dim() == 3 and not is_compiling():
+            # cu_seqlens alone, its cuDNN plan already derived for this q's shape and unchanged since: the plan
+            # (the lookup the path below makes, without the checks the plan passed when it was made).
+            hit = cache.get(cu, ("meta", "cudnn", True, q.shape, q.device))
+            if hit is not MISS:
+                _state.note_cached(META_DERIVATION.name)
+                if as_kwargs:
+                    out = (q, hit.packed_indptrs, None, hit.sequence_lengths, hit.flashinfer_max_seqlen)
+                else:
+                    out = (q, cu, hit, seq, mx)
+                return (*out, True) if flag is not None else out
         if not _cache.enabled:
             _cache.new_call()
         packed_q = _Packed(q) if getattr(q, "ndim", 3) == 4 else q
