@@ -256,11 +256,11 @@ def _build_varlen(fn: Callable, **rename: str) -> Callable:
                 and q.__class__ is Tensor and cache_module.enabled and q.dim() == 3 and not is_compiling():
             # cu_seqlens alone, its plan already derived for this q's shape and unchanged since: the plan's values
             # (the lookup the path below makes, without the checks the plan passed when it was made).
-            hit = cache.get(cu, ("meta", "tokens", False, q.shape, q.device))
-            if hit is not MISS:
+            known = cache.get(cu, ("meta", "tokens", False, q.shape, q.device))
+            if known is not MISS:
                 _state.note_cached(SEQ_DERIVATION, MAX_DERIVATION)
-                return (q, cu, hit.seq_lens, hit.max_seqlen, meta, True) if flag is not None else \
-                    (q, cu, hit.seq_lens, hit.max_seqlen, meta)
+                return (q, cu, known.seq_lens, known.max_seqlen, meta, True) if flag is not None else \
+                    (q, cu, known.seq_lens, known.max_seqlen, meta)
         if meta is None and mode == DERIVE and mx.__class__ is int and seq.__class__ is Tensor \
                 and cu.__class__ is Tensor and q.__class__ is Tensor and cu.is_cpu \
                 and checked_values.get((cu, seq), (mx, q.shape)) is True:
@@ -598,13 +598,13 @@ def _build_cudnn(fn: Callable, **rename: str) -> Callable:
                 and q.__class__ is Tensor and cache_module.enabled and q.dim() == 3 and not is_compiling():
             # cu_seqlens alone, its cuDNN plan already derived for this q's shape and unchanged since: the plan
             # (the lookup the path below makes, without the checks the plan passed when it was made).
-            hit = cache.get(cu, ("meta", "cudnn", True, q.shape, q.device))
-            if hit is not MISS:
+            known = cache.get(cu, ("meta", "cudnn", True, q.shape, q.device))
+            if known is not MISS:
                 _state.note_cached(META_DERIVATION.name)
                 if as_kwargs:
-                    out = (q, hit.packed_indptrs, None, hit.sequence_lengths, hit.flashinfer_max_seqlen)
+                    out = (q, known.packed_indptrs, None, known.sequence_lengths, known.flashinfer_max_seqlen)
                 else:
-                    out = (q, cu, hit, seq, mx)
+                    out = (q, cu, known, seq, mx)
                 return (*out, True) if flag is not None else out
         if not _cache.enabled:
             _cache.new_call()
