@@ -629,6 +629,44 @@ class VisionBlock(nn.Module):
 
     def forward(self, x, cu_seqlens, position_embeddings):
         return self.attn(x, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings)  # expect: GL109
+
+
+class VisionEncoder(nn.Module):
+    def __init__(self, depth=32):
+        super().__init__()
+        self.blocks = nn.ModuleList([VisionBlock() for _ in range(depth)])
+
+    def forward(self, x, cu_seqlens, position_embeddings):
+        for blk in self.blocks:
+            x = blk(x, cu_seqlens, position_embeddings)
+        return x
+'''
+
+_GL109_FIXED = '''\
+import torch.nn as nn
+from sglang.srt.layers.attention.vision import VisionAttention
+from sglang.srt.layers.attention.vision import prepare_vision_attention_metadata
+
+
+class VisionBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = VisionAttention(embed_dim=1024, num_heads=16, projection_size=1024, use_qkv_parallel=True)
+
+    def forward(self, x, cu_seqlens, position_embeddings, forward_metadata=None):
+        return self.attn(x, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings, forward_metadata=forward_metadata)
+
+
+class VisionEncoder(nn.Module):
+    def __init__(self, depth=32):
+        super().__init__()
+        self.blocks = nn.ModuleList([VisionBlock() for _ in range(depth)])
+
+    def forward(self, x, cu_seqlens, position_embeddings):
+        forward_metadata = prepare_vision_attention_metadata(cu_seqlens, cu_seqlens.device)
+        for blk in self.blocks:
+            x = blk(x, cu_seqlens, position_embeddings, forward_metadata=forward_metadata)
+        return x
 '''
 
 _GL109_GOOD = '''\
@@ -645,6 +683,20 @@ class VisionBlock(nn.Module):
         return self.attn(x, cu_seqlens=cu_seqlens, forward_metadata=forward_metadata)
 '''
 
+# The engine's own builder of the metadata VisionAttention reads (cu_seqlens, seq_lens, max_seqlen): one host
+# read, once per model forward instead of once per block. Written where the block loop runs (lint/hoist.py).
+ENGINE_PREPARE_VISION = Derivation(
+    target="forward_metadata",
+    sources=("cu_seqlens",),
+    name="engine_prepare_vision",
+    template="prepare_vision_attention_metadata({cu_seqlens}, {cu_seqlens}.device)",
+    imports=((VISION_MODULE, "prepare_vision_attention_metadata"),),
+    host_read=True,
+    note="The engine's own helper (one host read: the maximum length), once per model forward before the "
+    "block loop; the fix adds forward_metadata=None to the functions down to the call and passes it on.",
+    for_targets=(VISION_ATTENTION,),
+)
+
 GL109 = Contract(
     code="GL109",
     name="vision-attention-without-metadata",
@@ -656,7 +708,7 @@ GL109 = Contract(
     require=(("forward_metadata",), ("max_seqlen",)),
     diagnosis=Diagnosis(
         message="VisionAttention without forward_metadata derives max_seqlen with a host read in every block",
-        headline="a host read of max_seqlen in every block",
+        headline="a host read per block",
         what_it_means=(
             "Without forward_metadata (or a max_seqlen keyword) the FA3/FA4/Triton backends compute "
             "max_seqlen from cu_seqlens on the GPU in each block (sglang's resolve_precomputed_max_seqlen "
@@ -671,10 +723,15 @@ GL109 = Contract(
             "prepare_flashinfer_cudnn_vision_attention_metadata(cu_seqlens, device, elem_per_token=...)), "
             "and pass forward_metadata= to every block.",
         ),
-        fix_safety="No automatic fix: building the metadata at the call would keep the read per layer; it "
-        "belongs before the block loop, in another function.",
+        fix_safety="Unsafe: the metadata is built once in the function that runs the block loop (found in the "
+        "same file: one loop owner, called through the blocks' forward), and forward_metadata=None is added to "
+        "each function on the way down and passed on. Callers outside the file keep working (the new "
+        "parameters default to None, which VisionAttention takes as before). Where there is no single loop "
+        "owner, or cu_seqlens is not passed down from it, there is no fix and the finding says why.",
     ),
-    examples=(Example("bad", _GL109_BAD), Example("good", _GL109_GOOD)),
+    derivations=(ENGINE_PREPARE_VISION,),
+    fix_safety="unsafe",
+    examples=(Example("bad", _GL109_BAD), Example("fixed", _GL109_FIXED), Example("good", _GL109_GOOD)),
 )
 
 _LORA_BAD = '''\

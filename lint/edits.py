@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Optional
 
 import libcst as cst
 
-from . import fixes
+from . import fixes, hoist
 from .findings import Edit, Fix
 from .names import Resolver, Scope
 from .positions import LINE_BREAK
@@ -48,10 +48,13 @@ class EditBuilder:
             self._starts = [0, *(m.end() for m in LINE_BREAK.finditer(text))]
         if layout is not None:
             self._import_line, self._stmt_lines = layout
+        self.path: Optional[str] = None  # the file's path, where the fixes look for the engine's own source
+        self._hoister: Optional[hoist.Hoister] = None
 
     def release(self) -> None:
         """Forget the module (and the renderings of its parts): a file checked in chunks is done with it."""
         self.module = None
+        self._hoister = None
         self._parts.clear()
         self._parts_of = None
 
@@ -100,6 +103,8 @@ class EditBuilder:
         if plan is None:
             return None, ""
         if isinstance(plan, fixes.NoFix):
+            if plan.hoist is not None:
+                return self._hoisted(r, plan, call_range, can_import)
             return None, plan.reason
         if not self.parsed:
             return None, "this Python does not parse the file, so a fixed file could not be checked"
@@ -113,6 +118,52 @@ class EditBuilder:
         if plan.imports:
             message += "; import " + ", ".join(f"{m}.{n}" for m, n in plan.imports)
         return Fix(r.contract.fix_safety, message, tuple(sorted(edits)), plan.imports), ""
+
+    def _hoisted(self, r: RawFinding, plan: fixes.NoFix, call_range, can_import) -> tuple[Optional[Fix], str]:
+        """The per-layer derivation ``plan.hoist`` built once where the layer loop runs and passed down
+        (``hoist.py``), or why not: the per-layer reason, then what stopped the hoist."""
+        d = plan.hoist
+        assert d is not None
+        head, _, instead = plan.reason.partition("\n")
+
+        # A rule whose headline already says the call runs in every block gives the line the few words of what
+        # stopped the fix across functions; others keep the per-layer reason there. The note says it whole.
+        per_block = "per block" in r.contract.diagnosis.headline
+
+        def refused(why: str, short: str = "") -> tuple[None, str]:
+            line = short if per_block and short else head
+            return None, f"{line}\n" + (f"{instead} " if instead else "") + \
+                f"It is not built where the layer loop runs: {why}."
+
+        if self.tree is None or not self.parsed:
+            return refused("this file is checked in parts, so the functions above the call are not followed")
+        sources = {}
+        for name in fixes.placeholders(d.template):
+            expr = r.bound.values.get(name) if r.bound is not None else None
+            if expr is None or not isinstance(expr, cst.Name) or expr.value == "None":
+                return refused(f"{name} is not passed to the call as a plain name", f"{name} not passed")
+            sources[name] = expr.value
+        if self._hoister is None:
+            self._hoister = hoist.Hoister(self.tree, self.text)
+        node = self._hoister.find_call(*call_range)
+        if node is None:
+            return refused("the call's source could not be located exactly")
+        got = self._hoister.plan(node, d.target, d.template, sources)
+        if isinstance(got, hoist.Refused):
+            return refused(got.reason, got.short)
+        for module, name in d.imports:
+            defined, source = hoist.definition_source(self.path, module, name)
+            if defined is False:
+                return refused(f"{module} as {source} does not define {name}", "helper not in this sglang")
+        imports = fixes._imports_for([(d.target, d, "")], can_import)
+        if isinstance(imports, fixes.NoFix):
+            return refused(imports.reason)
+        edits = list(got.edits)
+        message = got.message + " (a host read once per forward)"
+        if imports:
+            edits.append(self._import_edit(imports, call_range[0], False))
+            message += "; import " + ", ".join(f"{m}.{n}" for m, n in imports)
+        return Fix("unsafe", message, tuple(sorted(edits)), imports), ""
 
     def _call_edit(self, old: cst.Call, new: cst.Call, call_range, indent: str) -> Optional[Edit]:
         """The smallest edit that turns the call's text into the new call's (parentheses around the

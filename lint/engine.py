@@ -237,6 +237,7 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
         positions = _positions_from_cst(module, raw)
     table = suppress.suppressions(data) if suppress.may_suppress(data) else None
     fixer = _Fixer(module, tree, data, Resolver(collector.module, {}, ()))
+    fixer.path = path
     seen = set()
     for r, (line, col, end_line, end_col, call_line, call_range) in sorted(zip(raw, positions),
                                                                            key=lambda x: x[1][:5]):

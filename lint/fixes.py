@@ -42,10 +42,13 @@ class NoFix:
     note. One string, so that it travels as the fixer's one reason."""
 
     reason: str
+    # A derivation that cannot be written at the call (a host read per layer) but may be built once where the
+    # layer loop runs and passed down (``hoist.py``): the fix builder tries that before giving the reason.
+    hoist: Optional[Derivation] = None
 
     @classmethod
-    def because(cls, why: str, instead: str = "") -> "NoFix":
-        return cls(f"{why}\n{instead}" if instead else why)
+    def because(cls, why: str, instead: str = "", hoist: Optional[Derivation] = None) -> "NoFix":
+        return cls(f"{why}\n{instead}" if instead else why, hoist)
 
 
 
@@ -349,7 +352,7 @@ def plan_call(contract: Contract, call: cst.Call, bound_values: dict, can_import
         return NoFix.because(f"runs per layer in {per_layer_place(per_layer)}",
                              f"Writing {first.target} here would add a host read per layer: build it once per "
                              f"model forward, before the block loop ({first.template.split('(')[0]}(...)), and "
-                             f"pass it down.")
+                             f"pass it down.", hoist=first)
     return _derive_into(contract, call, bound_values, missing_in, source_of, can_import)
 
 

@@ -1,0 +1,324 @@
+"""GL109's fix across functions (``lint/hoist.py``): the metadata built once where the layer loop runs and passed
+down, and, where that cannot be done, the reason on the finding."""
+from __future__ import annotations
+
+import ast
+import difflib
+import json
+import textwrap
+
+import pytest
+
+from guardlint.lint import build_rules, check_source, fixed_source, lint_source
+from guardlint.lint.hoist import definition_source
+
+HEAD = """\
+import torch.nn as nn
+from sglang.srt.layers.attention.vision import VisionAttention
+"""
+HELPER = "from sglang.srt.layers.attention.vision import prepare_vision_attention_metadata\n"
+
+
+def src(body: str) -> str:
+    return HEAD + textwrap.dedent(body)
+
+
+def fix(text: str) -> str:
+    return fixed_source(text, unsafe_fixes=True)
+
+
+def gl109(text: str):
+    return [f for f in check_source(text.encode(), "model.py", build_rules()).findings if f.code == "GL109"]
+
+
+def assert_fixed_and_stable(before: str, after: str) -> None:
+    """The fixed file compiles, has no GL109 left, and a second --fix changes nothing."""
+    assert after != before
+    compile(after, "model.py", "exec")
+    assert not gl109(after)
+    assert fix(after) == after
+
+
+THREE_LEVELS = src("""
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = VisionAttention(embed_dim=64, num_heads=4, projection_size=64, use_qkv_parallel=True)
+
+    def forward(self, x, cu_seqlens, rope=None):
+        return self.inner(x, cu_seqlens=cu_seqlens, position_embeddings=rope)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Attention()
+
+    def forward(self, x, cu_seqlens, rope):
+        return x + self.attn(x, cu_seqlens, rope)
+
+
+class Encoder(nn.Module):
+    def __init__(self, depth):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(depth))
+
+    def forward(self, x, grid):
+        cu_seqlens = grid.cumsum(0)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cu_seqlens, rope=None)
+        return x
+""")
+
+
+def test_the_metadata_is_built_before_the_loop_and_passed_down_two_calls():
+    fixed = fix(THREE_LEVELS)
+    assert_fixed_and_stable(THREE_LEVELS, fixed)
+    assert HELPER in fixed
+    assert "        forward_metadata = prepare_vision_attention_metadata(cu_seqlens, cu_seqlens.device)\n" \
+           "        for i, layer in enumerate(self.layers):\n" \
+           "            x = layer(x, cu_seqlens, rope=None, forward_metadata=forward_metadata)\n" in fixed
+    assert "    def forward(self, x, cu_seqlens, rope, forward_metadata=None):\n" \
+           "        return x + self.attn(x, cu_seqlens, rope, forward_metadata=forward_metadata)\n" in fixed
+    assert "    def forward(self, x, cu_seqlens, rope=None, forward_metadata=None):\n" \
+           "        return self.inner(x, cu_seqlens=cu_seqlens, position_embeddings=rope, " \
+           "forward_metadata=forward_metadata)\n" in fixed
+    # Only the edited lines changed: two signatures and three calls, plus the import and the line before the loop.
+    diff = list(difflib.unified_diff(THREE_LEVELS.splitlines(), fixed.splitlines(), lineterm="", n=0))
+    removed = [line for line in diff if line.startswith("-") and not line.startswith("---")]
+    added = [line for line in diff if line.startswith("+") and not line.startswith("+++")]
+    assert len(removed) == 5 and len(added) == 7
+    assert all("forward_metadata" in line or "import" in line for line in added)
+
+
+def test_the_fix_is_offered_as_unsafe_with_a_message_that_names_the_path():
+    (f,) = gl109(THREE_LEVELS)
+    assert f.fix is not None and f.fix.applicability == "unsafe"
+    assert "once in Encoder.forward" in f.fix.message
+    assert "Encoder.forward -> Block.forward -> Attention.forward" in f.fix.message
+    assert fixed_source(THREE_LEVELS) == THREE_LEVELS  # not without --unsafe-fixes
+
+
+def test_an_owner_that_takes_the_metadata_builds_it_only_when_not_given():
+    text = src("""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = VisionAttention(embed_dim=64, num_heads=4, projection_size=64, use_qkv_parallel=True)
+
+        def forward(self, x, cu_seqlens):
+            return self.attn(x, cu_seqlens=cu_seqlens)
+
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x, cu_seqlens, forward_metadata=None):
+            for blk in self.blocks:
+                x = blk(x, cu_seqlens)
+            return x
+    """)
+    fixed = fix(text)
+    assert_fixed_and_stable(text, fixed)
+    assert "        if forward_metadata is None:\n" \
+           "            forward_metadata = prepare_vision_attention_metadata(cu_seqlens, cu_seqlens.device)\n" \
+           "        for blk in self.blocks:\n" in fixed
+
+
+def test_one_argument_a_line_stays_one_argument_a_line():
+    text = src("""
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = VisionAttention(embed_dim=64, num_heads=4, projection_size=64, use_qkv_parallel=True)
+
+        def forward(
+            self,
+            hidden_states,
+            cu_seqlens,
+            **kwargs,
+        ):
+            return self.self_attn(
+                x=hidden_states,
+                cu_seqlens=cu_seqlens,
+            )
+
+
+    class Encoder(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.layers = nn.ModuleList([Layer() for _ in range(n)])
+
+        def forward(self, hidden_states, cu_seqlens):
+            for encoder_layer in self.layers:
+                hidden_states = encoder_layer(
+                    hidden_states,
+                    cu_seqlens,
+                )
+            return hidden_states
+    """)
+    fixed = fix(text)
+    assert_fixed_and_stable(text, fixed)
+    assert "        cu_seqlens,\n        forward_metadata=None,\n        **kwargs,\n" in fixed
+    assert "            cu_seqlens=cu_seqlens,\n            forward_metadata=forward_metadata,\n        )" in fixed
+    assert "                cu_seqlens,\n                forward_metadata=forward_metadata,\n            )" in fixed
+
+
+BLOCK = """
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = VisionAttention(embed_dim=64, num_heads=4, projection_size=64, use_qkv_parallel=True)
+
+    def forward(self, x, cu_seqlens):
+        return self.attn(x, cu_seqlens=cu_seqlens)
+"""
+
+
+@pytest.mark.parametrize("rest, short, why", [
+    ("", "no layer loop in this file", "nothing in this file calls Block.forward"),
+    ("""
+
+class A(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block()])
+
+    def forward(self, x, cu):
+        for b in self.blocks:
+            x = b(x, cu)
+        return x
+
+
+class B(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Block()])
+
+    def forward(self, x, cu):
+        for b in self.layers:
+            x = b(x, cu)
+        return x
+""", "no single loop owner", "Block.forward is called from A.forward and B.forward"),
+    ("""
+
+class A(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block()])
+
+    def forward(self, x, grid):
+        for b in self.blocks:
+            cu = grid.cumsum(0)
+            x = b(x, cu)
+        return x
+""", "cu_seqlens not passed down", "cu_seqlens changes inside the layer loop of A.forward"),
+    ("""
+
+class A(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block()])
+
+    def forward(self, x, grid):
+        for b in self.blocks:
+            x = b(x, grid.cumsum(0))
+        return x
+""", "cu_seqlens not passed down", "cannot be evaluated once before the loop"),
+])
+def test_no_single_loop_owner_no_fix_and_the_finding_says_why(rest, short, why):
+    text = src(BLOCK + textwrap.dedent(rest))
+    (f,) = gl109(text)
+    assert f.fix is None
+    assert f.message.endswith(f"; no fix: {short}")
+    assert why in f.note
+    assert fix(text) == text
+
+
+def test_a_layer_that_builds_cu_seqlens_itself_or_passes_none_gets_no_fix():
+    computed = src("""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = VisionAttention(embed_dim=64, num_heads=4, projection_size=64, use_qkv_parallel=True)
+
+        def forward(self, x, grid):
+            cu_seqlens = grid.cumsum(0)
+            return self.attn(x, cu_seqlens=cu_seqlens)
+
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block()])
+
+        def forward(self, x, grid):
+            for b in self.blocks:
+                x = b(x, grid)
+            return x
+    """)
+    (f,) = gl109(computed)
+    assert f.fix is None and "cu_seqlens is computed there, not passed down" in f.note
+    padded = src(BLOCK.replace("cu_seqlens=cu_seqlens", "cu_seqlens=None"))
+    (g,) = gl109(padded)
+    assert g.fix is None and g.message.endswith("; no fix: cu_seqlens not passed")
+
+
+def test_a_name_the_owner_already_uses_is_not_overwritten():
+    text = src(BLOCK + textwrap.dedent("""
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block()])
+
+        def forward(self, x, cu):
+            forward_metadata = {"kind": "mine"}
+            for b in self.blocks:
+                x = b(x, cu)
+            return x, forward_metadata
+    """))
+    (f,) = gl109(text)
+    assert f.fix is None and "forward_metadata already names a value in Encoder.forward" in f.note
+
+
+def test_the_helper_must_exist_in_the_engine_the_file_would_import(tmp_path):
+    """A fork whose vision module has no prepare_vision_attention_metadata (sglang 0.5.10's has none): no fix,
+    because the fixed module would not import."""
+    vision = tmp_path / "sglang" / "srt" / "layers" / "attention"
+    vision.mkdir(parents=True)
+    (vision / "vision.py").write_text("class VisionAttention:\n    pass\n")
+    model = tmp_path / "sglang" / "srt" / "models" / "m.py"
+    model.parent.mkdir(parents=True)
+    model.write_text(THREE_LEVELS)
+    found = [f for f in check_source(model.read_bytes(), str(model), build_rules()).findings if f.code == "GL109"]
+    assert found and found[0].fix is None and found[0].message.endswith("; no fix: helper not in this sglang")
+    assert definition_source(str(model), "sglang.srt.layers.attention.vision", "VisionAttention")[0] is True
+    (vision / "vision.py").write_text("def prepare_vision_attention_metadata(cu_seqlens, device):\n    pass\n")
+    from guardlint.lint import hoist
+    hoist._DEFINED.clear()
+    found = [f for f in check_source(model.read_bytes(), str(model), build_rules()).findings if f.code == "GL109"]
+    assert found[0].fix is not None
+
+
+def test_the_fixed_catalog_example_is_what_the_linter_writes():
+    from guardlint.contracts import get
+    c = get("GL109")
+    bad = c.examples_of("bad")[0].without_markers()
+    assert fix(bad) == c.examples_of("fixed")[0].code
+    assert_fixed_and_stable(bad, fix(bad))
+
+
+def test_the_json_output_carries_every_edit_of_the_fix():
+    found = json.loads(json.dumps([f.to_dict() for f in lint_source(THREE_LEVELS, "model.py")]))
+    (d,) = [d for d in found if d["code"] == "GL109"]
+    edits = d["fix"]["edits"]
+    assert len(edits) == 7  # import, two parameters, three keywords, the line before the loop
+    ast.parse(fix(THREE_LEVELS))
