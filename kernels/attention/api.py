@@ -22,6 +22,7 @@ from . import dispatch
 from . import flashinfer as fi
 from . import reference as torch_paths
 from . import triton as triton_path
+from . import triton_bwd
 
 BACKENDS = ("auto", "triton", "gluon", "sdpa", "torch-varlen", "flashinfer", "flashinfer-fa2", "flashinfer-fa3",
             "flashinfer-cudnn")
@@ -49,8 +50,42 @@ def _(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, max_seqlen_verifie
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+@torch.library.custom_op("guardlint::varlen_attention_triton_backward", mutates_args=())
+def varlen_attention_triton_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                        out: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                                        softmax_scale: float, causal: bool
+                                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.guardlint.varlen_attention_triton_backward``: (dq, dk, dv) of the Triton forward
+    (``triton_bwd``)."""
+    return triton_bwd.varlen_attention_triton_backward(grad_out, q, k, v, out, cu_seqlens, max_seqlen, softmax_scale,
+                                                       causal)
+
+
+@varlen_attention_triton_backward_op.register_fake
+def _(grad_out, q, k, v, out, cu_seqlens, max_seqlen, softmax_scale, causal):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _triton_setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal = inputs[:7]
+    ctx.save_for_backward(q, k, v, cu_seqlens, output)
+    ctx.launch = (max_seqlen, softmax_scale, causal)
+
+
+def _triton_backward(ctx, grad_out):
+    q, k, v, cu_seqlens, out = ctx.saved_tensors
+    dq, dk, dv = varlen_attention_triton_backward_op(grad_out, q, k, v, out, cu_seqlens, *ctx.launch)
+    return dq, dk, dv, None, None, None, None, None
+
+
+# The forward op's backward: torch.compile traces both, and eager calls that need a graph go through the op.
+varlen_attention_triton_op.register_autograd(_triton_backward, setup_context=_triton_setup_context)
+
+
 def _run_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal, verified: bool = False):
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled()
+                                         and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        # Through the op: torch.compile sees one node, and autograd records the Triton backward.
         return varlen_attention_triton_op(q, k, v, cu_seqlens, max_seqlen, scale, causal, verified)
     # Eager calls skip the op dispatcher: it costs more than the rest of the host path together
     # (bench/results/attention_overhead.md).
@@ -391,6 +426,16 @@ def _run_triton_verified(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scal
     return _run_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal, True)
 
 
+def _run_triton_autograd(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function):
+    """The Triton kernel through its op, so that autograd records it (inputs that need a graph)."""
+    return varlen_attention_triton_op(q, k, v, cu_seqlens, max_seqlen, scale, causal, False)
+
+
+def _run_triton_autograd_verified(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata,
+                                  function):
+    return varlen_attention_triton_op(q, k, v, cu_seqlens, max_seqlen, scale, causal, True)
+
+
 def _run_sdpa(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function):
     return torch_paths.sdpa_varlen(q, k, v, _host_offsets(q, cu_seqlens, metadata), scale, causal)
 
@@ -483,8 +528,8 @@ _SCALE_TYPES = (type(None), float, int)
 dispatch.dependent_caches.append(_calls)
 
 
-# Backends whose output carries an autograd graph; the others (our kernels, FlashInfer) have no backward.
-AUTOGRAD = ("sdpa", "torch-varlen")
+# Backends whose output carries an autograd graph; the others (Gluon, FlashInfer) have no backward.
+AUTOGRAD = ("sdpa", "torch-varlen", "triton")
 
 
 def _needs_grad(q, k, v) -> Optional[str]:
@@ -516,7 +561,8 @@ def _plan_call(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, ca
     backend, scale = _checked_call(function, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend, grad,
                                    max_seqlen_verified)
     verified = hint_verified(q, max_seqlen, max_seqlen_verified)
-    return _plan_backend(function, q, k, cu_seqlens, max_seqlen, scale, causal, backend, eager, capturing, verified)
+    return _plan_backend(function, q, k, cu_seqlens, max_seqlen, scale, causal, backend, eager, capturing, verified,
+                         grad)
 
 
 def _plan_calls(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, backend,
@@ -528,10 +574,11 @@ def _plan_calls(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, c
                                    max_seqlen_verified)
     verified = hint_verified(q, max_seqlen, max_seqlen_verified)
     run, scale, name = _plan_backend(function, q, k, cu_seqlens, max_seqlen, scale, causal, backend, True, False,
-                                     verified)
+                                     verified, grad)
     if backend not in _CHOOSING:
         return (run, scale), None
-    captured = _plan_backend(function, q, k, cu_seqlens, max_seqlen, scale, causal, backend, True, True, verified)
+    captured = _plan_backend(function, q, k, cu_seqlens, max_seqlen, scale, causal, backend, True, True, verified,
+                             grad)
     return (run, scale), (None if captured[2] == name else captured[:2])
 
 
@@ -544,7 +591,7 @@ def _checked_call(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale,
     if isinstance(backend, GuardError):
         raise backend
     if grad is not None and backend == "torch-varlen" and not hint_verified(q, max_seqlen, max_seqlen_verified):
-        backend = "sdpa"  # the hint is not trusted (see HINT_TRUSTING), and the Triton kernel has no backward
+        backend = "triton"  # the hint is not trusted (see HINT_TRUSTING); the Triton kernels do not depend on it
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
     if max_seqlen == 0 and q.shape[0] > 0 and cu_seqlens.shape[0] > 1:
         # Offsets from 0 to total_tokens with no sequence longer than 0 cannot cover any token: a kernel
@@ -555,11 +602,14 @@ def _checked_call(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale,
 
 
 def _plan_backend(function: str, q, k, cu_seqlens, max_seqlen, scale: float, causal, backend: str, eager: bool,
-                  capturing: bool, verified: bool = False) -> tuple:
+                  capturing: bool, verified: bool = False, grad: Optional[str] = None) -> tuple:
     name = _resolve(backend, q, k, cu_seqlens, max_seqlen, scale, causal, function,
                     eager=not (capturing or torch.compiler.is_compiling()), verified=verified)
     run = _verified_runner(_runner(name, q, cu_seqlens, function), verified)
-    if run in (_run_triton_backend, _run_triton_verified) and eager:
+    if run in (_run_triton_backend, _run_triton_verified) and grad is not None:
+        # Inputs that need a graph: the op, whose autograd formula runs the Triton backward (triton_bwd).
+        run = _run_triton_autograd_verified if run is _run_triton_verified else _run_triton_autograd
+    elif run in (_run_triton_backend, _run_triton_verified) and eager:
         run = _planned_triton(q, k, cu_seqlens, max_seqlen, scale, causal, verified)
     return run, scale, name
 
@@ -588,8 +638,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         softmax_scale: default ``head_dim ** -0.5``.
         causal: mask keys after the query within each sequence.
         backend: ``"auto"`` (fastest measured; ``"sdpa"`` when q, k or v requires grad and grad mode is on:
-            only ``"sdpa"`` and ``"torch-varlen"`` have a backward, the others refuse such inputs with
-            GL106 rather than return an output outside the graph), ``"triton"``, ``"gluon"`` (Hopper,
+            only ``"sdpa"``, ``"torch-varlen"`` and ``"triton"`` have a backward, the others refuse such inputs
+            with GL106 rather than return an output outside the graph), ``"triton"`` (differentiable: a
+            FlashAttention-2 style Triton backward, ``triton_bwd``), ``"gluon"`` (Hopper,
             D 64/80/96/128, 16-bit, and a verified max_seqlen; other layouts and calls run on Triton), ``"sdpa"``,
             ``"torch-varlen"``,
             ``"flashinfer"`` (best FlashInfer variant; head dims it cannot run go to ``triton``),

@@ -220,6 +220,27 @@ def test_transformers_training_gradients_match_sdpa():
         _close(grads[AUTO][name], grad, atol=1e-4)
 
 
+def test_transformers_trains_on_the_triton_backward():
+    """A few optimizer steps of the tiny Qwen2.5-VL (vision tower and text model) with backend="triton": the
+    Triton backward (through the interpreter here) gives sdpa's losses step after step."""
+    losses = {}
+    ids, pixel_values, grid, types = _image_inputs()
+    for impl in ("sdpa", NAME):
+        model = _qwen2_5_vl().train()
+        model.set_attn_implementation(impl)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses[impl] = []
+        for _ in range(3):
+            optimizer.zero_grad()
+            loss = model(input_ids=ids, pixel_values=pixel_values, image_grid_thw=grid, mm_token_type_ids=types,
+                         labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            losses[impl].append(loss.item())
+    assert losses["sdpa"][-1] < losses["sdpa"][0]  # the steps train
+    torch.testing.assert_close(torch.tensor(losses[NAME]), torch.tensor(losses["sdpa"]), rtol=1e-4, atol=1e-5)
+
+
 # -- refusals ---------------------------------------------------------------------------------------
 
 class _Attention(torch.nn.Module):

@@ -1,0 +1,338 @@
+"""Varlen attention backward in Triton (FlashAttention-2 style), with the forward's power-of-two head-dim parts.
+
+Math, per sequence and query head h (kv head h // GROUP), logits ``s = scale * q . k`` (masked as the forward
+masks them), ``P = softmax(s)``, ``O = P V``, upstream gradient ``dO``:
+
+    dV = P^T dO            (summed over the GROUP query heads of a kv head)
+    dP = dO V^T,  delta = rowsum(dO * O),  dS = P * (dP - delta)
+    dQ = scale * dS K,     dK = scale * dS^T Q   (dK summed over the group too)
+
+Three kernels, each a program per (tile, head, sequence) looping over its sequence's tiles with the grid's stride
+(so ``max_seqlen`` only sizes the launch, and a short one costs time, never a row):
+
+- ``_bwd_prep``: per query row, the base-2 log-sum-exp of its scaled logits (a pass over the keys, as the
+  forward's, without V) and ``delta``. The forward keeps no statistics, so the backward recomputes them.
+- ``_bwd_dkdv``: per key tile of a kv head, dK and dV accumulated over the query tiles that see it (from the
+  key tile's own on, when causal) of every query head of the group: no atomics.
+- ``_bwd_dq``: per query tile, dQ accumulated over its key tiles.
+
+All accumulation is in fp32; the probabilities are rebuilt as ``exp2(s * log2(e) - lse)``. Rows past a sequence's
+end and keys a row does not see contribute zero. A sequence of length 0 has no tiles.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton import INTERPRET, LOG2E, _load_part, head_dim_parts
+
+
+@triton.jit
+def _parts(base, rows, row_stride, row_ok, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+           D3: tl.constexpr, UPCAST: tl.constexpr):
+    """The (up to four) head-dim parts of ``rows``; absent parts repeat the first (never used)."""
+    x0 = _load_part(base, rows, row_stride, 0, D0, row_ok, True, UPCAST)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    if D1 > 0:
+        x1 = _load_part(base, rows, row_stride, D0, D1, row_ok, True, UPCAST)
+    if D2 > 0:
+        x2 = _load_part(base, rows, row_stride, D0 + D1, D2, row_ok, True, UPCAST)
+    if D3 > 0:
+        x3 = _load_part(base, rows, row_stride, D0 + D1 + D2, D3, row_ok, True, UPCAST)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _dot_t(a0, a1, a2, a3, b0, b1, b2, b3, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+           PRECISION: tl.constexpr):
+    """sum over parts of a_p @ b_p^T: (rows of a) x (rows of b), fp32."""
+    acc = tl.dot(a0, tl.trans(b0), input_precision=PRECISION, out_dtype=tl.float32)
+    if D1 > 0:
+        acc = tl.dot(a1, tl.trans(b1), acc, input_precision=PRECISION, out_dtype=tl.float32)
+    if D2 > 0:
+        acc = tl.dot(a2, tl.trans(b2), acc, input_precision=PRECISION, out_dtype=tl.float32)
+    if D3 > 0:
+        acc = tl.dot(a3, tl.trans(b3), acc, input_precision=PRECISION, out_dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _store_parts(base, rows, row_stride, row_ok, x0, x1, x2, x3, scale, D0: tl.constexpr, D1: tl.constexpr,
+                 D2: tl.constexpr, D3: tl.constexpr):
+    ty = base.dtype.element_ty
+    tl.store(base + rows[:, None] * row_stride + tl.arange(0, D0)[None, :], (x0 * scale).to(ty),
+             mask=row_ok[:, None])
+    if D1 > 0:
+        tl.store(base + rows[:, None] * row_stride + (D0 + tl.arange(0, D1))[None, :], (x1 * scale).to(ty),
+                 mask=row_ok[:, None])
+    if D2 > 0:
+        tl.store(base + rows[:, None] * row_stride + (D0 + D1 + tl.arange(0, D2))[None, :], (x2 * scale).to(ty),
+                 mask=row_ok[:, None])
+    if D3 > 0:
+        tl.store(base + rows[:, None] * row_stride + (D0 + D1 + D2 + tl.arange(0, D3))[None, :],
+                 (x3 * scale).to(ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _sequence(cu_seqlens, seq, total_tokens):
+    """(start, length) of sequence ``seq``, clamped into [0, total_tokens] as the forward clamps them."""
+    start = tl.load(cu_seqlens + seq).to(tl.int64)
+    end = tl.load(cu_seqlens + seq + 1).to(tl.int64)
+    start = tl.minimum(tl.maximum(start, 0), total_tokens)
+    end = tl.minimum(tl.maximum(end, start), total_tokens)
+    return start, (end - start).to(tl.int32)
+
+
+@triton.jit
+def _visible(offs_m, offs_n, seq_len, CAUSAL: tl.constexpr):
+    keep = (offs_m[:, None] < seq_len) & (offs_n[None, :] < seq_len)
+    if CAUSAL:
+        keep = keep & (offs_m[:, None] >= offs_n[None, :])
+    return keep
+
+
+@triton.jit
+def _bwd_prep(Q, K, OUT, DO, LSE, DELTA, cu_seqlens,
+              stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_dot, stride_doh,
+              stride_lt, total_tokens, qk_scale,
+              GROUP: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+              CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    start, seq_len = _sequence(cu_seqlens, seq, total_tokens)
+    kv_head = head // GROUP
+    q_base = Q + start * stride_qt + head * stride_qh
+    k_base = K + start * stride_kt + kv_head * stride_kh
+    o_base = OUT + start * stride_ot + head * stride_oh
+    do_base = DO + start * stride_dot + head * stride_doh
+    n_tiles = tl.cdiv(seq_len, BLOCK_M)
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < seq_len
+        q0, q1, q2, q3 = _parts(q_base, offs_m, stride_qt, row_ok, D0, D1, D2, D3, UPCAST)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if CAUSAL:
+            end_n = tl.minimum((tile + 1) * BLOCK_M, seq_len)
+        else:
+            end_n = seq_len
+        for start_n in range(0, end_n, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k0, k1, k2, k3 = _parts(k_base, offs_n, stride_kt, offs_n < seq_len, D0, D1, D2, D3, UPCAST)
+            s = _dot_t(q0, q1, q2, q3, k0, k1, k2, k3, D1, D2, D3, PRECISION) * qk_scale
+            s = tl.where(_visible(offs_m, offs_n, seq_len, CAUSAL), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # Rows with no visible key yet keep m = -inf: shift by 0 there, so no exp2(-inf - -inf).
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.math.exp2(m_i - shift) + tl.sum(tl.math.exp2(s - shift[:, None]), 1)
+            m_i = m_new
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("inf"))
+        o0, o1, o2, o3 = _parts(o_base, offs_m, stride_ot, row_ok, D0, D1, D2, D3, True)
+        g0, g1, g2, g3 = _parts(do_base, offs_m, stride_dot, row_ok, D0, D1, D2, D3, True)
+        delta = tl.sum(o0.to(tl.float32) * g0.to(tl.float32), 1)
+        if D1 > 0:
+            delta += tl.sum(o1.to(tl.float32) * g1.to(tl.float32), 1)
+        if D2 > 0:
+            delta += tl.sum(o2.to(tl.float32) * g2.to(tl.float32), 1)
+        if D3 > 0:
+            delta += tl.sum(o3.to(tl.float32) * g3.to(tl.float32), 1)
+        rows = start + offs_m
+        tl.store(LSE + rows * stride_lt + head, lse, mask=row_ok)
+        tl.store(DELTA + rows * stride_lt + head, delta, mask=row_ok)
+
+
+@triton.jit
+def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens,
+              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+              stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lt, total_tokens, qk_scale, scale,
+              GROUP: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+              CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
+    start, seq_len = _sequence(cu_seqlens, seq, total_tokens)
+    k_base = K + start * stride_kt + kv_head * stride_kh
+    v_base = V + start * stride_vt + kv_head * stride_vh
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_ok = offs_n < seq_len
+        k0, k1, k2, k3 = _parts(k_base, offs_n, stride_kt, key_ok, D0, D1, D2, D3, UPCAST)
+        v0, v1, v2, v3 = _parts(v_base, offs_n, stride_vt, key_ok, D0, D1, D2, D3, UPCAST)
+        dk0 = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
+        dk1 = dk0
+        dk2 = dk0
+        dk3 = dk0
+        dv0 = dk0
+        dv1 = dk0
+        dv2 = dk0
+        dv3 = dk0
+        if D1 > 0:
+            dk1 = tl.zeros([BLOCK_N, D1], dtype=tl.float32)
+            dv1 = dk1
+        if D2 > 0:
+            dk2 = tl.zeros([BLOCK_N, D2], dtype=tl.float32)
+            dv2 = dk2
+        if D3 > 0:
+            dk3 = tl.zeros([BLOCK_N, D3], dtype=tl.float32)
+            dv3 = dk3
+        if CAUSAL:
+            first_m = (tile * BLOCK_N // BLOCK_M) * BLOCK_M
+        else:
+            first_m = 0
+        for g in range(GROUP):
+            head = kv_head * GROUP + g
+            q_base = Q + start * stride_qt + head * stride_qh
+            do_base = DO + start * stride_dot + head * stride_doh
+            for start_m in range(first_m, seq_len, BLOCK_M):
+                offs_m = start_m + tl.arange(0, BLOCK_M)
+                row_ok = offs_m < seq_len
+                q0, q1, q2, q3 = _parts(q_base, offs_m, stride_qt, row_ok, D0, D1, D2, D3, UPCAST)
+                g0, g1, g2, g3 = _parts(do_base, offs_m, stride_dot, row_ok, D0, D1, D2, D3, UPCAST)
+                rows = start + offs_m
+                lse = tl.load(LSE + rows * stride_lt + head, mask=row_ok, other=float("inf"))
+                delta = tl.load(DELTA + rows * stride_lt + head, mask=row_ok, other=0.0)
+                s = _dot_t(q0, q1, q2, q3, k0, k1, k2, k3, D1, D2, D3, PRECISION) * qk_scale
+                keep = _visible(offs_m, offs_n, seq_len, CAUSAL)
+                p = tl.where(keep, tl.math.exp2(s - lse[:, None]), 0.0)
+                dp = _dot_t(g0, g1, g2, g3, v0, v1, v2, v3, D1, D2, D3, PRECISION)
+                ds = p * (dp - delta[:, None])
+                pt = tl.trans(p).to(g0.dtype)
+                dst = tl.trans(ds).to(q0.dtype)
+                dv0 = tl.dot(pt, g0, dv0, input_precision=PRECISION)
+                dk0 = tl.dot(dst, q0, dk0, input_precision=PRECISION)
+                if D1 > 0:
+                    dv1 = tl.dot(pt, g1, dv1, input_precision=PRECISION)
+                    dk1 = tl.dot(dst, q1, dk1, input_precision=PRECISION)
+                if D2 > 0:
+                    dv2 = tl.dot(pt, g2, dv2, input_precision=PRECISION)
+                    dk2 = tl.dot(dst, q2, dk2, input_precision=PRECISION)
+                if D3 > 0:
+                    dv3 = tl.dot(pt, g3, dv3, input_precision=PRECISION)
+                    dk3 = tl.dot(dst, q3, dk3, input_precision=PRECISION)
+        _store_parts(DK + start * stride_dkt + kv_head * stride_dkh, offs_n, stride_dkt, key_ok, dk0, dk1, dk2, dk3,
+                     scale, D0, D1, D2, D3)
+        _store_parts(DV + start * stride_dvt + kv_head * stride_dvh, offs_n, stride_dvt, key_ok, dv0, dv1, dv2, dv3,
+                     1.0, D0, D1, D2, D3)
+
+
+@triton.jit
+def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens,
+            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+            stride_dqt, stride_dqh, stride_lt, total_tokens, qk_scale, scale,
+            GROUP: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+            CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    start, seq_len = _sequence(cu_seqlens, seq, total_tokens)
+    kv_head = head // GROUP
+    q_base = Q + start * stride_qt + head * stride_qh
+    do_base = DO + start * stride_dot + head * stride_doh
+    k_base = K + start * stride_kt + kv_head * stride_kh
+    v_base = V + start * stride_vt + kv_head * stride_vh
+    n_tiles = tl.cdiv(seq_len, BLOCK_M)
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < seq_len
+        q0, q1, q2, q3 = _parts(q_base, offs_m, stride_qt, row_ok, D0, D1, D2, D3, UPCAST)
+        g0, g1, g2, g3 = _parts(do_base, offs_m, stride_dot, row_ok, D0, D1, D2, D3, UPCAST)
+        rows = start + offs_m
+        lse = tl.load(LSE + rows * stride_lt + head, mask=row_ok, other=float("inf"))
+        delta = tl.load(DELTA + rows * stride_lt + head, mask=row_ok, other=0.0)
+        dq0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
+        dq1 = dq0
+        dq2 = dq0
+        dq3 = dq0
+        if D1 > 0:
+            dq1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
+        if D2 > 0:
+            dq2 = tl.zeros([BLOCK_M, D2], dtype=tl.float32)
+        if D3 > 0:
+            dq3 = tl.zeros([BLOCK_M, D3], dtype=tl.float32)
+        if CAUSAL:
+            end_n = tl.minimum((tile + 1) * BLOCK_M, seq_len)
+        else:
+            end_n = seq_len
+        for start_n in range(0, end_n, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            key_ok = offs_n < seq_len
+            k0, k1, k2, k3 = _parts(k_base, offs_n, stride_kt, key_ok, D0, D1, D2, D3, UPCAST)
+            v0, v1, v2, v3 = _parts(v_base, offs_n, stride_vt, key_ok, D0, D1, D2, D3, UPCAST)
+            s = _dot_t(q0, q1, q2, q3, k0, k1, k2, k3, D1, D2, D3, PRECISION) * qk_scale
+            p = tl.where(_visible(offs_m, offs_n, seq_len, CAUSAL), tl.math.exp2(s - lse[:, None]), 0.0)
+            dp = _dot_t(g0, g1, g2, g3, v0, v1, v2, v3, D1, D2, D3, PRECISION)
+            ds = (p * (dp - delta[:, None])).to(k0.dtype)
+            dq0 = tl.dot(ds, k0, dq0, input_precision=PRECISION)
+            if D1 > 0:
+                dq1 = tl.dot(ds, k1, dq1, input_precision=PRECISION)
+            if D2 > 0:
+                dq2 = tl.dot(ds, k2, dq2, input_precision=PRECISION)
+            if D3 > 0:
+                dq3 = tl.dot(ds, k3, dq3, input_precision=PRECISION)
+        _store_parts(DQ + start * stride_dqt + head * stride_dqh, offs_m, stride_dqt, row_ok, dq0, dq1, dq2, dq3,
+                     scale, D0, D1, D2, D3)
+
+
+# Small tiles under the interpreter (its cost is per program and per op); on the GPU a first, untuned choice.
+INTERPRET_BLOCKS = (16, 16)
+GPU_BLOCKS = (64, 64, 4, 2)  # BLOCK_M, BLOCK_N, warps, stages
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def varlen_attention_triton_backward(
+        grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        cu_seqlens: torch.Tensor, max_seqlen: int, softmax_scale: float, causal: bool, *,
+        config: Optional[Tuple[int, int, int, int]] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of ``varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal)``
+    whose output was ``out``, for the upstream gradient ``grad_out``. Inputs as the forward takes them (already
+    validated); ``max_seqlen`` only sizes the grids. Gradients have the inputs' shapes and dtypes."""
+    total_tokens, num_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    batch = cu_seqlens.shape[0] - 1
+    dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
+    dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
+    if total_tokens == 0 or batch <= 0:
+        return dq, dk, dv
+    negative = softmax_scale < 0
+    if negative:
+        # softmax(s q.k) = softmax(-s (-q).k): the kernels take a scale >= 0, and dq changes sign back.
+        q, softmax_scale = -q, -softmax_scale
+    q, k, v, out, grad_out = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v, out, grad_out))
+    if cu_seqlens.stride(0) != 1:
+        cu_seqlens = cu_seqlens.contiguous()
+    lse = torch.empty((total_tokens, num_heads), dtype=torch.float32, device=q.device)
+    delta = torch.empty_like(lse)
+    d0, d1, d2, d3 = head_dim_parts(head_dim)
+    if config is None:
+        config = (*INTERPRET_BLOCKS, 4, 1) if INTERPRET else GPU_BLOCKS
+    block_m, block_n, warps, stages = config
+    rows = max(min(max(max_seqlen, 1), total_tokens), 1)
+    meta = dict(GROUP=num_heads // kv_heads, D0=d0, D1=d1, D2=d2, D3=d3, CAUSAL=bool(causal),
+                UPCAST=INTERPRET and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
+                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    qk_scale = softmax_scale * LOG2E
+    sq, sk, sv, so, sg = q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride()
+    _bwd_prep[(triton.cdiv(rows, block_m), num_heads, batch)](
+        q, k, out, grad_out, lse, delta, cu_seqlens, sq[0], sq[1], sk[0], sk[1], so[0], so[1], sg[0], sg[1],
+        lse.stride(0), total_tokens, qk_scale, **meta)
+    _bwd_dkdv[(triton.cdiv(rows, block_n), kv_heads, batch)](
+        q, k, v, grad_out, dk, dv, lse, delta, cu_seqlens, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1],
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0), total_tokens, qk_scale,
+        softmax_scale, **meta)
+    _bwd_dq[(triton.cdiv(rows, block_m), num_heads, batch)](
+        q, k, v, grad_out, dq, lse, delta, cu_seqlens, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1],
+        dq.stride(0), dq.stride(1), lse.stride(0), total_tokens, qk_scale, softmax_scale, **meta)
+    if negative:
+        dq = -dq
+    return dq, dk, dv

@@ -1,0 +1,136 @@
+"""The Triton varlen attention backward (``kernels/attention/triton_bwd.py``) against float64 autograd of the
+per-sequence reference: odd head dims (the forward's power-of-two parts), GQA, causal and not, zero-length
+sequences, negative and zero scales, a max_seqlen below the longest sequence, bf16; and through
+``varlen_attention`` / ``cudnn_vision_attention`` with ``backend="triton"`` (the custom op's autograd formula).
+On the CPU the kernels run through the Triton interpreter (tests/kernels/conftest.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from guardlint.guard import prepare_varlen_metadata
+from guardlint.kernels import varlen_attention
+from guardlint.kernels.attention import api as attention
+from guardlint.kernels.attention import triton as triton_path
+from guardlint.kernels.attention.triton_bwd import varlen_attention_triton_backward
+
+
+def reference(q, k, v, cu, scale, causal):
+    """Per-sequence SDPA with kv heads repeated for GQA (differentiable), in the inputs' dtype."""
+    out = torch.zeros_like(q)
+    group = q.shape[1] // k.shape[1]
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if b == a:
+            continue
+        qq = q[a:b].transpose(0, 1)
+        kk = k[a:b].repeat_interleave(group, 1).transpose(0, 1)
+        vv = v[a:b].repeat_interleave(group, 1).transpose(0, 1)
+        out[a:b] = F.scaled_dot_product_attention(qq, kk, vv, scale=scale, is_causal=causal).transpose(0, 1)
+    return out
+
+
+def inputs(lengths, heads, kv_heads, head_dim, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(total, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype)
+    grad = torch.randn(total, heads, head_dim, generator=g).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, grad, cu
+
+
+def float64_grads(q, k, v, grad, cu, scale, causal):
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    reference(*leaves, cu, scale, causal).backward(grad.double())
+    return [t.grad for t in leaves]
+
+
+def assert_grads(got, expected, rel):
+    for name, a, b in zip("qkv", got, expected):
+        assert a.shape == b.shape and torch.isfinite(a).all(), name
+        err = (a.double() - b).abs().max().item()
+        assert err <= rel * max(b.abs().max().item(), 1e-6), f"d{name}: max error {err:.2e}"
+
+
+CASES = [
+    # lengths, heads, kv heads, head dim, causal, scale
+    ([5, 17, 0, 9], 2, 2, 16, False, None),
+    ([5, 17, 0, 9], 2, 2, 16, True, None),
+    ([5, 17, 9], 4, 2, 80, True, None),       # 64 + 16, GQA 2
+    ([33, 3], 2, 1, 96, False, -0.3),         # 64 + 32, GQA 2, a negative scale
+    ([12, 20], 3, 3, 48, True, 0.0),          # 32 + 16, scale 0: uniform attention
+    ([0, 0, 7], 2, 2, 16, False, None),       # empty sequences first
+]
+
+
+@pytest.mark.parametrize("lengths, heads, kv_heads, head_dim, causal, scale", CASES)
+def test_backward_matches_float64_autograd(lengths, heads, kv_heads, head_dim, causal, scale):
+    q, k, v, grad, cu = inputs(lengths, heads, kv_heads, head_dim)
+    scale = head_dim ** -0.5 if scale is None else scale
+    out = triton_path.varlen_attention_triton(q, k, v, cu, max(lengths), scale, causal)
+    got = varlen_attention_triton_backward(grad, q, k, v, out, cu, max(lengths), scale, causal)
+    assert_grads(got, float64_grads(q, k, v, grad, cu, scale, causal), 1e-5)
+
+
+def test_a_short_max_seqlen_sizes_the_grids_and_changes_no_gradient():
+    q, k, v, grad, cu = inputs([20, 7, 33], 2, 2, 16)
+    out = triton_path.varlen_attention_triton(q, k, v, cu, 33, 0.25, True)
+    full = varlen_attention_triton_backward(grad, q, k, v, out, cu, 33, 0.25, True)
+    for hint in (1, 4, 0):
+        short = varlen_attention_triton_backward(grad, q, k, v, out, cu, hint, 0.25, True)
+        for a, b in zip(short, full):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_bf16_backward_within_bf16_rounding():
+    q, k, v, grad, cu = inputs([9, 14], 2, 1, 80, dtype=torch.bfloat16)
+    out = triton_path.varlen_attention_triton(q, k, v, cu, 14, 80 ** -0.5, False)
+    got = varlen_attention_triton_backward(grad, q, k, v, out, cu, 14, 80 ** -0.5, False)
+    assert all(g.dtype == torch.bfloat16 for g in got)
+    assert_grads(got, float64_grads(q, k, v, grad, cu, 80 ** -0.5, False), 3e-2)
+
+
+def test_strided_inputs_and_gradient():
+    """q/k/v views of one fused qkv tensor and a non-contiguous upstream gradient."""
+    total, heads, head_dim = 21, 2, 16
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(total, 3, heads, head_dim, generator=g)
+    q, k, v = qkv.unbind(1)
+    grad = torch.randn(total, head_dim, heads, generator=g).transpose(1, 2)
+    cu = torch.tensor([0, 8, 21], dtype=torch.int32)
+    out = triton_path.varlen_attention_triton(q, k, v, cu, 13, 0.25, False)
+    got = varlen_attention_triton_backward(grad, q, k, v, out, cu, 13, 0.25, False)
+    assert_grads(got, float64_grads(q, k, v, grad, cu, 0.25, False), 1e-5)
+
+
+def test_varlen_attention_on_triton_is_differentiable():
+    q, k, v, grad, cu = inputs([5, 17, 0, 9], 4, 2, 80)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = varlen_attention(*leaves, cu, backend="triton", causal=True)
+    assert out.grad_fn is not None
+    out.backward(grad)
+    assert_grads([t.grad for t in leaves], float64_grads(q, k, v, grad, cu, 80 ** -0.5, True), 1e-5)
+
+
+def test_prepared_metadata_and_the_planned_path_keep_the_graph():
+    q, k, v, grad, cu = inputs([6, 10], 2, 2, 16)
+    meta = prepare_varlen_metadata(cu, q)
+    for _ in range(2):  # the second call is served by the call plan made by the first
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        varlen_attention(*leaves, cu, metadata=meta, backend="triton").backward(grad)
+        assert_grads([t.grad for t in leaves], float64_grads(q, k, v, grad, cu, 0.25, False), 1e-5)
+    with torch.no_grad():  # inference on inputs that require grad: no graph, the planned launch
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        assert not varlen_attention(*leaves, cu, metadata=meta, backend="triton").requires_grad
+
+
+def test_the_ops_are_registered_with_fakes_and_an_autograd_formula():
+    q, k, v, grad, cu = inputs([4, 4], 2, 2, 16)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fq, fk, fv, fg, fcu = (mode.from_tensor(t) for t in (q, k, v, grad, cu))
+        dq, dk, dv = torch.ops.guardlint.varlen_attention_triton_backward(fg, fq, fk, fv, fq, fcu, 4, 0.25, False)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    torch.library.opcheck(attention.varlen_attention_triton_op, (q, k, v, cu, 4, 0.25, False, False),
+                          test_utils=("test_schema", "test_faketensor"))
