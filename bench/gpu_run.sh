@@ -37,6 +37,9 @@ for s in "$@"; do
     regression-lora) step regression-lora python3 bench/kernel_regression.py --base .base --lora-only --rounds 9 ;;
     # The guard's host cost per call with every tensor on the GPU.
     guard-overhead) step guard-overhead python3 bench/guard_overhead.py --device cuda --batches 200 --write ;;
+    # The Triton backward: its GPU tests, then forward + backward beside torch's varlen flash.
+    tests-backward) step tests-backward python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_attention_backward_gpu.py ;;
+    attention-backward) STEP_TIMEOUT=420 step attention-backward python3 bench/attention_backward.py --write ;;
     engines) step engines python3 -m pytest -q -m gpu -p no:cacheprovider tests/engines/test_engines_gpu.py ;;
     lora-tests) step lora-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_lora_gpu.py ;;
     eager) step eager python3 bench/lora_eager.py --write ;;
