@@ -134,3 +134,30 @@ def test_the_ops_are_registered_with_fakes_and_an_autograd_formula():
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     torch.library.opcheck(attention.varlen_attention_triton_op, (q, k, v, cu, 4, 0.25, False, False),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_compile_traces_the_forward_and_the_backward():
+    """aot_eager: the forward graph holds the Triton op once and the backward graph the backward op once, and
+    the compiled step gives the eager gradients."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    q, k, v, grad, cu = inputs([3, 5], 2, 1, 16)
+    lengths = cu[1:] - cu[:-1]
+    seen = []
+
+    def compiler(gm, example_inputs):
+        seen.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return make_boxed_func(gm.forward)
+
+    def step(q, k, v, cu, lengths):
+        return varlen_attention(q, k, v, cu, sequence_lengths=lengths, max_seqlen=5, backend="triton") * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=aot_autograd(fw_compiler=compiler, bw_compiler=compiler), fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    compiled(*leaves, cu, lengths).backward(grad)
+    forward_graph, backward_graph = seen
+    assert sum("varlen_attention_triton.default" in name for name in forward_graph) == 1
+    assert sum("varlen_attention_triton_backward" in name for name in backward_graph) == 1
+    assert_grads([t.grad / 2 for t in leaves], float64_grads(q, k, v, grad, cu, 0.25, False), 1e-5)
