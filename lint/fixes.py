@@ -373,9 +373,11 @@ def _write_all(contract: Contract, call: cst.Call, passed: dict, missing_in, sou
         if d is None:
             return NoFix(f"{target} has no derivation to write")
         if per_layer and d.host_read:
+            # Made once where the layer loop runs and passed down instead (hoist.py): the call then gets this one
+            # value, which its contract takes alone; values it was to be derived from here are derived there.
             return NoFix.because(f"runs per layer in {per_layer_place(per_layer)}",
                                  f"Deriving {target} here would be a host read per layer: compute it once per "
-                                 f"model forward and pass it down.")
+                                 f"model forward and pass it down.", hoist=_standalone(contract, d))
         sources = {}
         for name in placeholders(d.template):
             if name in written:
@@ -414,6 +416,17 @@ def _write_all(contract: Contract, call: cst.Call, passed: dict, missing_in, sou
         if d is not None and d.host_read:
             words[-1] += " (a host read, once per batch)"
     return Plan(new_call, imports, "; ".join(words))
+
+
+def _standalone(contract: Contract, d: Derivation) -> Derivation:
+    """``d`` with the values its template takes from other derivations of the contract written out, so that it
+    reads only the call's own arguments (``int({seg_lens}.max())`` with seg_lens' template in place)."""
+    template = d.template
+    for name in placeholders(template):
+        inner = contract.derivation_for(name)
+        if inner is not None and inner is not d and not inner.host_read:
+            template = template.replace("{" + name + "}", f"({inner.template})")
+    return d if template == d.template else dataclasses.replace(d, template=template)
 
 
 def plan_replace(contract: Contract, call: cst.Call, can_import: ImportCheck) -> Outcome:

@@ -322,3 +322,79 @@ def test_the_json_output_carries_every_edit_of_the_fix():
     edits = d["fix"]["edits"]
     assert len(edits) == 7  # import, two parameters, three keywords, the line before the loop
     ast.parse(fix(THREE_LEVELS))
+
+
+LORA_LAYERS = '''\
+import torch.nn as nn
+from sglang.srt.lora.utils import LoRABatchInfo
+
+
+class LoRALayer(nn.Module):
+    def forward(self, x, seg_indptr, weight_indices, lora_ranks, scalings):
+        info = LoRABatchInfo(
+            use_cuda_graph=False,
+            bs=seg_indptr.numel() - 1,
+            num_segments=seg_indptr.numel() - 1,
+            seg_indptr=seg_indptr,
+            weight_indices=weight_indices,
+            lora_ranks=lora_ranks,
+            scalings=scalings,
+            max_len=None,
+            seg_lens=None,
+            permutation=None,
+        )
+        return self.run(x, info)
+
+
+class Model(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.layers = nn.ModuleList([LoRALayer() for _ in range(n)])
+
+    def forward(self, x, seg_indptr, weight_indices, lora_ranks, scalings):
+        for layer in self.layers:
+            x = layer(x, seg_indptr, weight_indices, lora_ranks, scalings)
+        return x
+'''
+
+
+def test_a_lora_batch_info_built_per_layer_gets_max_len_from_the_loop_owner():
+    """GL201 in a layer's forward whose seg_indptr comes from above: max_len (the host read) is computed once
+    before the layer loop, from seg_indptr alone, and passed down; the None it replaces is what callers outside
+    the file still get."""
+    found = [f for f in check_source(LORA_LAYERS.encode(), "model.py", build_rules()).findings if f.code == "GL201"]
+    assert len(found) == 1 and found[0].fix is not None and found[0].fix.applicability == "unsafe"
+    fixed = fix(LORA_LAYERS)
+    compile(fixed, "model.py", "exec")
+    assert not [f for f in check_source(fixed.encode(), "model.py", build_rules()).findings if f.code == "GL201"]
+    assert fix(fixed) == fixed
+    assert "        max_len = int((seg_indptr[1:] - seg_indptr[:-1]).max())\n        for layer in self.layers:\n" \
+           "            x = layer(x, seg_indptr, weight_indices, lora_ranks, scalings, max_len=max_len)\n" in fixed
+    assert "    def forward(self, x, seg_indptr, weight_indices, lora_ranks, scalings, max_len=None):\n" in fixed
+    assert "            max_len=max_len,\n            seg_lens=None,\n" in fixed
+
+
+def test_the_hoisted_max_len_is_what_the_kernels_need():
+    """Run the fixed module: the batch info each layer builds has the longest segment as max_len."""
+    import torch
+
+    ns: dict = {}
+    fixed = fix(LORA_LAYERS).replace("from sglang.srt.lora.utils import LoRABatchInfo\n", "")
+
+    class LoRABatchInfo:
+        def __init__(self, **fields):
+            self.__dict__.update(fields)
+
+    seen = []
+
+    class Runner:
+        def run(self, x, info):
+            seen.append(info.max_len)
+            return x
+
+    ns.update(LoRABatchInfo=LoRABatchInfo, nn=torch.nn, Runner=Runner)
+    exec(compile(fixed.replace("class LoRALayer(nn.Module):", "class LoRALayer(nn.Module, Runner):"), "m", "exec"),
+         ns)
+    seg_indptr = torch.tensor([0, 3, 10, 12], dtype=torch.int32)
+    ns["Model"](4)(torch.zeros(12), seg_indptr, None, None, None)
+    assert seen == [7, 7, 7, 7]
