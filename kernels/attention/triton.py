@@ -71,6 +71,16 @@ def _load_part(base, rows, row_stride, col: tl.constexpr, width: tl.constexpr, r
 
 
 @triton.jit
+def _accumulator(like_ptr, rows: tl.constexpr, cols: tl.constexpr):
+    """Zeros to accumulate in: float32, or float64 for float64 inputs (the CPU suite's gradcheck, through the
+    interpreter). A compile-time choice: 16- and 32-bit kernels compile as before."""
+    if like_ptr.dtype.element_ty == tl.float64:
+        return tl.zeros([rows, cols], dtype=tl.float64)
+    else:
+        return tl.zeros([rows, cols], dtype=tl.float32)
+
+
+@triton.jit
 def _attend_kv_tile(
     acc0, acc1, acc2, acc3, l_i, m_i,
     q0, q1, q2, q3,
@@ -84,16 +94,16 @@ def _attend_kv_tile(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     key_ok = offs_n < seq_len
     k0 = _load_part(k_base, offs_n, stride_kt, 0, D0, key_ok, MASK_KEYS, UPCAST)
-    qk = tl.dot(q0, tl.trans(k0), input_precision=PRECISION)
+    qk = tl.dot(q0, tl.trans(k0), input_precision=PRECISION, out_dtype=acc0.dtype)
     if D1 > 0:
         k1 = _load_part(k_base, offs_n, stride_kt, D0, D1, key_ok, MASK_KEYS, UPCAST)
-        qk = tl.dot(q1, tl.trans(k1), qk, input_precision=PRECISION)
+        qk = tl.dot(q1, tl.trans(k1), qk, input_precision=PRECISION, out_dtype=acc0.dtype)
     if D2 > 0:
         k2 = _load_part(k_base, offs_n, stride_kt, D0 + D1, D2, key_ok, MASK_KEYS, UPCAST)
-        qk = tl.dot(q2, tl.trans(k2), qk, input_precision=PRECISION)
+        qk = tl.dot(q2, tl.trans(k2), qk, input_precision=PRECISION, out_dtype=acc0.dtype)
     if D3 > 0:
         k3 = _load_part(k_base, offs_n, stride_kt, D0 + D1 + D2, D3, key_ok, MASK_KEYS, UPCAST)
-        qk = tl.dot(q3, tl.trans(k3), qk, input_precision=PRECISION)
+        qk = tl.dot(q3, tl.trans(k3), qk, input_precision=PRECISION, out_dtype=acc0.dtype)
 
     if MASK_KEYS:
         keep = key_ok[None, :]
@@ -115,16 +125,16 @@ def _attend_kv_tile(
 
     v0 = _load_part(v_base, offs_n, stride_vt, 0, D0, key_ok, MASK_KEYS, UPCAST)
     p = p.to(v0.dtype)
-    acc0 = tl.dot(p, v0, acc0 * alpha[:, None], input_precision=PRECISION)
+    acc0 = tl.dot(p, v0, acc0 * alpha[:, None], input_precision=PRECISION, out_dtype=acc0.dtype)
     if D1 > 0:
         v1 = _load_part(v_base, offs_n, stride_vt, D0, D1, key_ok, MASK_KEYS, UPCAST)
-        acc1 = tl.dot(p, v1, acc1 * alpha[:, None], input_precision=PRECISION)
+        acc1 = tl.dot(p, v1, acc1 * alpha[:, None], input_precision=PRECISION, out_dtype=acc0.dtype)
     if D2 > 0:
         v2 = _load_part(v_base, offs_n, stride_vt, D0 + D1, D2, key_ok, MASK_KEYS, UPCAST)
-        acc2 = tl.dot(p, v2, acc2 * alpha[:, None], input_precision=PRECISION)
+        acc2 = tl.dot(p, v2, acc2 * alpha[:, None], input_precision=PRECISION, out_dtype=acc0.dtype)
     if D3 > 0:
         v3 = _load_part(v_base, offs_n, stride_vt, D0 + D1 + D2, D3, key_ok, MASK_KEYS, UPCAST)
-        acc3 = tl.dot(p, v3, acc3 * alpha[:, None], input_precision=PRECISION)
+        acc3 = tl.dot(p, v3, acc3 * alpha[:, None], input_precision=PRECISION, out_dtype=acc0.dtype)
     return acc0, acc1, acc2, acc3, l_i, m_new
 
 
@@ -167,18 +177,18 @@ def _attend_query_tile(
 
     # Absent parts keep a placeholder accumulator that is never touched (a loop-invariant value the
     # compiler drops).
-    acc0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
+    acc0 = _accumulator(q_base, BLOCK_M, D0)
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
     if D1 > 0:
-        acc1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
+        acc1 = _accumulator(q_base, BLOCK_M, D1)
     if D2 > 0:
-        acc2 = tl.zeros([BLOCK_M, D2], dtype=tl.float32)
+        acc2 = _accumulator(q_base, BLOCK_M, D2)
     if D3 > 0:
-        acc3 = tl.zeros([BLOCK_M, D3], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc3 = _accumulator(q_base, BLOCK_M, D3)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=acc0.dtype)
+    l_i = tl.zeros([BLOCK_M], dtype=acc0.dtype)
 
     # Key tiles [0, full_end) need no mask at all; [full_end, masked_end) get key-bound (and causal)
     # masks. Keeping the masks out of the main loop is worth ~10% on long sequences.
@@ -453,7 +463,7 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     d0, d1, d2, d3 = head_dim_parts(head_dim)
     meta = dict(HEAD_DIM=head_dim, GROUP=key[1], D0=d0, D1=d1, D2=d2, D3=d3, CAUSAL=bool(causal),
                 SORTED=by_length, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-                PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TILE_LOOP=tile_loop)
+                PRECISION="ieee" if q.dtype in (torch.float32, torch.float64) else "tf32", TILE_LOOP=tile_loop)
     if config is None and INTERPRET:
         block_m, block_n = INTERPRET_BLOCKS
         _launches[key] = _settings(block_m, dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1))

@@ -16,8 +16,9 @@ Three kernels, each a program per (tile, head, sequence) looping over its sequen
   key tile's own on, when causal) of every query head of the group: no atomics.
 - ``_bwd_dq``: per query tile, dQ accumulated over its key tiles.
 
-All accumulation is in fp32; the probabilities are rebuilt as ``exp2(s * log2(e) - lse)``. Rows past a sequence's
-end and keys a row does not see contribute zero. A sequence of length 0 has no tiles.
+All accumulation is in fp32 (fp64 for fp64 inputs, which only the interpreter runs); the probabilities
+are rebuilt as ``exp2(s * log2(e) - lse)``. Rows past a sequence's end and keys a row does not see
+contribute zero. A sequence of length 0 has no tiles.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton import INTERPRET, LOG2E, _load_part, head_dim_parts
+from .triton import INTERPRET, LOG2E, _accumulator, _load_part, head_dim_parts
 
 
 @triton.jit
@@ -49,15 +50,15 @@ def _parts(base, rows, row_stride, row_ok, D0: tl.constexpr, D1: tl.constexpr, D
 
 @triton.jit
 def _dot_t(a0, a1, a2, a3, b0, b1, b2, b3, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-           PRECISION: tl.constexpr):
-    """sum over parts of a_p @ b_p^T: (rows of a) x (rows of b), fp32."""
-    acc = tl.dot(a0, tl.trans(b0), input_precision=PRECISION, out_dtype=tl.float32)
+           PRECISION: tl.constexpr, OUT: tl.constexpr):
+    """sum over parts of a_p @ b_p^T: (rows of a) x (rows of b), in OUT (float32, float64 for float64)."""
+    acc = tl.dot(a0, tl.trans(b0), input_precision=PRECISION, out_dtype=OUT)
     if D1 > 0:
-        acc = tl.dot(a1, tl.trans(b1), acc, input_precision=PRECISION, out_dtype=tl.float32)
+        acc = tl.dot(a1, tl.trans(b1), acc, input_precision=PRECISION, out_dtype=OUT)
     if D2 > 0:
-        acc = tl.dot(a2, tl.trans(b2), acc, input_precision=PRECISION, out_dtype=tl.float32)
+        acc = tl.dot(a2, tl.trans(b2), acc, input_precision=PRECISION, out_dtype=OUT)
     if D3 > 0:
-        acc = tl.dot(a3, tl.trans(b3), acc, input_precision=PRECISION, out_dtype=tl.float32)
+        acc = tl.dot(a3, tl.trans(b3), acc, input_precision=PRECISION, out_dtype=OUT)
     return acc
 
 
@@ -116,8 +117,8 @@ def _bwd_prep(Q, K, OUT, DO, LSE, DELTA, cu_seqlens,
         offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < seq_len
         q0, q1, q2, q3 = _parts(q_base, offs_m, stride_qt, row_ok, D0, D1, D2, D3, UPCAST)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=LSE.dtype.element_ty)
+        l_i = tl.zeros([BLOCK_M], dtype=LSE.dtype.element_ty)
         if CAUSAL:
             end_n = tl.minimum((tile + 1) * BLOCK_M, seq_len)
         else:
@@ -125,7 +126,7 @@ def _bwd_prep(Q, K, OUT, DO, LSE, DELTA, cu_seqlens,
         for start_n in range(0, end_n, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k0, k1, k2, k3 = _parts(k_base, offs_n, stride_kt, offs_n < seq_len, D0, D1, D2, D3, UPCAST)
-            s = _dot_t(q0, q1, q2, q3, k0, k1, k2, k3, D1, D2, D3, PRECISION) * qk_scale
+            s = _dot_t(q0, q1, q2, q3, k0, k1, k2, k3, D1, D2, D3, PRECISION, LSE.dtype.element_ty) * qk_scale
             s = tl.where(_visible(offs_m, offs_n, seq_len, CAUSAL), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # Rows with no visible key yet keep m = -inf: shift by 0 there, so no exp2(-inf - -inf).
@@ -133,15 +134,16 @@ def _bwd_prep(Q, K, OUT, DO, LSE, DELTA, cu_seqlens,
             l_i = l_i * tl.math.exp2(m_i - shift) + tl.sum(tl.math.exp2(s - shift[:, None]), 1)
             m_i = m_new
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("inf"))
-        o0, o1, o2, o3 = _parts(o_base, offs_m, stride_ot, row_ok, D0, D1, D2, D3, True)
-        g0, g1, g2, g3 = _parts(do_base, offs_m, stride_dot, row_ok, D0, D1, D2, D3, True)
-        delta = tl.sum(o0.to(tl.float32) * g0.to(tl.float32), 1)
+        o0, o1, o2, o3 = _parts(o_base, offs_m, stride_ot, row_ok, D0, D1, D2, D3, UPCAST)
+        g0, g1, g2, g3 = _parts(do_base, offs_m, stride_dot, row_ok, D0, D1, D2, D3, UPCAST)
+        acc_ty = LSE.dtype.element_ty
+        delta = tl.sum(o0.to(acc_ty) * g0.to(acc_ty), 1)
         if D1 > 0:
-            delta += tl.sum(o1.to(tl.float32) * g1.to(tl.float32), 1)
+            delta += tl.sum(o1.to(acc_ty) * g1.to(acc_ty), 1)
         if D2 > 0:
-            delta += tl.sum(o2.to(tl.float32) * g2.to(tl.float32), 1)
+            delta += tl.sum(o2.to(acc_ty) * g2.to(acc_ty), 1)
         if D3 > 0:
-            delta += tl.sum(o3.to(tl.float32) * g3.to(tl.float32), 1)
+            delta += tl.sum(o3.to(acc_ty) * g3.to(acc_ty), 1)
         rows = start + offs_m
         tl.store(LSE + rows * stride_lt + head, lse, mask=row_ok)
         tl.store(DELTA + rows * stride_lt + head, delta, mask=row_ok)
@@ -165,7 +167,7 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens,
         key_ok = offs_n < seq_len
         k0, k1, k2, k3 = _parts(k_base, offs_n, stride_kt, key_ok, D0, D1, D2, D3, UPCAST)
         v0, v1, v2, v3 = _parts(v_base, offs_n, stride_vt, key_ok, D0, D1, D2, D3, UPCAST)
-        dk0 = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
+        dk0 = _accumulator(LSE, BLOCK_N, D0)
         dk1 = dk0
         dk2 = dk0
         dk3 = dk0
@@ -174,13 +176,13 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens,
         dv2 = dk0
         dv3 = dk0
         if D1 > 0:
-            dk1 = tl.zeros([BLOCK_N, D1], dtype=tl.float32)
+            dk1 = _accumulator(LSE, BLOCK_N, D1)
             dv1 = dk1
         if D2 > 0:
-            dk2 = tl.zeros([BLOCK_N, D2], dtype=tl.float32)
+            dk2 = _accumulator(LSE, BLOCK_N, D2)
             dv2 = dk2
         if D3 > 0:
-            dk3 = tl.zeros([BLOCK_N, D3], dtype=tl.float32)
+            dk3 = _accumulator(LSE, BLOCK_N, D3)
             dv3 = dk3
         if CAUSAL:
             first_m = (tile * BLOCK_N // BLOCK_M) * BLOCK_M
@@ -198,24 +200,24 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens,
                 rows = start + offs_m
                 lse = tl.load(LSE + rows * stride_lt + head, mask=row_ok, other=float("inf"))
                 delta = tl.load(DELTA + rows * stride_lt + head, mask=row_ok, other=0.0)
-                s = _dot_t(q0, q1, q2, q3, k0, k1, k2, k3, D1, D2, D3, PRECISION) * qk_scale
+                s = _dot_t(q0, q1, q2, q3, k0, k1, k2, k3, D1, D2, D3, PRECISION, LSE.dtype.element_ty) * qk_scale
                 keep = _visible(offs_m, offs_n, seq_len, CAUSAL)
                 p = tl.where(keep, tl.math.exp2(s - lse[:, None]), 0.0)
-                dp = _dot_t(g0, g1, g2, g3, v0, v1, v2, v3, D1, D2, D3, PRECISION)
+                dp = _dot_t(g0, g1, g2, g3, v0, v1, v2, v3, D1, D2, D3, PRECISION, LSE.dtype.element_ty)
                 ds = p * (dp - delta[:, None])
                 pt = tl.trans(p).to(g0.dtype)
                 dst = tl.trans(ds).to(q0.dtype)
-                dv0 = tl.dot(pt, g0, dv0, input_precision=PRECISION)
-                dk0 = tl.dot(dst, q0, dk0, input_precision=PRECISION)
+                dv0 = tl.dot(pt, g0, dv0, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
+                dk0 = tl.dot(dst, q0, dk0, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
                 if D1 > 0:
-                    dv1 = tl.dot(pt, g1, dv1, input_precision=PRECISION)
-                    dk1 = tl.dot(dst, q1, dk1, input_precision=PRECISION)
+                    dv1 = tl.dot(pt, g1, dv1, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
+                    dk1 = tl.dot(dst, q1, dk1, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
                 if D2 > 0:
-                    dv2 = tl.dot(pt, g2, dv2, input_precision=PRECISION)
-                    dk2 = tl.dot(dst, q2, dk2, input_precision=PRECISION)
+                    dv2 = tl.dot(pt, g2, dv2, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
+                    dk2 = tl.dot(dst, q2, dk2, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
                 if D3 > 0:
-                    dv3 = tl.dot(pt, g3, dv3, input_precision=PRECISION)
-                    dk3 = tl.dot(dst, q3, dk3, input_precision=PRECISION)
+                    dv3 = tl.dot(pt, g3, dv3, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
+                    dk3 = tl.dot(dst, q3, dk3, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
         _store_parts(DK + start * stride_dkt + kv_head * stride_dkh, offs_n, stride_dkt, key_ok, dk0, dk1, dk2, dk3,
                      scale, D0, D1, D2, D3)
         _store_parts(DV + start * stride_dvt + kv_head * stride_dvh, offs_n, stride_dvt, key_ok, dv0, dv1, dv2, dv3,
@@ -246,16 +248,16 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens,
         rows = start + offs_m
         lse = tl.load(LSE + rows * stride_lt + head, mask=row_ok, other=float("inf"))
         delta = tl.load(DELTA + rows * stride_lt + head, mask=row_ok, other=0.0)
-        dq0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
+        dq0 = _accumulator(LSE, BLOCK_M, D0)
         dq1 = dq0
         dq2 = dq0
         dq3 = dq0
         if D1 > 0:
-            dq1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
+            dq1 = _accumulator(LSE, BLOCK_M, D1)
         if D2 > 0:
-            dq2 = tl.zeros([BLOCK_M, D2], dtype=tl.float32)
+            dq2 = _accumulator(LSE, BLOCK_M, D2)
         if D3 > 0:
-            dq3 = tl.zeros([BLOCK_M, D3], dtype=tl.float32)
+            dq3 = _accumulator(LSE, BLOCK_M, D3)
         if CAUSAL:
             end_n = tl.minimum((tile + 1) * BLOCK_M, seq_len)
         else:
@@ -265,17 +267,17 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens,
             key_ok = offs_n < seq_len
             k0, k1, k2, k3 = _parts(k_base, offs_n, stride_kt, key_ok, D0, D1, D2, D3, UPCAST)
             v0, v1, v2, v3 = _parts(v_base, offs_n, stride_vt, key_ok, D0, D1, D2, D3, UPCAST)
-            s = _dot_t(q0, q1, q2, q3, k0, k1, k2, k3, D1, D2, D3, PRECISION) * qk_scale
+            s = _dot_t(q0, q1, q2, q3, k0, k1, k2, k3, D1, D2, D3, PRECISION, LSE.dtype.element_ty) * qk_scale
             p = tl.where(_visible(offs_m, offs_n, seq_len, CAUSAL), tl.math.exp2(s - lse[:, None]), 0.0)
-            dp = _dot_t(g0, g1, g2, g3, v0, v1, v2, v3, D1, D2, D3, PRECISION)
+            dp = _dot_t(g0, g1, g2, g3, v0, v1, v2, v3, D1, D2, D3, PRECISION, LSE.dtype.element_ty)
             ds = (p * (dp - delta[:, None])).to(k0.dtype)
-            dq0 = tl.dot(ds, k0, dq0, input_precision=PRECISION)
+            dq0 = tl.dot(ds, k0, dq0, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
             if D1 > 0:
-                dq1 = tl.dot(ds, k1, dq1, input_precision=PRECISION)
+                dq1 = tl.dot(ds, k1, dq1, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
             if D2 > 0:
-                dq2 = tl.dot(ds, k2, dq2, input_precision=PRECISION)
+                dq2 = tl.dot(ds, k2, dq2, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
             if D3 > 0:
-                dq3 = tl.dot(ds, k3, dq3, input_precision=PRECISION)
+                dq3 = tl.dot(ds, k3, dq3, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
         _store_parts(DQ + start * stride_dqt + head * stride_dqh, offs_m, stride_dqt, row_ok, dq0, dq1, dq2, dq3,
                      scale, D0, D1, D2, D3)
 
@@ -311,7 +313,9 @@ def varlen_attention_triton_backward(
     q, k, v, out, grad_out = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v, out, grad_out))
     if cu_seqlens.stride(0) != 1:
         cu_seqlens = cu_seqlens.contiguous()
-    lse = torch.empty((total_tokens, num_heads), dtype=torch.float32, device=q.device)
+    # Statistics (and every accumulator, which follows their dtype) in float32, float64 for float64 inputs.
+    stats_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = torch.empty((total_tokens, num_heads), dtype=stats_dtype, device=q.device)
     delta = torch.empty_like(lse)
     d0, d1, d2, d3 = head_dim_parts(head_dim)
     if config is None:

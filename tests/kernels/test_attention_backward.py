@@ -161,3 +161,17 @@ def test_torch_compile_traces_the_forward_and_the_backward():
     assert sum("varlen_attention_triton.default" in name for name in forward_graph) == 1
     assert sum("varlen_attention_triton_backward" in name for name in backward_graph) == 1
     assert_grads([t.grad / 2 for t in leaves], float64_grads(q, k, v, grad, cu, 0.25, False), 1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gradcheck_in_float64_through_the_op(causal):
+    """torch.autograd.gradcheck of the Triton op (forward and backward kernels in float64, which the
+    interpreter runs; the public API keeps to 16- and 32-bit inputs) on a GQA batch with an empty sequence."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(7, 2, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(7, 1, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(7, 1, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    op = attention.varlen_attention_triton_op
+    assert torch.autograd.gradcheck(lambda q, k, v: op(q, k, v, cu, 4, 0.3, causal, False), (q, k, v),
+                                    fast_mode=True)
