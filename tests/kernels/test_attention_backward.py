@@ -175,3 +175,21 @@ def test_gradcheck_in_float64_through_the_op(causal):
     op = attention.varlen_attention_triton_op
     assert torch.autograd.gradcheck(lambda q, k, v: op(q, k, v, cu, 4, 0.3, causal, False), (q, k, v),
                                     fast_mode=True)
+
+
+def test_auto_under_grad_takes_torch_varlen_where_it_runs_the_call_else_sdpa(monkeypatch):
+    """The per-sequence SDPA loop only where torch's varlen flash (a backward, ~29x faster on the H200 at
+    64 x 256 tokens) cannot take the call or the hint is unverified."""
+    q, k, v, grad, cu = inputs([3, 5], 2, 2, 16)
+    q.requires_grad_()
+    runnable = attention._runnable
+    monkeypatch.setattr(attention, "_runnable",
+                        lambda name, *a: name == "torch-varlen" or runnable(name, *a))
+    attention._calls.clear()
+    backend, _ = attention._checked_call("varlen_attention", q, k, v, cu, 5, None, False, "auto", "q", True)
+    assert backend == "torch-varlen"
+    backend, _ = attention._checked_call("varlen_attention", q, k, v, cu, 5, None, False, "auto", "q", False)
+    assert backend == "sdpa"  # a hint nobody checked: torch's kernel would trust it
+    monkeypatch.setattr(attention, "_runnable", runnable)
+    backend, _ = attention._checked_call("varlen_attention", q, k, v, cu, 5, None, False, "auto", "q", True)
+    assert backend == "sdpa"  # on the CPU torch's varlen flash does not run
