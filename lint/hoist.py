@@ -144,7 +144,7 @@ class Hoister:
             for method in holder.body:
                 if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     continue
-                for node in _walk_function(method):
+                for node in _walk_body(method.body):
                     if isinstance(node, ast.For):
                         attr = _iterated_attribute(node.iter)
                         if attr is not None and holder_name in many.get(attr, ()):
@@ -373,7 +373,7 @@ def _iterated_attribute(node: ast.AST) -> Optional[str]:
     """``self.blocks``, ``self.blocks[a:b]``, ``enumerate(self.blocks)``, ``zip(self.blocks, ...)``."""
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("enumerate", "zip") \
             and node.args:
-        return _iterated_attribute(node.args[0] if node.func.id == "zip" else node.args[0])
+        return _iterated_attribute(node.args[0])
     if isinstance(node, ast.Subscript):
         return _iterated_attribute(node.value)
     return _self_attribute(node)
@@ -390,12 +390,8 @@ def _calls_instance(func: ast.AST, names: set, method: str) -> bool:
         and func.attr == method
 
 
-def _walk_function(fn: _Function) -> Iterator[ast.AST]:
-    """The nodes of a function's body, not of functions or classes defined inside it."""
-    yield from _walk_body(fn.body)
-
-
 def _walk_body(body: Sequence[ast.stmt]) -> Iterator[ast.AST]:
+    """The nodes of a body, not of functions, classes or lambdas defined inside it."""
     stack: list[ast.AST] = list(reversed(body))
     while stack:
         node = stack.pop()
