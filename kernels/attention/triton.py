@@ -71,6 +71,23 @@ def _load_part(base, rows, row_stride, col: tl.constexpr, width: tl.constexpr, r
 
 
 @triton.jit
+def _parts(base, rows, row_stride, row_ok, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+           D3: tl.constexpr, UPCAST: tl.constexpr):
+    """The (up to four) head-dim parts of ``rows``; absent parts repeat the first (never used)."""
+    x0 = _load_part(base, rows, row_stride, 0, D0, row_ok, True, UPCAST)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    if D1 > 0:
+        x1 = _load_part(base, rows, row_stride, D0, D1, row_ok, True, UPCAST)
+    if D2 > 0:
+        x2 = _load_part(base, rows, row_stride, D0 + D1, D2, row_ok, True, UPCAST)
+    if D3 > 0:
+        x3 = _load_part(base, rows, row_stride, D0 + D1 + D2, D3, row_ok, True, UPCAST)
+    return x0, x1, x2, x3
+
+
+@triton.jit
 def _accumulator(like_ptr, rows: tl.constexpr, cols: tl.constexpr):
     """Zeros to accumulate in: float32, or float64 for float64 inputs (the CPU suite's gradcheck, through the
     interpreter). A compile-time choice: 16- and 32-bit kernels compile as before."""
@@ -164,16 +181,7 @@ def _attend_query_tile(
     """Query tile ``tile_m`` of one sequence and head: its rows attend over their keys and are stored."""
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < seq_len
-    q0 = _load_part(q_base, offs_m, stride_qt, 0, D0, row_ok, True, UPCAST)
-    q1 = q0
-    q2 = q0
-    q3 = q0
-    if D1 > 0:
-        q1 = _load_part(q_base, offs_m, stride_qt, D0, D1, row_ok, True, UPCAST)
-    if D2 > 0:
-        q2 = _load_part(q_base, offs_m, stride_qt, D0 + D1, D2, row_ok, True, UPCAST)
-    if D3 > 0:
-        q3 = _load_part(q_base, offs_m, stride_qt, D0 + D1 + D2, D3, row_ok, True, UPCAST)
+    q0, q1, q2, q3 = _parts(q_base, offs_m, stride_qt, row_ok, D0, D1, D2, D3, UPCAST)
 
     # Absent parts keep a placeholder accumulator that is never touched (a loop-invariant value the
     # compiler drops).

@@ -28,24 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton import INTERPRET, LOG2E, _accumulator, _load_part, head_dim_parts
-
-
-@triton.jit
-def _parts(base, rows, row_stride, row_ok, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
-           D3: tl.constexpr, UPCAST: tl.constexpr):
-    """The (up to four) head-dim parts of ``rows``; absent parts repeat the first (never used)."""
-    x0 = _load_part(base, rows, row_stride, 0, D0, row_ok, True, UPCAST)
-    x1 = x0
-    x2 = x0
-    x3 = x0
-    if D1 > 0:
-        x1 = _load_part(base, rows, row_stride, D0, D1, row_ok, True, UPCAST)
-    if D2 > 0:
-        x2 = _load_part(base, rows, row_stride, D0 + D1, D2, row_ok, True, UPCAST)
-    if D3 > 0:
-        x3 = _load_part(base, rows, row_stride, D0 + D1 + D2, D3, row_ok, True, UPCAST)
-    return x0, x1, x2, x3
+from .triton import INTERPRET, LOG2E, _accumulator, _parts, head_dim_parts
 
 
 @triton.jit
