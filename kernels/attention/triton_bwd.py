@@ -81,6 +81,19 @@ def _visible(offs_m, offs_n, seq_len, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _p_and_ds(q0, q1, q2, q3, k0, k1, k2, k3, g0, g1, g2, g3, v0, v1, v2, v3, lse, delta, offs_m, offs_n, seq_len,
+              qk_scale, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, CAUSAL: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """One (query tile, key tile) block: the probabilities P, rebuilt from the row's log-sum-exp (0 where a row
+    does not see a key), and dS = P * (dO V^T - delta), in the statistics' dtype."""
+    acc = lse.dtype
+    s = _dot_t(q0, q1, q2, q3, k0, k1, k2, k3, D1, D2, D3, PRECISION, acc) * qk_scale
+    p = tl.where(_visible(offs_m, offs_n, seq_len, CAUSAL), tl.math.exp2(s - lse[:, None]), 0.0)
+    dp = _dot_t(g0, g1, g2, g3, v0, v1, v2, v3, D1, D2, D3, PRECISION, acc)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
 def _bwd_prep(Q, K, OUT, DO, LSE, DELTA, cu_seqlens,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_dot, stride_doh,
               stride_lt, total_tokens, qk_scale,
@@ -183,11 +196,8 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens,
                 rows = start + offs_m
                 lse = tl.load(LSE + rows * stride_lt + head, mask=row_ok, other=float("inf"))
                 delta = tl.load(DELTA + rows * stride_lt + head, mask=row_ok, other=0.0)
-                s = _dot_t(q0, q1, q2, q3, k0, k1, k2, k3, D1, D2, D3, PRECISION, LSE.dtype.element_ty) * qk_scale
-                keep = _visible(offs_m, offs_n, seq_len, CAUSAL)
-                p = tl.where(keep, tl.math.exp2(s - lse[:, None]), 0.0)
-                dp = _dot_t(g0, g1, g2, g3, v0, v1, v2, v3, D1, D2, D3, PRECISION, LSE.dtype.element_ty)
-                ds = p * (dp - delta[:, None])
+                p, ds = _p_and_ds(q0, q1, q2, q3, k0, k1, k2, k3, g0, g1, g2, g3, v0, v1, v2, v3, lse, delta, offs_m,
+                                  offs_n, seq_len, qk_scale, D1, D2, D3, CAUSAL, PRECISION)
                 pt = tl.trans(p).to(g0.dtype)
                 dst = tl.trans(ds).to(q0.dtype)
                 dv0 = tl.dot(pt, g0, dv0, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
@@ -250,10 +260,9 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens,
             key_ok = offs_n < seq_len
             k0, k1, k2, k3 = _parts(k_base, offs_n, stride_kt, key_ok, D0, D1, D2, D3, UPCAST)
             v0, v1, v2, v3 = _parts(v_base, offs_n, stride_vt, key_ok, D0, D1, D2, D3, UPCAST)
-            s = _dot_t(q0, q1, q2, q3, k0, k1, k2, k3, D1, D2, D3, PRECISION, LSE.dtype.element_ty) * qk_scale
-            p = tl.where(_visible(offs_m, offs_n, seq_len, CAUSAL), tl.math.exp2(s - lse[:, None]), 0.0)
-            dp = _dot_t(g0, g1, g2, g3, v0, v1, v2, v3, D1, D2, D3, PRECISION, LSE.dtype.element_ty)
-            ds = (p * (dp - delta[:, None])).to(k0.dtype)
+            _, ds = _p_and_ds(q0, q1, q2, q3, k0, k1, k2, k3, g0, g1, g2, g3, v0, v1, v2, v3, lse, delta, offs_m,
+                              offs_n, seq_len, qk_scale, D1, D2, D3, CAUSAL, PRECISION)
+            ds = ds.to(k0.dtype)
             dq0 = tl.dot(ds, k0, dq0, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
             if D1 > 0:
                 dq1 = tl.dot(ds, k1, dq1, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
