@@ -87,28 +87,8 @@ def time_pair(torch, calls: dict, rounds: int, iters: int) -> dict:
 
 def time_graphs(torch, graphs: dict, calls: int, rounds: int) -> dict:
     """As ``time_pair``, for CUDA graphs of ``calls`` captured calls each: per-call µs of a replay."""
-    for g in graphs.values():
-        g.replay()
-    torch.cuda.synchronize()
-    per = {k: [] for k in graphs}
-    ratios = []
-    for _ in range(rounds):
-        order = list(graphs)
-        random.shuffle(order)
-        got = {}
-        for k in order:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(5):
-                graphs[k].replay()
-            end.record()
-            end.synchronize()
-            got[k] = start.elapsed_time(end) * 1e3 / (5 * calls)
-            per[k].append(got[k])
-        ratios.append(got["new"] / got["old"])
-    return {"old_us": round(statistics.median(per["old"]), 2), "new_us": round(statistics.median(per["new"]), 2),
-            "ratio": round(statistics.median(ratios), 4), "ratio_min": round(min(ratios), 4),
-            "ratio_max": round(max(ratios), 4)}
+    t = time_pair(torch, {k: g.replay for k, g in graphs.items()}, rounds, 5)
+    return {**t, "old_us": round(t["old_us"] / calls, 2), "new_us": round(t["new_us"] / calls, 2)}
 
 
 def graph_kernels(torch, graph, calls: int) -> dict:
