@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 import libcst as cst
 
 from . import fixes, hoist
-from .findings import Edit, Fix
+from .findings import MESSAGE_WIDTH, NO_FIX, Edit, Fix
 from .names import Resolver, Scope
 from .positions import LINE_BREAK
 
@@ -126,12 +126,12 @@ class EditBuilder:
         assert d is not None
         head, _, instead = plan.reason.partition("\n")
 
-        # A rule whose headline already says the call runs in every block gives the line the few words of what
-        # stopped the fix across functions; others keep the per-layer reason there. The note says it whole.
-        per_block = "per block" in r.contract.diagnosis.headline
+        # The line keeps the per-layer reason where the message still fits a line, else it gets the few words of
+        # what stopped the fix across functions; the note says both whole.
+        fits = len(r.message) + len(NO_FIX) + len(head) <= MESSAGE_WIDTH
 
         def refused(why: str, short: str = "") -> tuple[None, str]:
-            line = short if per_block and short else head
+            line = head if fits or not short else short
             return None, f"{line}\n" + (f"{instead} " if instead else "") + \
                 f"It is not built where the layer loop runs: {why}."
 

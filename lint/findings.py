@@ -23,6 +23,8 @@ Applicability = Literal["safe", "unsafe"]
 # ``; no fix: <why>`` where the rule has fixes and this call gets none. The why and the how in full are
 # the finding's ``note`` and the rule's ``guardlint explain`` page.
 NO_FIX = "; no fix: "
+# A finding's message fits a line of this many characters: a reason that would not fit is said shorter.
+MESSAGE_WIDTH = 120
 
 
 @dataclass(frozen=True, order=True)
