@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of the Triton attention backward kernels (``triton_bwd``) for sm_90a, from
 Triton's bundled ptxas: no GPU needed. Shows that the backward compiles for the H200 and where its first, untuned
-tiles stand (``GPU_BLOCKS``).
+tiles stand (``GPU_CONFIG``, per kernel).
 
     python bench/attention_backward_ptxas.py [--write]
 """
@@ -30,10 +30,12 @@ CASES = (("bf16", 64, False), ("bf16", 80, False), ("bf16", 80, True), ("fp16", 
 
 def resources(name: str, dtype: str, head_dim: int, causal: bool) -> dict:
     fn = getattr(triton_bwd, name)
-    block_m, block_n, warps, stages = triton_bwd.GPU_BLOCKS
+    block_m, block_n, warps, stages = triton_bwd.GPU_CONFIG[name.removeprefix("_bwd_")]
     d = head_dim_parts(head_dim)
     constants = dict(GROUP=2, D0=d[0], D1=d[1], D2=d[2], D3=d[3], CAUSAL=causal, UPCAST=False, PRECISION="tf32",
                      BLOCK_M=block_m, BLOCK_N=block_n)
+    if name == "_bwd_prep":
+        constants["HAVE_LSE"] = True  # the training forward saved the log-sum-exp
     signature = {}
     for arg in fn.arg_names:
         if arg in constants:

@@ -39,6 +39,7 @@ for s in "$@"; do
     guard-overhead) step guard-overhead python3 bench/guard_overhead.py --device cuda --batches 200 --write ;;
     # The Triton backward: its GPU tests, then forward + backward beside torch's varlen flash.
     tests-backward) step tests-backward python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_attention_backward_gpu.py ;;
+    attention-backward-tune) STEP_TIMEOUT=${TUNE_TIMEOUT:-420} step attention-backward-tune python3 bench/attention_backward_tune.py --write ;;
     attention-backward) STEP_TIMEOUT=420 step attention-backward python3 bench/attention_backward.py --write ;;
     engines) step engines python3 -m pytest -q -m gpu -p no:cacheprovider tests/engines/test_engines_gpu.py ;;
     lora-tests) step lora-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_lora_gpu.py ;;

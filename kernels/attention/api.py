@@ -50,19 +50,37 @@ def _(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, max_seqlen_verifie
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+@torch.library.custom_op("guardlint::varlen_attention_triton_train", mutates_args=())
+def varlen_attention_triton_train_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                                     max_seqlen: int, softmax_scale: float, causal: bool,
+                                     max_seqlen_verified: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.guardlint.varlen_attention_triton_train``: the Triton forward that also returns each row's
+    log-sum-exp ``(T, H)`` (base 2, of the scaled logits), which its backward reuses instead of recomputing."""
+    lse = torch.empty(q.shape[:2], dtype=triton_bwd.stats_dtype(q.dtype), device=q.device)
+    out = triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal,
+                                              max_seqlen_verified=max_seqlen_verified, lse=lse)
+    return out, lse
+
+
+@varlen_attention_triton_train_op.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, max_seqlen_verified=False):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty(q.shape[:2], dtype=triton_bwd.stats_dtype(q.dtype)))
+
+
 @torch.library.custom_op("guardlint::varlen_attention_triton_backward", mutates_args=())
 def varlen_attention_triton_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                         out: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                                        softmax_scale: float, causal: bool
+                                        softmax_scale: float, causal: bool, lse: Optional[torch.Tensor] = None
                                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.ops.guardlint.varlen_attention_triton_backward``: (dq, dk, dv) of the Triton forward
-    (``triton_bwd``)."""
+    (``triton_bwd``); ``lse`` from ``varlen_attention_triton_train``, or None to recompute it."""
     return triton_bwd.varlen_attention_triton_backward(grad_out, q, k, v, out, cu_seqlens, max_seqlen, softmax_scale,
-                                                       causal)
+                                                       causal, lse=lse)
 
 
 @varlen_attention_triton_backward_op.register_fake
-def _(grad_out, q, k, v, out, cu_seqlens, max_seqlen, softmax_scale, causal):
+def _(grad_out, q, k, v, out, cu_seqlens, max_seqlen, softmax_scale, causal, lse=None):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
@@ -78,14 +96,36 @@ def _triton_backward(ctx, grad_out):
     return dq, dk, dv, None, None, None, None, None
 
 
-# The forward op's backward: torch.compile traces both, and eager calls that need a graph go through the op.
+def _triton_train_setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal = inputs[:7]
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, cu_seqlens, out, lse)
+    ctx.launch = (max_seqlen, softmax_scale, causal)
+
+
+def _triton_train_backward(ctx, grad_out, grad_lse):
+    q, k, v, cu_seqlens, out, lse = ctx.saved_tensors
+    dq, dk, dv = varlen_attention_triton_backward_op(grad_out, q, k, v, out, cu_seqlens, *ctx.launch, lse)
+    return dq, dk, dv, None, None, None, None, None
+
+
+# The forward ops' backward: torch.compile traces both, and eager calls that need a graph go through the
+# training op (the plain op recomputes the statistics in its backward).
 varlen_attention_triton_op.register_autograd(_triton_backward, setup_context=_triton_setup_context)
+varlen_attention_triton_train_op.register_autograd(_triton_train_backward, setup_context=_triton_train_setup_context)
+
+
+def _triton_trained(q, k, v, cu_seqlens, max_seqlen, scale, causal, verified: bool):
+    return varlen_attention_triton_train_op(q, k, v, cu_seqlens, max_seqlen, scale, causal, verified)[0]
 
 
 def _run_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal, verified: bool = False):
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled()
-                                         and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        # Through the op: torch.compile sees one node, and autograd records the Triton backward.
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        # Through the training op: autograd records the Triton backward, which reuses the forward's statistics.
+        return _triton_trained(q, k, v, cu_seqlens, max_seqlen, scale, causal, verified)
+    if torch.compiler.is_compiling():
+        # Through the op: torch.compile sees one node.
         return varlen_attention_triton_op(q, k, v, cu_seqlens, max_seqlen, scale, causal, verified)
     # Eager calls skip the op dispatcher: it costs more than the rest of the host path together
     # (bench/results/attention_overhead.md).
@@ -427,13 +467,13 @@ def _run_triton_verified(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scal
 
 
 def _run_triton_autograd(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function):
-    """The Triton kernel through its op, so that autograd records it (inputs that need a graph)."""
-    return varlen_attention_triton_op(q, k, v, cu_seqlens, max_seqlen, scale, causal, False)
+    """The Triton kernel through its training op, so that autograd records it (inputs that need a graph)."""
+    return _triton_trained(q, k, v, cu_seqlens, max_seqlen, scale, causal, False)
 
 
 def _run_triton_autograd_verified(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata,
                                   function):
-    return varlen_attention_triton_op(q, k, v, cu_seqlens, max_seqlen, scale, causal, True)
+    return _triton_trained(q, k, v, cu_seqlens, max_seqlen, scale, causal, True)
 
 
 def _run_sdpa(q, k, v, cu_seqlens, sequence_lengths, max_seqlen, scale, causal, metadata, function):

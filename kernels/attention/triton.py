@@ -173,12 +173,14 @@ def _heavy_first(tile, n_tiles, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _attend_query_tile(
-    q_base, k_base, v_base, o_base, stride_qt, stride_kt, stride_vt, stride_ot, tile_m, seq_len, qk_scale,
+    q_base, k_base, v_base, o_base, lse_base, stride_qt, stride_kt, stride_vt, stride_ot, stride_lt, tile_m, seq_len,
+    qk_scale,
     D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
-    """Query tile ``tile_m`` of one sequence and head: its rows attend over their keys and are stored."""
+    """Query tile ``tile_m`` of one sequence and head: its rows attend over their keys and are stored; with
+    ``STORE_LSE``, also each row's base-2 log-sum-exp of its scaled logits (what the backward rebuilds P from)."""
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < seq_len
     q0, q1, q2, q3 = _parts(q_base, offs_m, stride_qt, row_ok, D0, D1, D2, D3, UPCAST)
@@ -224,12 +226,15 @@ def _attend_query_tile(
         _store_part(o_base, offs_m, stride_ot, D0 + D1, D2, acc2, inv_l, row_ok)
     if D3 > 0:
         _store_part(o_base, offs_m, stride_ot, D0 + D1 + D2, D3, acc3, inv_l, row_ok)
+    if STORE_LSE:
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("inf"))
+        tl.store(lse_base + offs_m * stride_lt, lse.to(lse_base.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["length_class"])
 def _varlen_attention_fwd(
-    Q, K, V, O, cu_seqlens, seq_order,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    Q, K, V, O, LSE, cu_seqlens, seq_order,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
     total_tokens, qk_scale,
     length_class,  # autotune key only (short / long batches tune apart); unused by the kernel
     HEAD_DIM: tl.constexpr,  # autotune key only: the parts below carry the shape
@@ -238,6 +243,7 @@ def _varlen_attention_fwd(
     CAUSAL: tl.constexpr, SORTED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_LOOP: tl.constexpr = False,  # programs loop over their sequence's query tiles (an unverified hint)
+    STORE_LSE: tl.constexpr = False,  # also write each row's log-sum-exp to LSE (T, H): the training forward
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -265,17 +271,19 @@ def _varlen_attention_fwd(
     k_base = K + seq_start * stride_kt + kv_head * stride_kh
     v_base = V + seq_start * stride_vt + kv_head * stride_vh
     o_base = O + seq_start * stride_ot + head * stride_oh
+    lse_base = LSE + seq_start * stride_lt + head
 
     if TILE_LOOP:
         # Tiles pid_m, pid_m + G, ...: one iteration where the grid covers the sequence, more where max_seqlen
         # fell short of it.
         for tile in range(pid_m, n_tiles, tl.num_programs(0)):
-            _attend_query_tile(q_base, k_base, v_base, o_base, stride_qt, stride_kt, stride_vt, stride_ot,
-                               _heavy_first(tile, n_tiles, CAUSAL), seq_len, qk_scale, D0, D1, D2, D3, CAUSAL,
-                               UPCAST, PRECISION, BLOCK_M, BLOCK_N)
+            _attend_query_tile(q_base, k_base, v_base, o_base, lse_base, stride_qt, stride_kt, stride_vt, stride_ot,
+                               stride_lt, _heavy_first(tile, n_tiles, CAUSAL), seq_len, qk_scale, D0, D1, D2, D3,
+                               CAUSAL, UPCAST, PRECISION, BLOCK_M, BLOCK_N, STORE_LSE)
     else:
-        _attend_query_tile(q_base, k_base, v_base, o_base, stride_qt, stride_kt, stride_vt, stride_ot, tile_m,
-                           seq_len, qk_scale, D0, D1, D2, D3, CAUSAL, UPCAST, PRECISION, BLOCK_M, BLOCK_N)
+        _attend_query_tile(q_base, k_base, v_base, o_base, lse_base, stride_qt, stride_kt, stride_vt, stride_ot,
+                           stride_lt, tile_m, seq_len, qk_scale, D0, D1, D2, D3, CAUSAL, UPCAST, PRECISION, BLOCK_M,
+                           BLOCK_N, STORE_LSE)
 
 
 # Hopper (H100/H200) choices, one line each (register and shared-memory figures from ptxas for sm_90a):
@@ -424,14 +432,15 @@ def longest_first(batch: int, total_tokens: int, max_seqlen: int) -> bool:
 
 
 def _launch_key(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool,
-                tile_loop: bool) -> tuple:
+                tile_loop: bool, store_lse: bool = False) -> tuple:
     """(key of ``_launches``, length class, whether sequences are visited longest first); ``max_seqlen`` as
-    ``launch_rows`` gives it."""
+    ``launch_rows`` gives it; ``store_lse``: the kernel that also writes the log-sum-exp."""
     total_tokens, num_heads, head_dim = q.shape
     batch = cu_seqlens.shape[0] - 1
     size_class = 0 if max_seqlen <= SHORT_SEQLEN else 1
     by_length = longest_first(batch, total_tokens, max_seqlen)
-    key = (head_dim, num_heads // k.shape[1], causal, size_class, q.dtype, cu_seqlens.dtype, by_length, tile_loop)
+    key = (head_dim, num_heads // k.shape[1], causal, size_class, q.dtype, cu_seqlens.dtype, by_length, tile_loop,
+           store_lse)
     return key, size_class, by_length
 
 
@@ -439,7 +448,7 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                             max_seqlen: int, softmax_scale: float, causal: bool, *,
                             out: Optional[torch.Tensor] = None,
                             config: Optional[Tuple[int, int, int, int]] = None,
-                            max_seqlen_verified: bool = False) -> torch.Tensor:
+                            max_seqlen_verified: bool = False, lse: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Launch the kernel. Inputs are already validated by the caller.
 
     q ``(total_tokens, num_heads, head_dim)``, k/v ``(total_tokens, num_kv_heads, head_dim)`` (copied when
@@ -447,7 +456,9 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     int that sizes the grid (``launch_rows``): any value gives the right output. ``max_seqlen_verified``: the
     caller checked that no sequence is longer, so each program takes one query tile (a grid of the kernel built
     without the tile loop); otherwise programs loop over the tiles a short hint leaves out. ``config`` =
-    (BLOCK_M, BLOCK_N, num_warps, num_stages) skips autotuning (benchmarks, the interpreter).
+    (BLOCK_M, BLOCK_N, num_warps, num_stages) skips autotuning (benchmarks, the interpreter). ``lse``: a
+    contiguous ``(total_tokens, num_heads)`` float32 tensor (float64 for float64 inputs) that receives each
+    row's base-2 log-sum-exp of its scaled logits, as the backward (``triton_bwd``) takes it.
     """
     total_tokens, num_heads, head_dim = q.shape
     batch = cu_seqlens.shape[0] - 1
@@ -459,10 +470,11 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     max_seqlen = launch_rows(max_seqlen, total_tokens)
     q, k, v, cu_seqlens, softmax_scale = _unit_strides(q, k, v, cu_seqlens, softmax_scale)
     sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
-    key, size_class, by_length = _launch_key(q, k, cu_seqlens, max_seqlen, causal, tile_loop)
+    key, size_class, by_length = _launch_key(q, k, cu_seqlens, max_seqlen, causal, tile_loop, lse is not None)
     order = sequence_order(cu_seqlens) if by_length else cu_seqlens
-    args = (q, k, v, out, cu_seqlens, order, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1], total_tokens,
-            softmax_scale * LOG2E, size_class)
+    # Without lse the kernel never touches its LSE argument (the output stands in for it).
+    args = (q, k, v, out, out if lse is None else lse, cu_seqlens, order, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1],
+            so[0], so[1], 0 if lse is None else lse.stride(0), total_tokens, softmax_scale * LOG2E, size_class)
     launch = _launches.get(key) if config is None else None
     if launch is not None:
         block_m, _, direct = launch
@@ -471,12 +483,13 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     d0, d1, d2, d3 = head_dim_parts(head_dim)
     meta = dict(HEAD_DIM=head_dim, GROUP=key[1], D0=d0, D1=d1, D2=d2, D3=d3, CAUSAL=bool(causal),
                 SORTED=by_length, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-                PRECISION="ieee" if q.dtype in (torch.float32, torch.float64) else "tf32", TILE_LOOP=tile_loop)
+                PRECISION="ieee" if q.dtype in (torch.float32, torch.float64) else "tf32", TILE_LOOP=tile_loop,
+                STORE_LSE=lse is not None)
     if config is None and INTERPRET:
         block_m, block_n = INTERPRET_BLOCKS
         _launches[key] = _settings(block_m, dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1))
         return varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, out=out,
-                                       max_seqlen_verified=not tile_loop)
+                                       max_seqlen_verified=not tile_loop, lse=lse)
     if config is None:
         grid = lambda cfg: (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), num_heads, batch)  # noqa: E731
         _varlen_attention_fwd_tuned[grid](*args, **meta)
@@ -523,7 +536,7 @@ def plan_launch(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_
         so = out.stride()
         grid, direct = ready[0]
         order = sequence_order(cu_seqlens) if by_length else cu_seqlens
-        direct((q, k, v, out, cu_seqlens, order, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1],
+        direct((q, k, v, out, out, cu_seqlens, order, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1], 0,
                 total_tokens, qk_scale, size_class), grid)
         return out
 

@@ -84,8 +84,8 @@ def _visible(offs_m, offs_n, seq_len, CAUSAL: tl.constexpr):
 def _p_and_ds(q0, q1, q2, q3, k0, k1, k2, k3, g0, g1, g2, g3, v0, v1, v2, v3, lse, delta, offs_m, offs_n, seq_len,
               qk_scale, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, CAUSAL: tl.constexpr,
               PRECISION: tl.constexpr):
-    """One (query tile, key tile) block: the probabilities P, rebuilt from the row's log-sum-exp (0 where a row
-    does not see a key), and dS = P * (dO V^T - delta), in the statistics' dtype."""
+    """One (query tile, key tile) block as (queries x keys): the probabilities P, rebuilt from the row's
+    log-sum-exp (0 where a row does not see a key), and dS = P * (dO V^T - delta), in the statistics' dtype."""
     acc = lse.dtype
     s = _dot_t(q0, q1, q2, q3, k0, k1, k2, k3, D1, D2, D3, PRECISION, acc) * qk_scale
     p = tl.where(_visible(offs_m, offs_n, seq_len, CAUSAL), tl.math.exp2(s - lse[:, None]), 0.0)
@@ -94,12 +94,55 @@ def _p_and_ds(q0, q1, q2, q3, k0, k1, k2, k3, g0, g1, g2, g3, v0, v1, v2, v3, ls
 
 
 @triton.jit
+def _pt_and_dst(q0, q1, q2, q3, k0, k1, k2, k3, g0, g1, g2, g3, v0, v1, v2, v3, lse, delta, offs_m, offs_n, seq_len,
+                qk_scale, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, CAUSAL: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """The same block as (keys x queries): P^T and dS^T computed in that orientation (K Q^T, V dO^T), so that
+    dV += P^T dO and dK += dS^T Q take them as they are, with no transpose of a register tile."""
+    acc = lse.dtype
+    st = _dot_t(k0, k1, k2, k3, q0, q1, q2, q3, D1, D2, D3, PRECISION, acc) * qk_scale
+    keep = (offs_n[:, None] < seq_len) & (offs_m[None, :] < seq_len)
+    if CAUSAL:
+        keep = keep & (offs_m[None, :] >= offs_n[:, None])
+    pt = tl.where(keep, tl.math.exp2(st - lse[None, :]), 0.0)
+    dpt = _dot_t(v0, v1, v2, v3, g0, g1, g2, g3, D1, D2, D3, PRECISION, acc)
+    return pt, pt * (dpt - delta[None, :])
+
+
+@triton.jit
+def _prep_lse(q_base, k_base, lse_ptrs, offs_m, row_ok, tile, seq_len, stride_qt, stride_kt, qk_scale,
+              D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, CAUSAL: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The base-2 log-sum-exp of one query tile's scaled logits (a pass over its keys, as the forward's, without
+    V), stored at ``lse_ptrs``: for a forward that kept no statistics."""
+    q0, q1, q2, q3 = _parts(q_base, offs_m, stride_qt, row_ok, D0, D1, D2, D3, UPCAST)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=lse_ptrs.dtype.element_ty)
+    l_i = tl.zeros([BLOCK_M], dtype=lse_ptrs.dtype.element_ty)
+    if CAUSAL:
+        end_n = tl.minimum((tile + 1) * BLOCK_M, seq_len)
+    else:
+        end_n = seq_len
+    for start_n in range(0, end_n, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k0, k1, k2, k3 = _parts(k_base, offs_n, stride_kt, offs_n < seq_len, D0, D1, D2, D3, UPCAST)
+        s = _dot_t(q0, q1, q2, q3, k0, k1, k2, k3, D1, D2, D3, PRECISION, lse_ptrs.dtype.element_ty) * qk_scale
+        s = tl.where(_visible(offs_m, offs_n, seq_len, CAUSAL), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows with no visible key yet keep m = -inf: shift by 0 there, so no exp2(-inf - -inf).
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.math.exp2(m_i - shift) + tl.sum(tl.math.exp2(s - shift[:, None]), 1)
+        m_i = m_new
+    lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("inf"))
+    tl.store(lse_ptrs, lse, mask=row_ok)
+
+
+@triton.jit
 def _bwd_prep(Q, K, OUT, DO, LSE, DELTA, cu_seqlens,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_dot, stride_doh,
               stride_lt, total_tokens, qk_scale,
               GROUP: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
               CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAVE_LSE: tl.constexpr):
     head = tl.program_id(1)
     seq = tl.program_id(2)
     start, seq_len = _sequence(cu_seqlens, seq, total_tokens)
@@ -112,24 +155,9 @@ def _bwd_prep(Q, K, OUT, DO, LSE, DELTA, cu_seqlens,
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < seq_len
-        q0, q1, q2, q3 = _parts(q_base, offs_m, stride_qt, row_ok, D0, D1, D2, D3, UPCAST)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=LSE.dtype.element_ty)
-        l_i = tl.zeros([BLOCK_M], dtype=LSE.dtype.element_ty)
-        if CAUSAL:
-            end_n = tl.minimum((tile + 1) * BLOCK_M, seq_len)
-        else:
-            end_n = seq_len
-        for start_n in range(0, end_n, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            k0, k1, k2, k3 = _parts(k_base, offs_n, stride_kt, offs_n < seq_len, D0, D1, D2, D3, UPCAST)
-            s = _dot_t(q0, q1, q2, q3, k0, k1, k2, k3, D1, D2, D3, PRECISION, LSE.dtype.element_ty) * qk_scale
-            s = tl.where(_visible(offs_m, offs_n, seq_len, CAUSAL), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # Rows with no visible key yet keep m = -inf: shift by 0 there, so no exp2(-inf - -inf).
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l_i = l_i * tl.math.exp2(m_i - shift) + tl.sum(tl.math.exp2(s - shift[:, None]), 1)
-            m_i = m_new
-        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("inf"))
+        if not HAVE_LSE:
+            _prep_lse(q_base, k_base, LSE + (start + offs_m) * stride_lt + head, offs_m, row_ok, tile, seq_len,
+                      stride_qt, stride_kt, qk_scale, D0, D1, D2, D3, CAUSAL, UPCAST, PRECISION, BLOCK_M, BLOCK_N)
         o0, o1, o2, o3 = _parts(o_base, offs_m, stride_ot, row_ok, D0, D1, D2, D3, UPCAST)
         g0, g1, g2, g3 = _parts(do_base, offs_m, stride_dot, row_ok, D0, D1, D2, D3, UPCAST)
         acc_ty = LSE.dtype.element_ty
@@ -140,9 +168,7 @@ def _bwd_prep(Q, K, OUT, DO, LSE, DELTA, cu_seqlens,
             delta += tl.sum(o2.to(acc_ty) * g2.to(acc_ty), 1)
         if D3 > 0:
             delta += tl.sum(o3.to(acc_ty) * g3.to(acc_ty), 1)
-        rows = start + offs_m
-        tl.store(LSE + rows * stride_lt + head, lse, mask=row_ok)
-        tl.store(DELTA + rows * stride_lt + head, delta, mask=row_ok)
+        tl.store(DELTA + (start + offs_m) * stride_lt + head, delta, mask=row_ok)
 
 
 @triton.jit
@@ -196,10 +222,10 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens,
                 rows = start + offs_m
                 lse = tl.load(LSE + rows * stride_lt + head, mask=row_ok, other=float("inf"))
                 delta = tl.load(DELTA + rows * stride_lt + head, mask=row_ok, other=0.0)
-                p, ds = _p_and_ds(q0, q1, q2, q3, k0, k1, k2, k3, g0, g1, g2, g3, v0, v1, v2, v3, lse, delta, offs_m,
-                                  offs_n, seq_len, qk_scale, D1, D2, D3, CAUSAL, PRECISION)
-                pt = tl.trans(p).to(g0.dtype)
-                dst = tl.trans(ds).to(q0.dtype)
+                pt, dst = _pt_and_dst(q0, q1, q2, q3, k0, k1, k2, k3, g0, g1, g2, g3, v0, v1, v2, v3, lse, delta,
+                                      offs_m, offs_n, seq_len, qk_scale, D1, D2, D3, CAUSAL, PRECISION)
+                pt = pt.to(g0.dtype)
+                dst = dst.to(q0.dtype)
                 dv0 = tl.dot(pt, g0, dv0, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
                 dk0 = tl.dot(dst, q0, dk0, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
                 if D1 > 0:
@@ -274,22 +300,32 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens,
                      scale, D0, D1, D2, D3)
 
 
-# Small tiles under the interpreter (its cost is per program and per op); on the GPU a first, untuned choice.
-INTERPRET_BLOCKS = (16, 16)
-GPU_BLOCKS = (64, 64, 4, 2)  # BLOCK_M, BLOCK_N, warps, stages
+# Per kernel (BLOCK_M, BLOCK_N, warps, stages). Small tiles under the interpreter (its cost is per program and per
+# op); on the GPU the choice bench/attention_backward_tune.py measured (see there for the candidates).
+INTERPRET_CONFIG = {"prep": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "dq": (16, 16, 4, 1)}
+GPU_CONFIG = {"prep": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)}
+KERNELS = ("prep", "dkdv", "dq")
 
 
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the log-sum-exp and of every accumulator: float32, float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def varlen_attention_triton_backward(
         grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         cu_seqlens: torch.Tensor, max_seqlen: int, softmax_scale: float, causal: bool, *,
-        config: Optional[Tuple[int, int, int, int]] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lse: Optional[torch.Tensor] = None, config: Optional[dict] = None
+        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of ``varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal)``
     whose output was ``out``, for the upstream gradient ``grad_out``. Inputs as the forward takes them (already
-    validated); ``max_seqlen`` only sizes the grids. Gradients have the inputs' shapes and dtypes."""
+    validated); ``max_seqlen`` only sizes the grids. ``lse``: the forward's log-sum-exp (``(T, H)``, ``stats_dtype``,
+    contiguous, from the same q/k and scale), which saves recomputing it. ``config``: {kernel: (BLOCK_M, BLOCK_N,
+    warps, stages)} for some of ``KERNELS`` (benchmarks). Gradients have the inputs' shapes and dtypes."""
     total_tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     batch = cu_seqlens.shape[0] - 1
@@ -305,30 +341,33 @@ def varlen_attention_triton_backward(
     q, k, v, out, grad_out = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v, out, grad_out))
     if cu_seqlens.stride(0) != 1:
         cu_seqlens = cu_seqlens.contiguous()
-    # Statistics (and every accumulator, which follows their dtype) in float32, float64 for float64 inputs.
-    stats_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    lse = torch.empty((total_tokens, num_heads), dtype=stats_dtype, device=q.device)
+    have_lse = lse is not None
+    if lse is None:
+        lse = torch.empty((total_tokens, num_heads), dtype=stats_dtype(q.dtype), device=q.device)
     delta = torch.empty_like(lse)
     d0, d1, d2, d3 = head_dim_parts(head_dim)
-    if config is None:
-        config = (*INTERPRET_BLOCKS, 4, 1) if INTERPRET else GPU_BLOCKS
-    block_m, block_n, warps, stages = config
+    configs = dict(INTERPRET_CONFIG if INTERPRET else GPU_CONFIG, **(config or {}))
     rows = max(min(max(max_seqlen, 1), total_tokens), 1)
     meta = dict(GROUP=num_heads // kv_heads, D0=d0, D1=d1, D2=d2, D3=d3, CAUSAL=bool(causal),
-                UPCAST=INTERPRET and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype),
-                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+                UPCAST=INTERPRET and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype))
+
+    def tiles(name):
+        block_m, block_n, warps, stages = configs[name]
+        return dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+
     qk_scale = softmax_scale * LOG2E
     sq, sk, sv, so, sg = q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride()
-    _bwd_prep[(triton.cdiv(rows, block_m), num_heads, batch)](
+    prep, dkdv, dqm = tiles("prep"), tiles("dkdv"), tiles("dq")
+    _bwd_prep[(triton.cdiv(rows, prep["BLOCK_M"]), num_heads, batch)](
         q, k, out, grad_out, lse, delta, cu_seqlens, sq[0], sq[1], sk[0], sk[1], so[0], so[1], sg[0], sg[1],
-        lse.stride(0), total_tokens, qk_scale, **meta)
-    _bwd_dkdv[(triton.cdiv(rows, block_n), kv_heads, batch)](
+        lse.stride(0), total_tokens, qk_scale, HAVE_LSE=have_lse, **prep)
+    _bwd_dkdv[(triton.cdiv(rows, dkdv["BLOCK_N"]), kv_heads, batch)](
         q, k, v, grad_out, dk, dv, lse, delta, cu_seqlens, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1],
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0), total_tokens, qk_scale,
-        softmax_scale, **meta)
-    _bwd_dq[(triton.cdiv(rows, block_m), num_heads, batch)](
+        softmax_scale, **dkdv)
+    _bwd_dq[(triton.cdiv(rows, dqm["BLOCK_M"]), num_heads, batch)](
         q, k, v, grad_out, dq, lse, delta, cu_seqlens, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1],
-        dq.stride(0), dq.stride(1), lse.stride(0), total_tokens, qk_scale, softmax_scale, **meta)
+        dq.stride(0), dq.stride(1), lse.stride(0), total_tokens, qk_scale, softmax_scale, **dqm)
     if negative:
         dq = -dq
     return dq, dk, dv

@@ -50,7 +50,7 @@ def float64_grads(q, k, v, grad, cu, scale, causal):
 def assert_grads(got, expected, rel):
     for name, a, b in zip("qkv", got, expected):
         assert a.shape == b.shape and torch.isfinite(a).all(), name
-        err = (a.double() - b).abs().max().item()
+        err = (a.double().cpu() - b.cpu()).abs().max().item()
         assert err <= rel * max(b.abs().max().item(), 1e-6), f"d{name}: max error {err:.2e}"
 
 
@@ -158,7 +158,7 @@ def test_torch_compile_traces_the_forward_and_the_backward():
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     compiled(*leaves, cu, lengths).backward(grad)
     forward_graph, backward_graph = seen
-    assert sum("varlen_attention_triton.default" in name for name in forward_graph) == 1
+    assert sum("varlen_attention_triton_train.default" in name for name in forward_graph) == 1
     assert sum("varlen_attention_triton_backward" in name for name in backward_graph) == 1
     assert_grads([t.grad / 2 for t in leaves], float64_grads(q, k, v, grad, cu, 0.25, False), 1e-5)
 
@@ -175,6 +175,33 @@ def test_gradcheck_in_float64_through_the_op(causal):
     op = attention.varlen_attention_triton_op
     assert torch.autograd.gradcheck(lambda q, k, v: op(q, k, v, cu, 4, 0.3, causal, False), (q, k, v),
                                     fast_mode=True)
+    train = attention.varlen_attention_triton_train_op  # the backward from the forward's saved statistics
+    assert torch.autograd.gradcheck(lambda q, k, v: train(q, k, v, cu, 4, 0.3, causal, False)[0], (q, k, v),
+                                    fast_mode=True)
+
+
+@pytest.mark.parametrize("lengths, heads, kv_heads, head_dim, causal, scale", CASES)
+def test_the_forward_log_sum_exp_is_the_backward_one(lengths, heads, kv_heads, head_dim, causal, scale):
+    """The training forward's statistics: base-2 log-sum-exp of the scaled logits per (row, head), against
+    float64; the backward from them equals the backward that recomputes them."""
+    q, k, v, grad, cu = inputs(lengths, heads, kv_heads, head_dim)
+    scale = head_dim ** -0.5 if scale is None else scale
+    out, lse = attention.varlen_attention_triton_train_op(q, k, v, cu, max(lengths), scale, causal, False)
+    torch.testing.assert_close(out, triton_path.varlen_attention_triton(q, k, v, cu, max(lengths), scale, causal),
+                               rtol=0, atol=0)
+    group = heads // kv_heads
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if b == a:
+            continue
+        logits = torch.einsum("qhd,khd->hqk", q[a:b].double(), k[a:b].repeat_interleave(group, 1).double()) * scale
+        if causal:
+            logits = logits.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        expected = torch.logsumexp(logits, -1).T / torch.log(torch.tensor(2.0, dtype=torch.float64))
+        torch.testing.assert_close(lse[a:b].double(), expected, rtol=1e-5, atol=1e-5)
+    recomputed = varlen_attention_triton_backward(grad, q, k, v, out, cu, max(lengths), scale, causal)
+    reused = varlen_attention_triton_backward(grad, q, k, v, out, cu, max(lengths), scale, causal, lse=lse)
+    for a, b in zip(reused, recomputed):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_auto_under_grad_takes_torch_varlen_where_it_runs_the_call_else_sdpa(monkeypatch):

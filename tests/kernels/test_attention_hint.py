@@ -106,7 +106,7 @@ def test_only_a_verified_hint_runs_the_kernel_without_the_tile_loop(monkeypatch)
         assert_matches(out, q, k, v, offsets, False, 0.1)
     # Two kernels: looping (21 unverified), one tile per program (21 verified; 24 and 10**9 reach the token count).
     assert kept == [True, False]
-    assert sorted(key[-1] for key in triton_path._launches) == [False, True]
+    assert sorted(key[-2] for key in triton_path._launches) == [False, True]  # the key's TILE_LOOP
 
 
 # -- the Gluon backend: only with a verified max_seqlen -----------------------------------------------
