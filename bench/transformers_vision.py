@@ -6,6 +6,20 @@ whole-tower forwards are timed (median after warm-up, CUDA events). Prints a Mar
 GPU: ``python bench/transformers_vision.py [--write]``; anywhere: ``python bench/transformers_vision.py --smoke``
 (tiny tower, fp32, CPU: the Triton kernel runs in the interpreter). ``--write`` writes
 bench/results/transformers_vision.{json,md} (+ .png with matplotlib).
+
+``--train``: one training step per timed call instead of a forward: the tower in train mode with grad enabled,
+``loss = pooler_output.float().square().mean()``, ``loss.backward()`` (the gradients set to None at the start of
+each step; no optimizer step). Implementations: the floor (v passed through; the step without attention), torch's
+varlen flash (timed first, with the floor, so that ratios compare one run), guardlint_flash (triton) (the Triton
+backward), guardlint_flash (auto) (under grad it takes torch's varlen flash where that runs, else the per-sequence
+SDPA loop), and HF sdpa under --smoke or with ``--train-sdpa`` (about 10x slower on the GPU, so left out there by
+default). Correctness first: the gradients of the first and last blocks' qkv weights and of the patch embedding
+against the fp32 sdpa tower's (computed once per case with activation checkpointing, so only each block's input
+stays alive, then freed), relative max error within the forward's tolerance or the row is WRONG and the exit
+code 1. Columns: the median step ``ms``, ``above_floor_ms`` (ms minus the floor's), ``above_floor_vs_torch`` (that
+over torch varlen flash's) and ``step_vs_torch`` (ms over torch's), all within a case. On the GPU only the
+6-image case runs (34560 patches). ``--write`` writes bench/results/transformers_vision_train.{json,md,png}
+(``transformers_vision_train_smoke`` with --smoke).
 """
 from __future__ import annotations
 
@@ -19,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 SMOKE = "--smoke" in sys.argv
@@ -71,14 +86,17 @@ def torch_varlen_forward(module, query, key, value, attention_mask, dropout=0.0,
     return out.unsqueeze(0), None
 
 
-def torch_varlen_problem(device) -> str:
-    """'' when torch's varlen flash attention runs bf16 head dim 80 here, else why not."""
+def torch_varlen_problem(device, grad: bool = False) -> str:
+    """'' when torch's varlen flash attention runs bf16 head dim 80 here (``grad``: forward and backward), else
+    why not."""
     if device.type != "cuda":
         return "needs a CUDA device"
-    q = torch.randn(8, 2, 80, device=device, dtype=torch.bfloat16)
+    q = torch.randn(8, 2, 80, device=device, dtype=torch.bfloat16, requires_grad=grad)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
     try:
-        torch_varlen_forward(None, *(q.transpose(0, 1)[None],) * 3, None, cu_seq_lens_q=cu, max_length_q=5)
+        out = torch_varlen_forward(None, *(q.transpose(0, 1)[None],) * 3, None, cu_seq_lens_q=cu, max_length_q=5)
+        if grad:
+            out[0].float().sum().backward()
         torch.cuda.synchronize()
         return ""
     except Exception as exc:  # not in this torch build, or not for this GPU
@@ -159,7 +177,12 @@ def time_ms(fn, device, warmup: int, iters: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny tower, fp32, runs on the CPU")
-    parser.add_argument("--write", action="store_true", help="write bench/results/transformers_vision.*")
+    parser.add_argument("--write", action="store_true",
+                        help="write bench/results/transformers_vision.* (transformers_vision_train.* with --train)")
+    parser.add_argument("--train", action="store_true",
+                        help="time one training step (forward + backward) instead of a forward; gradients checked")
+    parser.add_argument("--train-sdpa", action="store_true",
+                        help="with --train on the GPU: also HF sdpa (about 10x slower; always in --smoke)")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--iters", type=int, default=None)
     args = parser.parse_args()
@@ -172,6 +195,8 @@ def main() -> int:
     iters = args.iters if args.iters is not None else (3 if args.smoke else 10)
     # bf16 against fp32 over 32 layers: relative max error of HF's own sdpa is the yardstick.
     tolerance = 1e-4 if args.smoke else 5e-2
+    if args.train:
+        return train_main(args, device, config, cases, dtype, warmup, iters, tolerance)
 
     impls = register_all(device)
     reference_tower = build_tower(config, torch.float32, device)  # both fit: 2.7 GB fp32 + 1.4 GB bf16
@@ -227,7 +252,158 @@ def main() -> int:
     return 1 if failed else 0
 
 
-def plot(rows, path) -> None:
+# -- --train: one training step (forward + backward) --------------------------------------------------
+
+SDPA = "HF sdpa (loop over images/windows)"
+TORCH = "torch varlen flash"
+# The floor and torch first: the ratios of every later row come from the same run as theirs.
+TRAIN_ORDER = [FLOOR, TORCH, "guardlint_flash (triton)", "guardlint_flash (auto)", SDPA]
+
+
+def checked_params(tower) -> dict:
+    """name -> the parameters whose gradients --train compares: the first and last blocks' qkv weights and the
+    patch embedding (the end of the backward, through every block)."""
+    last = len(tower.blocks) - 1
+    return {"blocks.0.attn.qkv.weight": tower.blocks[0].attn.qkv.weight,
+            f"blocks.{last}.attn.qkv.weight": tower.blocks[last].attn.qkv.weight,
+            "patch_embed.proj.weight": tower.patch_embed.proj.weight}
+
+
+def train_step(tower, pixels, grid) -> None:
+    """One training step: gradients to None, forward with grad, a scalar loss of the output, backward."""
+    tower.zero_grad(set_to_none=True)
+    loss = tower(pixels, grid_thw=grid).pooler_output.float().square().mean()
+    loss.backward()
+
+
+def checkpointing(tower, on: bool) -> None:
+    """Activation checkpointing of the tower's blocks (non-reentrant), on or off."""
+    if not on:
+        disable = getattr(tower, "activation_checkpointing_disable", None) or tower.gradient_checkpointing_disable
+        disable()
+        return
+    enable = getattr(tower, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def reference_grads(tower, pixels, grid) -> dict:
+    """The fp32 sdpa tower's gradients of ``checked_params``. Its blocks recompute their activations in the
+    backward (only each block's input is kept: 34560 patches would not fit otherwise); the graph and the tower's
+    own gradients are gone when this returns, only the copies compared stay."""
+    tower.set_attn_implementation("sdpa")
+    checkpointing(tower, True)
+    try:
+        train_step(tower, pixels, grid)
+        return {name: p.grad.detach().float().clone() for name, p in checked_params(tower).items()}
+    finally:
+        checkpointing(tower, False)
+        tower.zero_grad(set_to_none=True)
+
+
+def grad_error(tower, reference: dict) -> float:
+    """Relative max error of the tower's gradients against ``reference``: the worst over the tensors of
+    max |g - g_ref| / max |g_ref|."""
+    params = checked_params(tower)
+    return max(((params[name].grad.float() - ref).abs().max() / ref.abs().max()).item()
+               for name, ref in reference.items())
+
+
+def train_main(args, device, config, cases, dtype, warmup, iters, tolerance) -> int:
+    impls = register_all(device)
+    if not impls[TORCH].startswith("skipped"):
+        problem = torch_varlen_problem(device, grad=True)
+        if problem:
+            impls[TORCH] = "skipped: no backward here: " + problem
+    if not (args.smoke or args.train_sdpa):
+        impls[SDPA] = "skipped: about 10x slower than the others under --train; --train-sdpa adds it"
+    if not args.smoke:
+        cases = cases[:1]  # the 6-image case: a training step of the 7B tower on 34560 patches is heavy enough
+    reference_tower = build_tower(config, torch.float32, device).train()
+    tower = build_tower(config, dtype, device).train() if dtype != torch.float32 else reference_tower
+    rows, failed = [], False
+    for case, grids in cases:
+        pixels, grid = inputs(config, grids, device)
+        reference = reference_grads(reference_tower, pixels, grid)
+        pixels = pixels.to(dtype)
+        case_rows = []
+        for label in TRAIN_ORDER:
+            impl = impls[label]
+            row = {"case": case, "tokens": int(grid.prod(-1).sum()), "implementation": label}
+            case_rows.append(row)
+            if impl.startswith("skipped"):
+                row["note"] = impl
+                continue
+            tower.set_attn_implementation(impl)
+            try:
+                train_step(tower, pixels, grid)  # the gradients checked; also the first warm-up step
+                if label == FLOOR:
+                    row["note"] = "not attention: v passed through; the step without attention, gradients not checked"
+                else:
+                    error = grad_error(tower, reference)
+                    row["grad_rel_max_err_vs_fp32"] = error
+                    if not error <= tolerance:
+                        row["note"] = f"WRONG: gradient relative error {error:.3g} > {tolerance:g}"
+                        failed = True
+                        continue
+                row["ms"] = time_ms(lambda: train_step(tower, pixels, grid), device, warmup, iters)
+            except Exception as exc:  # an implementation that fails (out of memory, no backward) is a row
+                traceback.print_exc()
+                first = (str(exc).splitlines() or [""])[0][:160]
+                row["note"] = f"ERROR: {type(exc).__name__}: {first}"
+                failed = True
+                continue
+            finally:
+                tower.zero_grad(set_to_none=True)
+            error = row.get("grad_rel_max_err_vs_fp32")
+            print(f"{case} | {label}: {row['ms']:.2f} ms a step"
+                  + (f", gradient rel err {error:.2e}" if error is not None else ""), file=sys.stderr, flush=True)
+        derive_ratios(case_rows)
+        rows += case_rows
+
+    columns = ["case", "tokens", "implementation", "ms", "above_floor_ms", "above_floor_vs_torch", "step_vs_torch",
+               "grad_rel_max_err_vs_fp32", "note"]
+    meta = env_meta()
+    meta.update(device=str(device), dtype=str(dtype).replace("torch.", ""), warmup=warmup, iters=iters,
+                config="smoke" if args.smoke else "Qwen2.5-VL-7B vision tower (random weights)",
+                step="train mode, grad enabled: loss = pooler_output.float().square().mean(), loss.backward(); "
+                     "gradients set to None in each step; no optimizer step",
+                checked="gradients of " + ", ".join(reference) + " against the fp32 sdpa tower's "
+                        "(relative max error, the worst of the three)",
+                tolerance=tolerance)
+    try:
+        import transformers
+        meta["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if args.write:
+        name = "transformers_vision_train_smoke" if args.smoke else "transformers_vision_train"
+        table = write_results(name, rows, columns, meta=meta,
+                              title="Qwen2.5-VL vision tower: one training step (forward + backward)")
+        plot(rows, RESULTS / f"{name}.png", ylabel="vision tower training step, ms (median)")
+    else:
+        table = markdown_table(rows, columns)
+    print(table)
+    return 1 if failed else 0
+
+
+def derive_ratios(case_rows: list) -> None:
+    """The columns against the floor and torch varlen flash, where those rows were timed in this case."""
+    by_label = {r["implementation"]: r for r in case_rows if "ms" in r}
+    floor, torch_row = by_label.get(FLOOR), by_label.get(TORCH)
+    torch_above = torch_row["ms"] - floor["ms"] if floor and torch_row else None
+    for row in by_label.values():
+        if torch_row:
+            row["step_vs_torch"] = row["ms"] / torch_row["ms"]
+        if floor and row is not floor:
+            row["above_floor_ms"] = row["ms"] - floor["ms"]
+            if torch_above is not None and torch_above > 0:
+                row["above_floor_vs_torch"] = row["above_floor_ms"] / torch_above
+
+
+def plot(rows, path, ylabel: str = "vision tower forward, ms (median)") -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -244,7 +420,7 @@ def plot(rows, path) -> None:
                   for c in cases]
         ax.bar([x + i * width for x in range(len(cases))], values, width, label=label)
     ax.set_xticks([x + width * (len(labels) - 1) / 2 for x in range(len(cases))], cases)
-    ax.set_ylabel("vision tower forward, ms (median)")
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

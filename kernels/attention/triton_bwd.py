@@ -73,40 +73,48 @@ def _sequence(cu_seqlens, seq, total_tokens):
 
 
 @triton.jit
+def _p_and_ds(q0, q1, q2, q3, k0, k1, k2, k3, g0, g1, g2, g3, v0, v1, v2, v3, lse, delta, offs_m, offs_n, seq_len,
+              qk_scale, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, MASK_KEYS: tl.constexpr,
+              MASK_CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    """dS of one (query tile, key tile) block as (queries x keys): P rebuilt from the row's log-sum-exp, then
+    dS = P * (dO V^T - delta), in the statistics' dtype. Rows past the sequence end need no mask (their
+    log-sum-exp is loaded as +inf: P = 0); keys past it do (``MASK_KEYS``: the sequence's last key tile), and
+    so do keys after a row when causal (``MASK_CAUSAL``: tiles across the diagonal)."""
+    acc = lse.dtype
+    s = _dot_t(q0, q1, q2, q3, k0, k1, k2, k3, D1, D2, D3, PRECISION, acc) * qk_scale
+    p = tl.math.exp2(s - lse[:, None])
+    if MASK_KEYS or MASK_CAUSAL:
+        keep = offs_n[None, :] < seq_len
+        if MASK_CAUSAL:
+            keep = keep & (offs_m[:, None] >= offs_n[None, :])
+        p = tl.where(keep, p, 0.0)
+    dp = _dot_t(g0, g1, g2, g3, v0, v1, v2, v3, D1, D2, D3, PRECISION, acc)
+    return p * (dp - delta[:, None])
+
+
+@triton.jit
+def _pt_and_dst(q0, q1, q2, q3, k0, k1, k2, k3, g0, g1, g2, g3, v0, v1, v2, v3, lse, delta, offs_m, offs_n,
+                qk_scale, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """The same block as (keys x queries): P^T and dS^T computed in that orientation (K Q^T, V dO^T), so that
+    dV += P^T dO and dK += dS^T Q take them as they are, with no transpose of a register tile. Only the causal
+    mask: rows past the end give P = 0 (log-sum-exp +inf), and keys past it only fill rows of dK/dV that are
+    never stored."""
+    acc = lse.dtype
+    st = _dot_t(k0, k1, k2, k3, q0, q1, q2, q3, D1, D2, D3, PRECISION, acc) * qk_scale
+    pt = tl.math.exp2(st - lse[None, :])
+    if MASK_CAUSAL:
+        pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
+    dpt = _dot_t(v0, v1, v2, v3, g0, g1, g2, g3, D1, D2, D3, PRECISION, acc)
+    return pt, pt * (dpt - delta[None, :])
+
+
+@triton.jit
 def _visible(offs_m, offs_n, seq_len, CAUSAL: tl.constexpr):
     keep = (offs_m[:, None] < seq_len) & (offs_n[None, :] < seq_len)
     if CAUSAL:
         keep = keep & (offs_m[:, None] >= offs_n[None, :])
     return keep
-
-
-@triton.jit
-def _p_and_ds(q0, q1, q2, q3, k0, k1, k2, k3, g0, g1, g2, g3, v0, v1, v2, v3, lse, delta, offs_m, offs_n, seq_len,
-              qk_scale, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, CAUSAL: tl.constexpr,
-              PRECISION: tl.constexpr):
-    """One (query tile, key tile) block as (queries x keys): the probabilities P, rebuilt from the row's
-    log-sum-exp (0 where a row does not see a key), and dS = P * (dO V^T - delta), in the statistics' dtype."""
-    acc = lse.dtype
-    s = _dot_t(q0, q1, q2, q3, k0, k1, k2, k3, D1, D2, D3, PRECISION, acc) * qk_scale
-    p = tl.where(_visible(offs_m, offs_n, seq_len, CAUSAL), tl.math.exp2(s - lse[:, None]), 0.0)
-    dp = _dot_t(g0, g1, g2, g3, v0, v1, v2, v3, D1, D2, D3, PRECISION, acc)
-    return p, p * (dp - delta[:, None])
-
-
-@triton.jit
-def _pt_and_dst(q0, q1, q2, q3, k0, k1, k2, k3, g0, g1, g2, g3, v0, v1, v2, v3, lse, delta, offs_m, offs_n, seq_len,
-                qk_scale, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr, CAUSAL: tl.constexpr,
-                PRECISION: tl.constexpr):
-    """The same block as (keys x queries): P^T and dS^T computed in that orientation (K Q^T, V dO^T), so that
-    dV += P^T dO and dK += dS^T Q take them as they are, with no transpose of a register tile."""
-    acc = lse.dtype
-    st = _dot_t(k0, k1, k2, k3, q0, q1, q2, q3, D1, D2, D3, PRECISION, acc) * qk_scale
-    keep = (offs_n[:, None] < seq_len) & (offs_m[None, :] < seq_len)
-    if CAUSAL:
-        keep = keep & (offs_m[None, :] >= offs_n[:, None])
-    pt = tl.where(keep, tl.math.exp2(st - lse[None, :]), 0.0)
-    dpt = _dot_t(v0, v1, v2, v3, g0, g1, g2, g3, D1, D2, D3, PRECISION, acc)
-    return pt, pt * (dpt - delta[None, :])
 
 
 @triton.jit
@@ -172,11 +180,63 @@ def _bwd_prep(Q, K, OUT, DO, LSE, DELTA, cu_seqlens,
 
 
 @triton.jit
-def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens,
+def _dkdv_step(dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, k0, k1, k2, k3, v0, v1, v2, v3, key_ok, q_base, do_base,
+               dq_base, LSE, DELTA, lse_base, start_m, offs_n, seq_len, stride_qt, stride_dot, stride_dqt, stride_lt,
+               qk_scale, scale, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+               MASK_CAUSAL: tl.constexpr, FUSE_DQ: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One query tile folded into a key tile's dK/dV; with ``FUSE_DQ`` and a sequence that is this one key tile,
+    also the query tile's whole dQ = scale * dS K, stored (the dQ kernel skips such sequences)."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < seq_len
+    q0, q1, q2, q3 = _parts(q_base, offs_m, stride_qt, row_ok, D0, D1, D2, D3, UPCAST)
+    g0, g1, g2, g3 = _parts(do_base, offs_m, stride_dot, row_ok, D0, D1, D2, D3, UPCAST)
+    lse = tl.load(LSE + lse_base + offs_m * stride_lt, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + lse_base + offs_m * stride_lt, mask=row_ok, other=0.0)
+    pt, dst = _pt_and_dst(q0, q1, q2, q3, k0, k1, k2, k3, g0, g1, g2, g3, v0, v1, v2, v3, lse, delta, offs_m, offs_n,
+                          qk_scale, D1, D2, D3, MASK_CAUSAL, PRECISION)
+    acc_ty = LSE.dtype.element_ty
+    pt = pt.to(g0.dtype)
+    dv0 = tl.dot(pt, g0, dv0, input_precision=PRECISION, out_dtype=acc_ty)
+    if D1 > 0:
+        dv1 = tl.dot(pt, g1, dv1, input_precision=PRECISION, out_dtype=acc_ty)
+    if D2 > 0:
+        dv2 = tl.dot(pt, g2, dv2, input_precision=PRECISION, out_dtype=acc_ty)
+    if D3 > 0:
+        dv3 = tl.dot(pt, g3, dv3, input_precision=PRECISION, out_dtype=acc_ty)
+    if FUSE_DQ:
+        if seq_len <= BLOCK_N:
+            # Keys past the end are 0 in K but their dS is not (it may even overflow): zero it first.
+            ds = tl.trans(tl.where(key_ok[:, None], dst, 0.0)).to(k0.dtype)
+            dq0 = tl.dot(ds, k0, input_precision=PRECISION, out_dtype=acc_ty)
+            dq1 = dq0
+            dq2 = dq0
+            dq3 = dq0
+            if D1 > 0:
+                dq1 = tl.dot(ds, k1, input_precision=PRECISION, out_dtype=acc_ty)
+            if D2 > 0:
+                dq2 = tl.dot(ds, k2, input_precision=PRECISION, out_dtype=acc_ty)
+            if D3 > 0:
+                dq3 = tl.dot(ds, k3, input_precision=PRECISION, out_dtype=acc_ty)
+            _store_parts(dq_base, offs_m, stride_dqt, row_ok, dq0, dq1, dq2, dq3, scale, D0, D1, D2, D3)
+    dst = dst.to(q0.dtype)
+    dk0 = tl.dot(dst, q0, dk0, input_precision=PRECISION, out_dtype=acc_ty)
+    if D1 > 0:
+        dk1 = tl.dot(dst, q1, dk1, input_precision=PRECISION, out_dtype=acc_ty)
+    if D2 > 0:
+        dk2 = tl.dot(dst, q2, dk2, input_precision=PRECISION, out_dtype=acc_ty)
+    if D3 > 0:
+        dk3 = tl.dot(dst, q3, dk3, input_precision=PRECISION, out_dtype=acc_ty)
+    return dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3
+
+
+@triton.jit
+def _bwd_dkdv(Q, K, V, DO, DK, DV, DQ, LSE, DELTA, cu_seqlens,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-              stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lt, total_tokens, qk_scale, scale,
+              stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lt, total_tokens,
+              qk_scale, scale,
               GROUP: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-              CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+              CAUSAL: tl.constexpr, FUSE_DQ: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -207,40 +267,56 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, cu_seqlens,
             dk3 = _accumulator(LSE, BLOCK_N, D3)
             dv3 = dk3
         if CAUSAL:
+            # Query tiles that start before this key tile ends cross the diagonal (masked); later ones see it all.
             first_m = (tile * BLOCK_N // BLOCK_M) * BLOCK_M
+            masked_end = tl.minimum(((tile + 1) * BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M, seq_len)
         else:
             first_m = 0
+            masked_end = 0
         for g in range(GROUP):
             head = kv_head * GROUP + g
             q_base = Q + start * stride_qt + head * stride_qh
             do_base = DO + start * stride_dot + head * stride_doh
-            for start_m in range(first_m, seq_len, BLOCK_M):
-                offs_m = start_m + tl.arange(0, BLOCK_M)
-                row_ok = offs_m < seq_len
-                q0, q1, q2, q3 = _parts(q_base, offs_m, stride_qt, row_ok, D0, D1, D2, D3, UPCAST)
-                g0, g1, g2, g3 = _parts(do_base, offs_m, stride_dot, row_ok, D0, D1, D2, D3, UPCAST)
-                rows = start + offs_m
-                lse = tl.load(LSE + rows * stride_lt + head, mask=row_ok, other=float("inf"))
-                delta = tl.load(DELTA + rows * stride_lt + head, mask=row_ok, other=0.0)
-                pt, dst = _pt_and_dst(q0, q1, q2, q3, k0, k1, k2, k3, g0, g1, g2, g3, v0, v1, v2, v3, lse, delta,
-                                      offs_m, offs_n, seq_len, qk_scale, D1, D2, D3, CAUSAL, PRECISION)
-                pt = pt.to(g0.dtype)
-                dst = dst.to(q0.dtype)
-                dv0 = tl.dot(pt, g0, dv0, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
-                dk0 = tl.dot(dst, q0, dk0, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
-                if D1 > 0:
-                    dv1 = tl.dot(pt, g1, dv1, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
-                    dk1 = tl.dot(dst, q1, dk1, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
-                if D2 > 0:
-                    dv2 = tl.dot(pt, g2, dv2, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
-                    dk2 = tl.dot(dst, q2, dk2, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
-                if D3 > 0:
-                    dv3 = tl.dot(pt, g3, dv3, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
-                    dk3 = tl.dot(dst, q3, dk3, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
+            dq_base = DQ + start * stride_dqt + head * stride_dqh
+            lse_base = start * stride_lt + head
+            for start_m in range(first_m, masked_end, BLOCK_M):
+                dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3 = _dkdv_step(
+                    dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, k0, k1, k2, k3, v0, v1, v2, v3, key_ok, q_base, do_base,
+                    dq_base, LSE, DELTA, lse_base, start_m, offs_n, seq_len, stride_qt, stride_dot, stride_dqt,
+                    stride_lt, qk_scale, scale, D0, D1, D2, D3, True, FUSE_DQ, UPCAST, PRECISION, BLOCK_M, BLOCK_N)
+            for start_m in range(tl.maximum(first_m, masked_end), seq_len, BLOCK_M):
+                dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3 = _dkdv_step(
+                    dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, k0, k1, k2, k3, v0, v1, v2, v3, key_ok, q_base, do_base,
+                    dq_base, LSE, DELTA, lse_base, start_m, offs_n, seq_len, stride_qt, stride_dot, stride_dqt,
+                    stride_lt, qk_scale, scale, D0, D1, D2, D3, False, FUSE_DQ, UPCAST, PRECISION, BLOCK_M, BLOCK_N)
         _store_parts(DK + start * stride_dkt + kv_head * stride_dkh, offs_n, stride_dkt, key_ok, dk0, dk1, dk2, dk3,
                      scale, D0, D1, D2, D3)
         _store_parts(DV + start * stride_dvt + kv_head * stride_dvh, offs_n, stride_dvt, key_ok, dv0, dv1, dv2, dv3,
                      1.0, D0, D1, D2, D3)
+
+
+@triton.jit
+def _dq_step(dq0, dq1, dq2, dq3, q0, q1, q2, q3, g0, g1, g2, g3, lse, delta, k_base, v_base, start_n, offs_m,
+             seq_len, stride_kt, stride_vt, qk_scale, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+             D3: tl.constexpr, MASK_KEYS: tl.constexpr, MASK_CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+             PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One key tile folded into a query tile's dQ (unscaled)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    key_ok = offs_n < seq_len
+    k0, k1, k2, k3 = _parts(k_base, offs_n, stride_kt, key_ok, D0, D1, D2, D3, UPCAST)
+    v0, v1, v2, v3 = _parts(v_base, offs_n, stride_vt, key_ok, D0, D1, D2, D3, UPCAST)
+    ds = _p_and_ds(q0, q1, q2, q3, k0, k1, k2, k3, g0, g1, g2, g3, v0, v1, v2, v3, lse, delta, offs_m, offs_n,
+                   seq_len, qk_scale, D1, D2, D3, MASK_KEYS, MASK_CAUSAL, PRECISION)
+    ds = ds.to(k0.dtype)
+    acc_ty = lse.dtype
+    dq0 = tl.dot(ds, k0, dq0, input_precision=PRECISION, out_dtype=acc_ty)
+    if D1 > 0:
+        dq1 = tl.dot(ds, k1, dq1, input_precision=PRECISION, out_dtype=acc_ty)
+    if D2 > 0:
+        dq2 = tl.dot(ds, k2, dq2, input_precision=PRECISION, out_dtype=acc_ty)
+    if D3 > 0:
+        dq3 = tl.dot(ds, k3, dq3, input_precision=PRECISION, out_dtype=acc_ty)
+    return dq0, dq1, dq2, dq3
 
 
 @triton.jit
@@ -249,10 +325,12 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens,
             stride_dqt, stride_dqh, stride_lt, total_tokens, qk_scale, scale,
             GROUP: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
             CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SHORT: tl.constexpr):
     head = tl.program_id(1)
     seq = tl.program_id(2)
     start, seq_len = _sequence(cu_seqlens, seq, total_tokens)
+    if seq_len <= SHORT:
+        return  # the dK/dV kernel computed this sequence's dQ (FUSE_DQ)
     kv_head = head // GROUP
     q_base = Q + start * stride_qt + head * stride_qh
     do_base = DO + start * stride_dot + head * stride_doh
@@ -277,34 +355,48 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens,
             dq2 = _accumulator(LSE, BLOCK_M, D2)
         if D3 > 0:
             dq3 = _accumulator(LSE, BLOCK_M, D3)
+        # Key tiles [0, full_end) are seen whole by every row of the tile; the rest need masks.
         if CAUSAL:
+            full_end = (tile * BLOCK_M // BLOCK_N) * BLOCK_N
             end_n = tl.minimum((tile + 1) * BLOCK_M, seq_len)
         else:
+            full_end = (seq_len // BLOCK_N) * BLOCK_N
             end_n = seq_len
-        for start_n in range(0, end_n, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            key_ok = offs_n < seq_len
-            k0, k1, k2, k3 = _parts(k_base, offs_n, stride_kt, key_ok, D0, D1, D2, D3, UPCAST)
-            v0, v1, v2, v3 = _parts(v_base, offs_n, stride_vt, key_ok, D0, D1, D2, D3, UPCAST)
-            _, ds = _p_and_ds(q0, q1, q2, q3, k0, k1, k2, k3, g0, g1, g2, g3, v0, v1, v2, v3, lse, delta, offs_m,
-                              offs_n, seq_len, qk_scale, D1, D2, D3, CAUSAL, PRECISION)
-            ds = ds.to(k0.dtype)
-            dq0 = tl.dot(ds, k0, dq0, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
-            if D1 > 0:
-                dq1 = tl.dot(ds, k1, dq1, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
-            if D2 > 0:
-                dq2 = tl.dot(ds, k2, dq2, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
-            if D3 > 0:
-                dq3 = tl.dot(ds, k3, dq3, input_precision=PRECISION, out_dtype=LSE.dtype.element_ty)
+        for start_n in range(0, full_end, BLOCK_N):
+            dq0, dq1, dq2, dq3 = _dq_step(dq0, dq1, dq2, dq3, q0, q1, q2, q3, g0, g1, g2, g3, lse, delta, k_base,
+                                          v_base, start_n, offs_m, seq_len, stride_kt, stride_vt, qk_scale, D0, D1,
+                                          D2, D3, False, False, UPCAST, PRECISION, BLOCK_N)
+        for start_n in range(full_end, end_n, BLOCK_N):
+            dq0, dq1, dq2, dq3 = _dq_step(dq0, dq1, dq2, dq3, q0, q1, q2, q3, g0, g1, g2, g3, lse, delta, k_base,
+                                          v_base, start_n, offs_m, seq_len, stride_kt, stride_vt, qk_scale, D0, D1,
+                                          D2, D3, True, CAUSAL, UPCAST, PRECISION, BLOCK_N)
         _store_parts(DQ + start * stride_dqt + head * stride_dqh, offs_m, stride_dqt, row_ok, dq0, dq1, dq2, dq3,
                      scale, D0, D1, D2, D3)
 
 
 # Per kernel (BLOCK_M, BLOCK_N, warps, stages). Small tiles under the interpreter (its cost is per program and per
-# op); on the GPU the choice bench/attention_backward_tune.py measured (see there for the candidates).
+# op); on the GPU what bench/attention_backward_tune.py measured on the H200 (bench/results/attention_backward_tune.md),
+# by head dim (up to 96: the 64 + 16/32 parts; 128), causal or not, and whether the launch's rows fit one short key
+# tile (windows of vision towers: dQ fused into the dK/dV kernel).
 INTERPRET_CONFIG = {"prep": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "dq": (16, 16, 4, 1)}
-GPU_CONFIG = {"prep": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)}
+SHORT_ROWS = 64
+GPU_CONFIGS = {
+    # (wide head, causal, short): {kernel: tiles}
+    (False, False, False): {"prep": (64, 64, 4, 2), "dkdv": (16, 128, 4, 2), "dq": (64, 64, 4, 3)},
+    (False, True, False): {"prep": (128, 64, 8, 1), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 3)},
+    (True, False, False): {"prep": (128, 64, 8, 1), "dkdv": (64, 64, 4, 2), "dq": (128, 64, 8, 3)},
+    (True, True, False): {"prep": (128, 64, 4, 1), "dkdv": (32, 64, 4, 2), "dq": (128, 64, 8, 3)},
+    (False, False, True): {"prep": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)},
+    (False, True, True): {"prep": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)},
+    (True, False, True): {"prep": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)},
+    (True, True, True): {"prep": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)},
+}
 KERNELS = ("prep", "dkdv", "dq")
+
+
+def gpu_config(head_dim: int, causal: bool, rows: int) -> dict:
+    """{kernel: (BLOCK_M, BLOCK_N, warps, stages)} on a GPU for this head dim, mask and launch rows."""
+    return dict(GPU_CONFIGS[(head_dim > 96, bool(causal), rows <= SHORT_ROWS)])
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -346,8 +438,8 @@ def varlen_attention_triton_backward(
         lse = torch.empty((total_tokens, num_heads), dtype=stats_dtype(q.dtype), device=q.device)
     delta = torch.empty_like(lse)
     d0, d1, d2, d3 = head_dim_parts(head_dim)
-    configs = dict(INTERPRET_CONFIG if INTERPRET else GPU_CONFIG, **(config or {}))
     rows = max(min(max(max_seqlen, 1), total_tokens), 1)
+    configs = dict(INTERPRET_CONFIG if INTERPRET else gpu_config(head_dim, causal, rows), **(config or {}))
     meta = dict(GROUP=num_heads // kv_heads, D0=d0, D1=d1, D2=d2, D3=d3, CAUSAL=bool(causal),
                 UPCAST=INTERPRET and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype))
 
@@ -361,13 +453,17 @@ def varlen_attention_triton_backward(
     _bwd_prep[(triton.cdiv(rows, prep["BLOCK_M"]), num_heads, batch)](
         q, k, out, grad_out, lse, delta, cu_seqlens, sq[0], sq[1], sk[0], sk[1], so[0], so[1], sg[0], sg[1],
         lse.stride(0), total_tokens, qk_scale, HAVE_LSE=have_lse, **prep)
+    # Where the hint says every sequence fits one dK/dV key tile, that kernel also computes their dQ (5 products
+    # instead of 7) and the dQ kernel skips them; a longer sequence (a short hint) still gets its dQ from there.
+    fuse = rows <= dkdv["BLOCK_N"]
     _bwd_dkdv[(triton.cdiv(rows, dkdv["BLOCK_N"]), kv_heads, batch)](
-        q, k, v, grad_out, dk, dv, lse, delta, cu_seqlens, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1],
-        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0), total_tokens, qk_scale,
-        softmax_scale, **dkdv)
+        q, k, v, grad_out, dk, dv, dq, lse, delta, cu_seqlens, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0],
+        sg[1], dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
+        total_tokens, qk_scale, softmax_scale, FUSE_DQ=fuse, **dkdv)
     _bwd_dq[(triton.cdiv(rows, dqm["BLOCK_M"]), num_heads, batch)](
         q, k, v, grad_out, dq, lse, delta, cu_seqlens, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1],
-        dq.stride(0), dq.stride(1), lse.stride(0), total_tokens, qk_scale, softmax_scale, **dqm)
+        dq.stride(0), dq.stride(1), lse.stride(0), total_tokens, qk_scale, softmax_scale,
+        SHORT=dkdv["BLOCK_N"] if fuse else 0, **dqm)
     if negative:
         dq = -dq
     return dq, dk, dv

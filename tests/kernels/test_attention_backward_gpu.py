@@ -48,8 +48,10 @@ def test_a_short_hint_on_the_gpu_changes_no_gradient():
     out = triton_path.varlen_attention_triton(q, k, v, cu, max(LENGTHS), 80 ** -0.5, True)
     full = varlen_attention_triton_backward(grad, q, k, v, out, cu, max(LENGTHS), 80 ** -0.5, True)
     short = varlen_attention_triton_backward(grad, q, k, v, out, cu, 100, 80 ** -0.5, True)
-    for a, b in zip(short, full):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(short, full):  # dQ of the sequences that fit one key tile comes from the fused path
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    assert_grads(short, float64_grads(q.cpu(), k.cpu(), v.cpu(), grad.cpu(), cu.cpu(), 80 ** -0.5, True),
+                 TOLERANCE[torch.bfloat16])
 
 
 def test_varlen_attention_trains_on_the_gpu():
