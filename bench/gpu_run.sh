@@ -2,7 +2,7 @@
 # One call on the offline H200 machine: install guardlint, unpack the FlashInfer bundle (.gpu-deps, made by
 # ../shared/gpu/make_flashinfer_bundle.sh), then run the named steps and pack results + logs into $OUT.
 #   bash bench/gpu_run.sh tests tests-flashinfer tests-gluon engines lora-tests lora eager eager-profile anatomy guard
-#   attention-eager attention-causal attention-anatomy attention-quick attention
+#   attention-eager attention-causal attention-anatomy attention-quick attention transformers-train
 # The engines step needs einops in .gpu-deps/wheels and the engine sources it loads carried (.engines/...).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -41,6 +41,13 @@ for s in "$@"; do
     tests-backward) step tests-backward python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_attention_backward_gpu.py ;;
     attention-backward-tune) STEP_TIMEOUT=${TUNE_TIMEOUT:-420} step attention-backward-tune python3 bench/attention_backward_tune.py --write ;;
     attention-backward) STEP_TIMEOUT=420 step attention-backward python3 bench/attention_backward.py --write ;;
+    # One training step of the Qwen2.5-VL-7B vision tower per implementation (bench/transformers_vision.py --train):
+    # transformers' wheels (.gpu-deps/transformers, bench/make_transformers_bundle.sh) go to /tmp/site first.
+    transformers-train)
+      if [ -d .gpu-deps/transformers ]; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-deps/transformers/*.whl >"$LOGS/transformers-install.log" 2>&1 || cat "$LOGS/transformers-install.log"
+      fi
+      PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} STEP_TIMEOUT=420 step transformers-train python3 bench/transformers_vision.py --train --write ;;
     engines) step engines python3 -m pytest -q -m gpu -p no:cacheprovider tests/engines/test_engines_gpu.py ;;
     lora-tests) step lora-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_lora_gpu.py ;;
     eager) step eager python3 bench/lora_eager.py --write ;;

@@ -13,13 +13,13 @@ each step; no optimizer step). Implementations: the floor (v passed through; the
 varlen flash (timed first, with the floor, so that ratios compare one run), guardlint_flash (triton) (the Triton
 backward), guardlint_flash (auto) (under grad it takes torch's varlen flash where that runs, else the per-sequence
 SDPA loop), and HF sdpa under --smoke or with ``--train-sdpa`` (about 10x slower on the GPU, so left out there by
-default). Correctness first: the gradients of the first and last blocks' qkv weights and of the patch embedding
-against the fp32 sdpa tower's (computed once per case with activation checkpointing, so only each block's input
-stays alive, then freed), relative max error within the forward's tolerance or the row is WRONG and the exit
-code 1. Columns: the median step ``ms``, ``above_floor_ms`` (ms minus the floor's), ``above_floor_vs_torch`` (that
-over torch varlen flash's) and ``step_vs_torch`` (ms over torch's), all within a case. On the GPU only the
-6-image case runs (34560 patches). ``--write`` writes bench/results/transformers_vision_train.{json,md,png}
-(``transformers_vision_train_smoke`` with --smoke).
+default). Correctness first: the gradients of the first and last blocks' qkv weights against the fp32 sdpa
+tower's (computed once per case with activation checkpointing, so only each block's input stays alive, then
+freed), relative max error within the forward's tolerance or the row is WRONG and the exit code 1. Columns: the
+median step ``ms``; ``above_floor_ms``, ms minus the floor's; ``above_floor_vs_torch``, that over torch varlen
+flash's; ``step_vs_torch``, ms over torch's; all within a case. On the GPU only the 6-image case runs (34560
+patches). ``--write`` writes bench/results/transformers_vision_train.{json,md,png} (``..._train_smoke`` with
+--smoke).
 """
 from __future__ import annotations
 
@@ -261,12 +261,12 @@ TRAIN_ORDER = [FLOOR, TORCH, "guardlint_flash (triton)", "guardlint_flash (auto)
 
 
 def checked_params(tower) -> dict:
-    """name -> the parameters whose gradients --train compares: the first and last blocks' qkv weights and the
-    patch embedding (the end of the backward, through every block)."""
+    """name -> the parameters whose gradients --train compares: the first and last blocks' qkv weights (the
+    first block's gradient comes through every block's backward). Not the patch embedding: bf16 HF sdpa's own
+    error there is already 0.04 against fp32 (7B config, 256-1408 patches, CPU), too near the tolerance."""
     last = len(tower.blocks) - 1
     return {"blocks.0.attn.qkv.weight": tower.blocks[0].attn.qkv.weight,
-            f"blocks.{last}.attn.qkv.weight": tower.blocks[last].attn.qkv.weight,
-            "patch_embed.proj.weight": tower.patch_embed.proj.weight}
+            f"blocks.{last}.attn.qkv.weight": tower.blocks[last].attn.qkv.weight}
 
 
 def train_step(tower, pixels, grid) -> None:
@@ -312,6 +312,8 @@ def grad_error(tower, reference: dict) -> float:
 
 
 def train_main(args, device, config, cases, dtype, warmup, iters, tolerance) -> int:
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # else OpenMP's threads and the autograd engine's contend: 10-100x noisy steps
     impls = register_all(device)
     if not impls[TORCH].startswith("skipped"):
         problem = torch_varlen_problem(device, grad=True)
@@ -371,7 +373,7 @@ def train_main(args, device, config, cases, dtype, warmup, iters, tolerance) -> 
                 step="train mode, grad enabled: loss = pooler_output.float().square().mean(), loss.backward(); "
                      "gradients set to None in each step; no optimizer step",
                 checked="gradients of " + ", ".join(reference) + " against the fp32 sdpa tower's "
-                        "(relative max error, the worst of the three)",
+                        "(relative max error, the worst of them)",
                 tolerance=tolerance)
     try:
         import transformers

@@ -10,11 +10,16 @@ masks them), ``P = softmax(s)``, ``O = P V``, upstream gradient ``dO``:
 Three kernels, each a program per (tile, head, sequence) looping over its sequence's tiles with the grid's stride
 (so ``max_seqlen`` only sizes the launch, and a short one costs time, never a row):
 
-- ``_bwd_prep``: per query row, the base-2 log-sum-exp of its scaled logits (a pass over the keys, as the
-  forward's, without V) and ``delta``. The forward keeps no statistics, so the backward recomputes them.
+- ``_bwd_prep``: per query row, ``delta``; and the base-2 log-sum-exp of its scaled logits (a pass over the keys,
+  as the forward's, without V) only when the forward did not save it (the training forward does).
 - ``_bwd_dkdv``: per key tile of a kv head, dK and dV accumulated over the query tiles that see it (from the
-  key tile's own on, when causal) of every query head of the group: no atomics.
-- ``_bwd_dq``: per query tile, dQ accumulated over its key tiles.
+  key tile's own on, when causal) of every query head of the group: no atomics. P^T and dS^T are computed
+  key-major (K Q^T), so no register tile is transposed. Where the launch's rows fit one key tile (the windows
+  of vision towers), a sequence that is one key tile also gets its whole dQ here (5 products instead of 7).
+- ``_bwd_dq``: per query tile, dQ accumulated over its key tiles (sequences the dK/dV kernel did are skipped).
+
+Masks only where a tile needs one: key bounds on a sequence's last key tile (dQ), causal masks on tiles across
+the diagonal; rows past a sequence's end load a log-sum-exp of +inf, so their P is 0 without a mask.
 
 All accumulation is in fp32 (fp64 for fp64 inputs, which only the interpreter runs); the probabilities
 are rebuilt as ``exp2(s * log2(e) - lse)``. Rows past a sequence's end and keys a row does not see
@@ -376,27 +381,32 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens,
 
 # Per kernel (BLOCK_M, BLOCK_N, warps, stages). Small tiles under the interpreter (its cost is per program and per
 # op); on the GPU what bench/attention_backward_tune.py measured on the H200 (bench/results/attention_backward_tune.md),
-# by head dim (up to 96: the 64 + 16/32 parts; 128), causal or not, and whether the launch's rows fit one short key
-# tile (windows of vision towers: dQ fused into the dK/dV kernel).
+# by head dim (up to 96: the 64 + 16/32 parts; 128), causal or not, and the launch's rows: up to 64 (windows of
+# vision towers: one key tile, dQ fused into the dK/dV kernel), up to 512, longer.
 INTERPRET_CONFIG = {"prep": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "dq": (16, 16, 4, 1)}
-SHORT_ROWS = 64
+LENGTH_CLASSES = (64, 512)  # upper bounds of the short and medium classes
+_DQ_NARROW, _DQ_WIDE = (64, 64, 4, 3), (128, 64, 8, 3)
 GPU_CONFIGS = {
-    # (wide head, causal, short): {kernel: tiles}
-    (False, False, False): {"prep": (64, 64, 4, 2), "dkdv": (16, 128, 4, 2), "dq": (64, 64, 4, 3)},
-    (False, True, False): {"prep": (128, 64, 8, 1), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 3)},
-    (True, False, False): {"prep": (128, 64, 8, 1), "dkdv": (64, 64, 4, 2), "dq": (128, 64, 8, 3)},
-    (True, True, False): {"prep": (128, 64, 4, 1), "dkdv": (32, 64, 4, 2), "dq": (128, 64, 8, 3)},
-    (False, False, True): {"prep": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)},
-    (False, True, True): {"prep": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)},
-    (True, False, True): {"prep": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)},
-    (True, True, True): {"prep": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)},
+    # (head dim > 96, causal, length class): {kernel: tiles}
+    (False, False, 2): {"prep": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": _DQ_NARROW},
+    (False, True, 2): {"prep": (64, 64, 4, 2), "dkdv": (32, 64, 4, 2), "dq": _DQ_NARROW},
+    (True, False, 2): {"prep": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": _DQ_WIDE},
+    (True, True, 2): {"prep": (64, 64, 4, 2), "dkdv": (32, 64, 4, 2), "dq": _DQ_WIDE},
+    (False, False, 1): {"prep": (64, 64, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 3)},
+    (False, True, 1): {"prep": (64, 64, 4, 2), "dkdv": (32, 64, 4, 2), "dq": _DQ_NARROW},
+    (True, False, 1): {"prep": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": _DQ_WIDE},
+    (True, True, 1): {"prep": (64, 64, 4, 2), "dkdv": (32, 64, 4, 2), "dq": _DQ_WIDE},
+    # One 64-key tile per sequence: the dQ kernel's programs return at once.
+    **{(wide, causal, 0): {"prep": (64, 64, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 64, 4, 2)}
+       for wide in (False, True) for causal in (False, True)},
 }
 KERNELS = ("prep", "dkdv", "dq")
 
 
 def gpu_config(head_dim: int, causal: bool, rows: int) -> dict:
     """{kernel: (BLOCK_M, BLOCK_N, warps, stages)} on a GPU for this head dim, mask and launch rows."""
-    return dict(GPU_CONFIGS[(head_dim > 96, bool(causal), rows <= SHORT_ROWS)])
+    length = sum(rows > bound for bound in LENGTH_CLASSES)
+    return dict(GPU_CONFIGS[(head_dim > 96, bool(causal), length)])
 
 
 def _precision(dtype: torch.dtype) -> str:
