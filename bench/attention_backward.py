@@ -6,7 +6,11 @@ Each case: gradients checked against float64 autograd (max error over max |refer
 CUDA-event brackets around one forward + backward (leaves re-used, gradients zeroed outside the bracket), the
 backends interleaved round by round so that clock drift hits all alike, and ratios taken per round.
 
-    python bench/attention_backward.py [--write] [--rounds 7] [--iters 20] [--cases 6img-d80,...]
+    python bench/attention_backward.py [--write] [--write-dispatch] [--rounds 7] [--iters 20] [--cases 6img-d80,...]
+
+``--write-dispatch`` adds each case's forward + backward medians (``train_times_us``) to the dispatch table
+(kernels/attention/attention_dispatch.json): the entry of the same case and GPU, or a new training-only entry;
+``backend="auto"`` ranks them for inputs that need a graph.
     python bench/attention_backward.py --cpu-smoke    # tiny shapes through the Triton interpreter
 """
 from __future__ import annotations
@@ -45,6 +49,8 @@ def cases(smoke: bool) -> list:
         for causal in (False, True):
             out.append((f"6img-d{d}" + ("-causal" if causal else ""), IMAGES, HEADS, d, causal))
     out.append(("64x256-d80", (256,) * 64, HEADS, 80, False))
+    # A vision tower's windowed layers (Qwen2.5-VL-7B: 112-pixel windows = 64 patches).
+    out.append(("256x64-d80", (64,) * 256, HEADS, 80, False))
     return out
 
 
@@ -59,6 +65,31 @@ def reference_grads(q, k, v, cu, grad, causal):
     return [t.grad for t in leaves]
 
 
+def write_dispatch(rows: list, dtype: str) -> None:
+    """Merge each correct case's forward + backward medians into the dispatch table as ``train_times_us``."""
+    import json
+
+    from guardlint.kernels.attention import dispatch
+
+    path = dispatch.TABLE_PATH
+    table = json.loads(path.read_text()) if path.exists() else {"version": dispatch.TABLE_VERSION, "entries": []}
+    device = torch.cuda.get_device_name()
+    for row in rows:
+        if not row["correct"]:
+            continue
+        times = {b: row[f"{b}_us"] for b in ("triton", "torch-varlen", "sdpa") if f"{b}_us" in row}
+        entry = next((e for e in table["entries"] if e.get("case") == row["case"] and e.get("device") == device), None)
+        if entry is None:
+            entry = {"device": device, "capability": list(torch.cuda.get_device_capability()), "dtype": dtype,
+                     "head_dim": row["head_dim"], "causal": row["causal"], "case": row["case"],
+                     "batch": row["batch"], "max_seqlen": row["max_seqlen"], "total_tokens": row["tokens"],
+                     "times_us": {}}
+            table["entries"].append(entry)
+        entry["train_times_us"] = times
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"dispatch table: {path} (train_times_us for {sum(r['correct'] for r in rows)} cases)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write", action="store_true")
@@ -66,6 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--cases", default="")
+    ap.add_argument("--write-dispatch", action="store_true")
     args = ap.parse_args(argv)
     smoke = args.cpu_smoke
     device = "cpu" if smoke else "cuda"
@@ -82,7 +114,7 @@ def main(argv=None) -> int:
         backends = ["triton"]
         if not smoke and torch_varlen_supports(q, k, d ** -0.5, causal):
             backends.append("torch-varlen")
-        if len(lengths) == 64 or smoke:
+        if len(lengths) >= 64 or smoke:
             backends.append("sdpa")
         leaves = {b: [t.clone().requires_grad_() for t in (q, k, v)] for b in backends}
 
@@ -126,7 +158,8 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 step(b)
                 timings[b].append((time.perf_counter() - t0) * 1e6)
-        row = {"case": name, "head_dim": d, "causal": causal, "tokens": total,
+        row = {"case": name, "head_dim": d, "causal": causal, "tokens": total, "batch": len(lengths),
+               "max_seqlen": max(lengths),
                **{f"{b}_us": round(statistics.median(timings[b]), 1) for b in backends},
                "triton_vs_torch_varlen": round(statistics.median(ratios), 3) if ratios else None,
                "ratio_min_max": f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else None,
@@ -138,6 +171,8 @@ def main(argv=None) -> int:
     meta = env_meta()
     meta.update({"dtype": str(dtype).replace("torch.", ""), "heads": HEADS, "rounds": args.rounds,
                  "iters": args.iters, "timer": "CUDA events around forward + backward, medians; ratios per round"})
+    if args.write_dispatch and not smoke:
+        write_dispatch(rows, str(dtype).replace("torch.", ""))
     name = "attention_backward_smoke" if smoke else "attention_backward"
     print(write_results(name, rows, columns, meta=meta, title="Varlen attention forward + backward (µs)"))
     return 0 if all(r["correct"] for r in rows) else 1

@@ -579,13 +579,27 @@ def _needs_grad(q, k, v) -> Optional[str]:
     return next((n for n, t in (("q", q), ("k", k), ("v", v)) if getattr(t, "requires_grad", False)), None)
 
 
-def _grad_choice(q, k, scale: float, causal: bool, max_seqlen, max_seqlen_verified) -> str:
-    """What ``auto`` runs for inputs that need a graph: torch's varlen flash where it takes the call and the hint is
-    verified (forward + backward 1.15 ms against 33.8 ms for the per-sequence SDPA loop, 64 x 256 tokens, D=80,
-    H200), else ``sdpa``. The Triton backward is not chosen until it is measured (bench/attention_backward.py)."""
-    if _runnable("torch-varlen", q, k, scale, causal) and hint_verified(q, max_seqlen, max_seqlen_verified):
-        return "torch-varlen"
-    return "sdpa"
+def _grad_choice(q, k, cu_seqlens, scale: float, causal: bool, max_seqlen, max_seqlen_verified) -> str:
+    """What ``auto`` runs for inputs that need a graph: on a GPU, the fastest backend with a backward by the
+    dispatch table's forward + backward times (``dispatch.RULE``; torch's varlen flash only with a verified
+    hint, since its kernel trusts it), ``triton`` where the table has none; ``sdpa`` on the CPU."""
+    if q.device.type != "cuda":
+        return "sdpa"
+    name = torch.cuda.get_device_name(q.device)
+    verified = hint_verified(q, max_seqlen, max_seqlen_verified)
+
+    def runnable(backend: str) -> bool:
+        if backend not in AUTOGRAD or (backend == "torch-varlen" and not verified):
+            return False
+        return _runnable(backend, q, k, scale, causal)
+
+    rows = triton_path.launch_rows(max_seqlen, max(q.shape[0], 1)) if max_seqlen else max(q.shape[0], 1)
+    choice = dispatch.choose(
+        device_type="cuda", device_name=name, capability=torch.cuda.get_device_capability(q.device),
+        head_dim=q.shape[2], dtype=str(q.dtype).replace("torch.", ""), causal=causal,
+        batch=max(cu_seqlens.shape[0] - 1, 1),
+        max_seqlen=rows, total_tokens=max(q.shape[0], 1), runnable=runnable, memo_extra=(verified,), train=True)
+    return choice if runnable(choice) else "sdpa"
 
 
 def _for_grad(backend: str, grad: Optional[str], function: str, auto: str = "sdpa") -> str:
@@ -638,7 +652,7 @@ def _checked_call(function: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale,
     _check_inputs(function, q, k, v, cu_seqlens)
     _check_call(function, max_seqlen, softmax_scale, causal, backend, max_seqlen_verified)
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
-    auto = _grad_choice(q, k, scale, causal, max_seqlen, max_seqlen_verified) \
+    auto = _grad_choice(q, k, cu_seqlens, scale, causal, max_seqlen, max_seqlen_verified) \
         if grad is not None and backend == "auto" else "sdpa"
     backend = _for_grad(backend, grad, function, auto)
     if isinstance(backend, GuardError):

@@ -30,6 +30,9 @@ How ``auto`` chooses (first match wins):
    backend's time is the larger of its table time and its host time per eager call on that GPU (the
    table's host_us, measured by bench/attention_eager.py): a short batch is bound by the host, so a kernel
    whose launch costs more host time than its device time saves is not taken there.
+Inputs that need a graph (training) follow the same rules over the entries' forward + backward times
+(``train_times_us``, bench/attention_backward.py --write-dispatch) and the backends with a backward; with
+no such entry, ``triton`` (the Triton backward, which takes any max_seqlen hint).
 """
 
 _table: Optional[list] = None
@@ -118,8 +121,11 @@ def _dtype_distance(a: str, b: str) -> float:
 
 
 def nearest_entry(entries: list, *, device_name: str, capability: tuple, head_dim: int, dtype: str,
-                  causal: bool, batch: int, max_seqlen: int, total_tokens: int) -> Optional[dict]:
-    """The table entry that rule 3 picks, or None (rule 2)."""
+                  causal: bool, batch: int, max_seqlen: int, total_tokens: int,
+                  times: str = "times_us") -> Optional[dict]:
+    """The table entry that rule 3 picks, or None (rule 2), among the entries that hold ``times`` (forward
+    times, or ``train_times_us``: forward + backward)."""
+    entries = [e for e in entries if isinstance(e.get(times), dict) and e[times]]
     same = [e for e in entries if e["device"] == device_name]
     if not same:
         same = [e for e in entries if tuple(e.get("capability", ()))[:1] == tuple(capability)[:1]]
@@ -140,14 +146,16 @@ def nearest_entry(entries: list, *, device_name: str, capability: tuple, head_di
 def choose(*, device_type: str, device_name: str = "", capability: tuple = (), head_dim: int, dtype: str,
            causal: bool, batch: int, max_seqlen: int, total_tokens: int,
            runnable: Callable[[str], bool], entries: Optional[list] = None, memo_extra: tuple = (),
-           eager: bool = False, host: Optional[dict] = None) -> str:
+           eager: bool = False, host: Optional[dict] = None, train: bool = False) -> str:
     """The backend ``auto`` runs for this call (see ``RULE``). ``runnable(name)`` says whether a backend
     can run this very call; the answer is memoised per call shape (plus ``memo_extra``: whatever else
     ``runnable`` depends on). ``eager``: the call is not being captured into a CUDA graph, so each
-    backend's host time per call (``host``, default the table's for this GPU) bounds its time."""
+    backend's host time per call (``host``, default the table's for this GPU) bounds its time. ``train``: inputs
+    that need a graph: the entries' forward + backward times (``train_times_us``, written by
+    bench/attention_backward.py --write-dispatch), among backends with a backward (``runnable`` says which)."""
     if device_type != "cuda":
         return "sdpa"
-    key = (device_name, head_dim, dtype, causal, batch, max_seqlen, total_tokens, memo_extra, eager)
+    key = (device_name, head_dim, dtype, causal, batch, max_seqlen, total_tokens, memo_extra, eager, train)
     if entries is None:
         hit = _memo.get(key)
         if hit is not None:
@@ -157,13 +165,14 @@ def choose(*, device_type: str, device_name: str = "", capability: tuple = (), h
         table = entries
     entry = nearest_entry(table, device_name=device_name, capability=capability, head_dim=head_dim,
                           dtype=dtype, causal=causal, batch=batch, max_seqlen=max_seqlen,
-                          total_tokens=total_tokens)
+                          total_tokens=total_tokens, times="train_times_us" if train else "times_us")
     choice = "triton"
     if entry is not None:
         if host is None:
             host = _host.get(device_name, {}) if entries is None else {}
         floor = host if eager else {}
-        ranked = sorted((max(t, floor.get(name, 0.0)), name) for name, t in entry["times_us"].items()
+        times = entry["train_times_us" if train else "times_us"]
+        ranked = sorted((max(t, floor.get(name, 0.0)), name) for name, t in times.items()
                         if isinstance(t, (int, float)) and math.isfinite(t) and t > 0)
         for _, name in ranked:
             if runnable(name):

@@ -210,19 +210,29 @@ def test_the_forward_log_sum_exp_is_the_backward_one(lengths, heads, kv_heads, h
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_auto_under_grad_takes_torch_varlen_where_it_runs_the_call_else_sdpa(monkeypatch):
-    """The per-sequence SDPA loop only where torch's varlen flash (a backward, ~29x faster on the H200 at
-    64 x 256 tokens) cannot take the call or the hint is unverified."""
+def test_auto_under_grad_is_sdpa_on_the_cpu():
     q, k, v, grad, cu = inputs([3, 5], 2, 2, 16)
     q.requires_grad_()
-    runnable = attention._runnable
-    monkeypatch.setattr(attention, "_runnable",
-                        lambda name, *a: name == "torch-varlen" or runnable(name, *a))
-    attention._calls.clear()
     backend, _ = attention._checked_call("varlen_attention", q, k, v, cu, 5, None, False, "auto", "q", True)
-    assert backend == "torch-varlen"
-    backend, _ = attention._checked_call("varlen_attention", q, k, v, cu, 5, None, False, "auto", "q", False)
-    assert backend == "sdpa"  # a hint nobody checked: torch's kernel would trust it
-    monkeypatch.setattr(attention, "_runnable", runnable)
-    backend, _ = attention._checked_call("varlen_attention", q, k, v, cu, 5, None, False, "auto", "q", True)
-    assert backend == "sdpa"  # on the CPU torch's varlen flash does not run
+    assert backend == "sdpa"
+
+
+def test_auto_under_grad_ranks_forward_plus_backward_times():
+    """On a GPU, ``auto`` under grad reads the entries' train_times_us (forward + backward), not their forward
+    times, among the backends the call can run with a backward; no such entry: triton."""
+    from guardlint.kernels.attention import dispatch
+
+    entry = dict(device="NVIDIA H200", capability=[9, 0], dtype="bfloat16", head_dim=80, causal=False, batch=64,
+                 max_seqlen=256, total_tokens=16384, times_us={"gluon": 90.0, "triton": 96.0},
+                 train_times_us={"triton": 560.0, "torch-varlen": 558.0, "sdpa": 30000.0})
+    shape = dict(device_type="cuda", device_name="NVIDIA H200", capability=(9, 0), head_dim=80, dtype="bfloat16",
+                 causal=False, batch=64, max_seqlen=256, total_tokens=16384)
+    assert dispatch.choose(**shape, runnable=lambda n: True, entries=[entry], train=True) == "torch-varlen"
+    assert dispatch.choose(**shape, runnable=lambda n: n != "torch-varlen", entries=[entry], train=True) == "triton"
+    assert dispatch.choose(**shape, runnable=lambda n: True, entries=[entry]) == "gluon"  # forward times
+    forward_only = {k: v for k, v in entry.items() if k != "train_times_us"}
+    assert dispatch.choose(**shape, runnable=lambda n: True, entries=[forward_only], train=True) == "triton"
+    # A training entry is never the forward's nearest entry and the other way round.
+    train_only = dict(entry, case="windows", max_seqlen=64, times_us={})
+    assert dispatch.choose(**dict(shape, max_seqlen=64), runnable=lambda n: True, entries=[forward_only, train_only],
+                           ) == "gluon"
