@@ -10,7 +10,8 @@ backends interleaved round by round so that clock drift hits all alike, and rati
 
 ``--write-dispatch`` adds each case's forward + backward medians (``train_times_us``) to the dispatch table
 (kernels/attention/attention_dispatch.json): the entry of the same case and GPU, or a new training-only entry;
-``backend="auto"`` ranks them for inputs that need a graph.
+``backend="auto"`` ranks them for inputs that need a graph. ``--dispatch-from bench/results/attention_backward.json``
+does the same from a results file (no GPU needed).
     python bench/attention_backward.py --cpu-smoke    # tiny shapes through the Triton interpreter
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ require("torch", "triton", "guardlint")
 import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -65,29 +67,43 @@ def reference_grads(q, k, v, cu, grad, causal):
     return [t.grad for t in leaves]
 
 
-def write_dispatch(rows: list, dtype: str) -> None:
-    """Merge each correct case's forward + backward medians into the dispatch table as ``train_times_us``."""
+DISPATCH_OUT = Path(__file__).resolve().parents[1] / "kernels" / "attention" / "attention_dispatch.json"
+
+
+def write_dispatch(rows: list, dtype: str, device: str, capability: list) -> None:
+    """Merge each correct case's forward + backward medians into the repository's dispatch table
+    (kernels/attention/attention_dispatch.json) as ``train_times_us``."""
     import json
 
     from guardlint.kernels.attention import dispatch
 
-    path = dispatch.TABLE_PATH
+    path = DISPATCH_OUT
     table = json.loads(path.read_text()) if path.exists() else {"version": dispatch.TABLE_VERSION, "entries": []}
-    device = torch.cuda.get_device_name()
     for row in rows:
         if not row["correct"]:
             continue
         times = {b: row[f"{b}_us"] for b in ("triton", "torch-varlen", "sdpa") if f"{b}_us" in row}
         entry = next((e for e in table["entries"] if e.get("case") == row["case"] and e.get("device") == device), None)
         if entry is None:
-            entry = {"device": device, "capability": list(torch.cuda.get_device_capability()), "dtype": dtype,
-                     "head_dim": row["head_dim"], "causal": row["causal"], "case": row["case"],
-                     "batch": row["batch"], "max_seqlen": row["max_seqlen"], "total_tokens": row["tokens"],
-                     "times_us": {}}
+            entry = {"device": device, "capability": capability, "dtype": dtype, "head_dim": row["head_dim"],
+                     "causal": row["causal"], "case": row["case"], "batch": row["batch"],
+                     "max_seqlen": row["max_seqlen"], "total_tokens": row["tokens"], "times_us": {}}
             table["entries"].append(entry)
         entry["train_times_us"] = times
     path.write_text(json.dumps(table, indent=1) + "\n")
     print(f"dispatch table: {path} (train_times_us for {sum(r['correct'] for r in rows)} cases)")
+
+
+def dispatch_from(results: Path) -> int:
+    """--dispatch-from: the table entries from a results file written on the GPU (bench/results/...json)."""
+    import json
+
+    data = json.loads(Path(results).read_text())
+    device = data["meta"]["gpu"]
+    table = json.loads(DISPATCH_OUT.read_text()) if DISPATCH_OUT.exists() else {"entries": []}
+    capability = next((e["capability"] for e in table["entries"] if e.get("device") == device), [])
+    write_dispatch(data["rows"], data["meta"].get("dtype", "bfloat16"), device, capability)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -98,7 +114,10 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--cases", default="")
     ap.add_argument("--write-dispatch", action="store_true")
+    ap.add_argument("--dispatch-from", type=Path, help="merge a results JSON written on the GPU into the table")
     args = ap.parse_args(argv)
+    if args.dispatch_from:
+        return dispatch_from(args.dispatch_from)
     smoke = args.cpu_smoke
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16
@@ -172,7 +191,8 @@ def main(argv=None) -> int:
     meta.update({"dtype": str(dtype).replace("torch.", ""), "heads": HEADS, "rounds": args.rounds,
                  "iters": args.iters, "timer": "CUDA events around forward + backward, medians; ratios per round"})
     if args.write_dispatch and not smoke:
-        write_dispatch(rows, str(dtype).replace("torch.", ""))
+        write_dispatch(rows, str(dtype).replace("torch.", ""), torch.cuda.get_device_name(),
+                       list(torch.cuda.get_device_capability()))
     name = "attention_backward_smoke" if smoke else "attention_backward"
     print(write_results(name, rows, columns, meta=meta, title="Varlen attention forward + backward (µs)"))
     return 0 if all(r["correct"] for r in rows) else 1
