@@ -40,7 +40,7 @@ for s in "$@"; do
     # The Triton backward: its GPU tests, then forward + backward beside torch's varlen flash.
     tests-backward) step tests-backward python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_attention_backward_gpu.py ;;
     attention-backward-tune) STEP_TIMEOUT=${TUNE_TIMEOUT:-420} step attention-backward-tune python3 bench/attention_backward_tune.py --write ;;
-    attention-backward) STEP_TIMEOUT=420 step attention-backward python3 bench/attention_backward.py --write ;;
+    attention-backward) STEP_TIMEOUT=420 step attention-backward python3 bench/attention_backward.py --write --write-dispatch --rounds ${ROUNDS:-7} ;;
     # One training step of the Qwen2.5-VL-7B vision tower per implementation (bench/transformers_vision.py --train):
     # transformers' wheels (.gpu-deps/transformers, bench/make_transformers_bundle.sh) go to /tmp/site first.
     transformers-train)

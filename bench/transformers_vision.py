@@ -11,15 +11,15 @@ bench/results/transformers_vision.{json,md} (+ .png with matplotlib).
 ``loss = pooler_output.float().square().mean()``, ``loss.backward()`` (the gradients set to None at the start of
 each step; no optimizer step). Implementations: the floor (v passed through; the step without attention), torch's
 varlen flash (timed first, with the floor, so that ratios compare one run), guardlint_flash (triton) (the Triton
-backward), guardlint_flash (auto) (under grad it takes torch's varlen flash where that runs, else the per-sequence
-SDPA loop), and HF sdpa under --smoke or with ``--train-sdpa`` (about 10x slower on the GPU, so left out there by
-default). Correctness first: the gradients of the first and last blocks' qkv weights against the fp32 sdpa
-tower's (computed once per case with activation checkpointing, so only each block's input stays alive, then
-freed), relative max error within the forward's tolerance or the row is WRONG and the exit code 1. Columns: the
-median step ``ms``; ``above_floor_ms``, ms minus the floor's; ``above_floor_vs_torch``, that over torch varlen
-flash's; ``step_vs_torch``, ms over torch's; all within a case. On the GPU only the 6-image case runs (34560
-patches). ``--write`` writes bench/results/transformers_vision_train.{json,md,png} (``..._train_smoke`` with
---smoke).
+backward), guardlint_flash (auto) (auto's choice among the backends with a backward: on a GPU by the dispatch
+table's forward + backward times, on the CPU the per-sequence SDPA loop), and HF sdpa under --smoke or with
+``--train-sdpa`` (about 10x slower on the GPU, so left out there by default). Correctness first: the gradients
+of the first and last blocks' qkv weights against the fp32 sdpa tower's (computed once per case with activation
+checkpointing, so only each block's input stays alive, then freed), relative max error within the forward's
+tolerance or the row is WRONG and the exit code 1. Columns: the median step ``ms``; ``above_floor_ms``, ms minus
+the floor's; ``above_floor_vs_torch``, that over torch varlen flash's; ``step_vs_torch``, ms over torch's; all
+within a case. On the GPU only the 6-image case runs (34560 patches). ``--write`` writes
+bench/results/transformers_vision_train.{json,md,png} (``..._train_smoke`` with --smoke).
 """
 from __future__ import annotations
 
