@@ -57,9 +57,9 @@ def resources(name: str, dtype: str, head_dim: int, causal: bool, fused: bool = 
             signature[arg] = "i32"
     compiled = triton.compile(ASTSource(fn, signature, constexprs=constants), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))
-    return {"kernel": name + (" (fused dQ)" if fused else ""), "dtype": dtype, "head_dim": head_dim, "causal": causal, "BLOCK_M": block_m,
-            "BLOCK_N": block_n, "warps": warps, "stages": stages, **sm90_resources(compiled.asm["ptx"]),
-            "shared_kb": round(compiled.metadata.shared / 1024, 1)}
+    return {"kernel": name + (" (fused dQ)" if fused else ""), "dtype": dtype, "head_dim": head_dim, "causal": causal,
+            "BLOCK_M": block_m, "BLOCK_N": block_n, "warps": warps, "stages": stages,
+            **sm90_resources(compiled.asm["ptx"]), "shared_kb": round(compiled.metadata.shared / 1024, 1)}
 
 
 def main() -> int:
