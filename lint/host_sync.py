@@ -1,7 +1,8 @@
 """GL104 per-layer-host-sync: a device-to-host read of sequence-length metadata in code run per layer.
 
 The vocabulary (which names hold metadata, which calls read back) lives in ``patterns.py`` beside the
-pre-filter's needles.
+pre-filter's needles; where a read's receiver lives (host or device, derived from which metadata) is the
+value model's answer (``values.py``), names the fallback where it does not know.
 """
 # Per layer means the ``forward`` of a class named ``*Block``, ``*Layer`` or ``*Attention`` (any case), or the
 # body of a ``for`` loop over something named like layers or blocks. Reads are ``.item()``, ``.tolist()`` and
@@ -10,6 +11,9 @@ pre-filter's needles.
 # CPU holds host tensors only: nothing there is a device sync. A helper called in the fallback branch of a
 # prepared-metadata test (``if forward_metadata is not None: ... else: helper(...)``) is reported at the
 # callers that pass no metadata instead (GL109).
+# A receiver the value model shows to be a device value derived from metadata is reported under its own
+# name (``spans (from cu_seqlens)``), one it shows to be on the host is not, whatever its name; the value
+# map of a function is built the first time one of its reads needs it.
 from __future__ import annotations
 
 import re
@@ -22,7 +26,11 @@ from guardlint.contracts import Contract
 from .findings import message, per_layer_place
 from .names import dotted
 from .patterns import CASTS, LAYER_LOOP_NAME, PER_LAYER_CLASS_SUFFIXES, SYNC_METHODS, is_seqlen_name
+from .values import Values
 from .walk import children
+
+# The value map of a function when its reads need it: None where it cannot be built (too deep to walk).
+ValuesOf = Callable[[], Optional[Values]]
 
 
 def _names_in(expr: cst.CSTNode, everywhere: bool = False):
@@ -65,6 +73,7 @@ class PerLayerHostSync:
         self._classes: list[Optional[str]] = []  # enclosing class names; None for a def in between
         self._contexts: list[Optional[str]] = []  # why the code here runs per layer
         self._inside_report = 0  # depth of calls nested in an already reported one
+        self._funcs: list[list] = []  # enclosing defs, innermost last: [def, its value map once built]
 
     def _message(self, what: str, context: str) -> str:
         # The headline says "per layer"; the line names the read and where it is.
@@ -93,9 +102,9 @@ class PerLayerHostSync:
         if not context:
             return
         if isinstance(test, cst.Call):
-            what = _tensor_truth(test)
+            what = _tensor_truth(test, self._values)
         else:  # in the fallback branch of a prepared-metadata test the callers are reported (GL109)
-            what = None if getattr(self, "_fallback", 0) else _metadata_truth(test, keyword)
+            what = None if getattr(self, "_fallback", 0) else _metadata_truth(test, keyword, self._values)
         if what:
             self.report(test, self._message(what, context))
 
@@ -128,10 +137,21 @@ class PerLayerHostSync:
             context = f"{owner}.forward, which runs once per layer"
         self._contexts.append(context)
         self._classes.append(None)
+        self._funcs.append([node, None])
 
     def leave_FunctionDef(self, node: cst.FunctionDef) -> None:
         self._contexts.pop()
         self._classes.pop()
+        self._funcs.pop()
+
+    def _values(self) -> Optional[Values]:
+        """The value map of the innermost enclosing def (None at module level)."""
+        if not self._funcs:
+            return None
+        entry = self._funcs[-1]
+        if entry[1] is None:
+            entry[1] = _build(entry[0])
+        return entry[1] or None
 
     def visit_For(self, node: cst.For) -> None:
         loop = _layer_loop(node.iter)
@@ -149,7 +169,7 @@ class PerLayerHostSync:
             return
         if getattr(self, "_fallback", 0):
             return
-        what = self._host_read(node)
+        what = self._host_read(node, self._values)
         if what is None and isinstance(node.func, cst.Name) and node.func.value in getattr(self, "_helpers", {}) \
                 and not self._fallback:
             what = f"{node.func.value}(...), which reads {self._helpers[node.func.value]}"
@@ -162,10 +182,12 @@ class PerLayerHostSync:
             self._inside_report -= 1
 
     @staticmethod
-    def _host_read(node: cst.Call) -> Optional[str]:
+    def _host_read(node: cst.Call, values: Optional[ValuesOf] = None) -> Optional[str]:
+        """What ``node`` reads back to the host, judged by ``values`` (the enclosing def's value map)
+        first and by names where it does not know."""
         func = node.func
         if isinstance(func, cst.Attribute) and func.attr.value in SYNC_METHODS and not node.args:
-            name = _metadata_name(func.value)
+            name = _judge(func.value, values, _metadata_name)
             if name:
                 return f".{func.attr.value}() on {name}"
         if isinstance(func, cst.Name) and func.value in CASTS and len(node.args) == 1:
@@ -174,15 +196,77 @@ class PerLayerHostSync:
                 f = inner.func
                 is_max = (isinstance(f, cst.Attribute) and f.attr.value == "max")
                 if is_max and func.value == "int":
-                    name = _metadata_name(inner)
+                    name = _judge(inner, values, _metadata_name)
                     if name:
                         return f"int(....max()) on {name}"
             if node.args[0].star:
                 return None
-            name = _device_value(inner)
+            name = _judge(inner, values, _device_value)
             if name:
                 return f"{func.value}() of {name}"
         return None
+
+
+def _build(func: cst.FunctionDef):
+    """``Values(func)``, or False where the walk is too deep for the interpreter's stack. Past a test of
+    prepared metadata (``if forward_metadata is not None:``) values are those of the prepared branch:
+    the fallback branch runs for callers that pass no metadata, and those are reported (GL109)."""
+    try:
+        return Values(func, _prepared)
+    except RecursionError:
+        return False
+
+
+def _prepared(test: cst.BaseExpression) -> Optional[bool]:
+    """Whether the prepared-metadata branch of ``if test:`` is its body (True) or its else (False)."""
+    negated = False
+    if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
+        test, negated = test.expression, True
+    if isinstance(test, cst.Comparison) and len(test.comparisons) == 1 \
+            and isinstance(test.comparisons[0].operator, (cst.Is, cst.IsNot)) \
+            and isinstance(test.comparisons[0].comparator, cst.Name) and test.comparisons[0].comparator.value == "None":
+        negated ^= isinstance(test.comparisons[0].operator, cst.Is)
+        test = test.left
+    name = dotted(test) if isinstance(test, (cst.Name, cst.Attribute)) else None
+    if name is None or "metadata" not in name.rsplit(".", 1)[-1]:
+        return None
+    return not negated
+
+
+def _judge(expr: cst.BaseExpression, values: Optional[ValuesOf], by_name: Callable) -> Optional[str]:
+    """The metadata whose device value reading ``expr`` copies to the host, as the finding names it: a
+    device value derived from metadata is, a host value is not (whatever the names); where the value
+    model does not know (or there is none), ``by_name(expr)`` decides as before it."""
+    model = values() if values is not None else None
+    if model is not None:
+        v = model.of(expr)
+        if v.device and v.source:
+            return by_name(expr) or _derived(model, expr) or v.source
+        if v.host:
+            return None
+    return by_name(expr)
+
+
+def _derived(model: Values, expr: cst.BaseExpression) -> Optional[str]:
+    """The first name in ``expr`` (in source order, through subscripts, calls and arithmetic) holding a
+    device value derived from metadata: ``spans (from cu_seqlens)``, or the metadata's own name."""
+    stack: list[cst.CSTNode] = [expr]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (cst.Name, cst.Attribute)):
+            v = model.at(node)
+            if v is not None and v.device and v.source:
+                name = node.value if isinstance(node, cst.Name) else node.attr.value
+                return name if name == v.source or is_seqlen_name(name) else f"{name} (from {v.source})"
+            if isinstance(node, cst.Attribute):
+                stack.append(node.value)
+        elif isinstance(node, _THROUGH):
+            stack.extend(reversed(children(node)))
+    return None
+
+
+_THROUGH = (cst.Subscript, cst.Call, cst.BinaryOperation, cst.UnaryOperation, cst.Comparison, cst.ComparisonTarget,
+            cst.BooleanOperation, cst.SubscriptElement, cst.Index, cst.Slice, cst.Arg)
 
 
 def module_helpers(body, helpers: dict[str, str], may_read: Optional[list[bool]] = None) -> dict[str, str]:
@@ -193,7 +277,7 @@ def module_helpers(body, helpers: dict[str, str], may_read: Optional[list[bool]]
     if may_read is None or len(may_read) != len(defs):
         may_read = [True] * len(defs)
     for stmt, maybe in zip(defs, may_read):
-        what = _first_read(stmt.body) if maybe else None
+        what = _first_read(stmt) if maybe else None
         if what:
             helpers[stmt.name.value] = what
     return helpers
@@ -204,15 +288,26 @@ def module_helpers(body, helpers: dict[str, str], may_read: Optional[list[bool]]
 READ_WORDS = re.compile(r"\b(?:" + "|".join((*SYNC_METHODS, *CASTS)) + r")\b")
 
 
-def _first_read(body: cst.CSTNode) -> Optional[str]:
-    stack = [body]
+def _first_read(func: cst.FunctionDef) -> Optional[str]:
+    """A host read in ``func``'s body, each judged with the value map of its innermost def."""
+    maps: dict[int, object] = {}
+
+    def values_of(owner: cst.FunctionDef) -> ValuesOf:
+        def get() -> Optional[Values]:
+            if id(owner) not in maps:
+                maps[id(owner)] = _build(owner)
+            return maps[id(owner)] or None  # type: ignore[return-value]
+        return get
+
+    stack: list[tuple[cst.CSTNode, cst.FunctionDef]] = [(func.body, func)]
     while stack:
-        node = stack.pop()
+        node, owner = stack.pop()
         if isinstance(node, cst.Call):
-            what = PerLayerHostSync._host_read(node)
+            what = PerLayerHostSync._host_read(node, values_of(owner))
             if what:
                 return what
-        stack.extend(children(node))
+        inner = node if isinstance(node, cst.FunctionDef) else owner
+        stack.extend((child, inner) for child in children(node))
     return None
 
 
@@ -226,12 +321,15 @@ def _tests_metadata(test: cst.BaseExpression) -> bool:
 _TRUTH_METHODS = ("any", "all")
 
 
-def _tensor_truth(test: cst.Call) -> Optional[str]:
-    """``if (a > b).any():`` - the truth of a tensor is a device-to-host read."""
+def _tensor_truth(test: cst.Call, values: Optional[ValuesOf] = None) -> Optional[str]:
+    """``if (a > b).any():`` - the truth of a tensor is a device-to-host read (not of a host tensor)."""
     func = test.func
     if isinstance(func, cst.Attribute) and func.attr.value in _TRUTH_METHODS and not test.args:
         base = func.value
         if isinstance(base, cst.Comparison) or (isinstance(base, cst.Name) and not base.value.endswith(HOST_NAMES)):
+            model = values() if values is not None else None
+            if model is not None and model.of(base).host:
+                return None
             return f"if (...).{func.attr.value}() (the truth of a tensor)"
     return None
 
@@ -276,27 +374,39 @@ def _device_value(expr: cst.BaseExpression) -> Optional[str]:
     return found
 
 
-def _metadata_truth(test: cst.BaseExpression, keyword: str = "if") -> Optional[str]:
+def _metadata_truth(test: cst.BaseExpression, keyword: str = "if", values: Optional[ValuesOf] = None) -> Optional[str]:
     """``if seq_lens:``, ``if not cu_seqlens[0]:``, ``if seg_lens[i] > 0:`` - a tensor of lengths tested
-    for truth; ``is None`` tests and host values (see ``_device_value``) are not reads."""
+    for truth; ``is None`` tests and host values (see ``_judge``) are not reads."""
     if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
         test = test.expression
     if isinstance(test, cst.BooleanOperation):
-        return _metadata_truth(test.left, keyword) or _metadata_truth(test.right, keyword)
+        return _metadata_truth(test.left, keyword, values) or _metadata_truth(test.right, keyword, values)
     if isinstance(test, cst.Comparison):
         if any(isinstance(c.operator, (cst.Is, cst.IsNot, cst.In, cst.NotIn)) for c in test.comparisons):
             return None
-        name = _device_value(test.left) if isinstance(test.left, (cst.Name, cst.Attribute, cst.Subscript)) \
-            else None
-        for c in test.comparisons:
+        name = None
+        for operand in (test.left, *(c.comparator for c in test.comparisons)):
+            name = _operand(operand, values)
             if name:
                 break
-            if isinstance(c.comparator, (cst.Name, cst.Attribute, cst.Subscript)):
-                name = _device_value(c.comparator)
         return f"{keyword} ... {name} ... (the truth of a tensor)" if name else None
     if isinstance(test, (cst.Name, cst.Attribute, cst.Subscript)):
-        name = _device_value(test)
+        name = _judge(test, values, _device_value)
         return f"{keyword} {name} (the truth of a tensor)" if name else None
+    return None
+
+
+def _operand(node: cst.BaseExpression, values: Optional[ValuesOf]) -> Optional[str]:
+    """The metadata an operand of a tested comparison reads: names, attributes and subscripts by the
+    value model then by names; calls and arithmetic (``spans.max() > n``) by the value model alone."""
+    if isinstance(node, (cst.Name, cst.Attribute, cst.Subscript)):
+        return _judge(node, values, _device_value)
+    if isinstance(node, (cst.Call, cst.BinaryOperation, cst.UnaryOperation)):
+        return _judge(node, values, _no_name)
+    return None
+
+
+def _no_name(expr: cst.BaseExpression) -> None:
     return None
 
 

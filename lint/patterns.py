@@ -32,7 +32,11 @@ class PatternSpec:
     also_after: int = 0
     # Last, given the offsets where ``also`` and ``also_pattern`` matched: whether one of them can be in
     # a place the rule looks at (GL104: code run per layer, ``in_per_layer_code``).
-    where: Optional[Callable[[bytes, list[int]], bool]] = None
+    where: Optional[Callable[..., bool]] = None
+    # Reads of any receiver (GL104: a value derived from metadata under another name, which the value
+    # model follows within one function): given to ``where`` as ``derived``, which looks for them only
+    # in the functions whose text holds a needle.
+    derived: Optional[re.Pattern] = None
     # ``needles`` as one pattern, searched instead of each needle in turn when given (needles with a
     # common start: the regex engine looks for that start once).
     needle_pattern: Optional[re.Pattern] = None
@@ -84,7 +88,9 @@ class PatternSpec:
         at = [i for group in self.also if all(n in data for n in group) for n in group for i in _offsets(data, n)]
         if self.also_pattern is not None:
             at.extend(self._also_on_a_line(data, every=True))
-        return bool(at) and self.where(data, sorted(set(at)))
+        if self.derived is None:
+            return bool(at) and self.where(data, sorted(set(at)))
+        return self.where(data, sorted(set(at)), derived=self.derived)
 
 
 def _offsets(data: bytes, needle: bytes) -> list[int]:
@@ -95,6 +101,9 @@ def _offsets(data: bytes, needle: bytes) -> list[int]:
         at = data.find(needle, at + 1)
     return out
 
+
+# GL104's needles as one pattern: cu_seqlens contains seqlens, so the shorter stems cover every name.
+_NEEDLES = re.compile(b"|".join(re.escape(stem.encode()) for stem in SEQLEN_STEMS if stem != "cu_seqlens"))
 
 # The first line of a for, def or class statement (or what looks like one: a line of a string or of a
 # bracket that starts with such a word only adds a place), its indentation, keyword and the name it
@@ -121,11 +130,13 @@ def _in_decorator(data: bytes, line: int, level: int, most: int = 30) -> bool:
     return False
 
 
-def in_per_layer_code(data: bytes, offsets: list[int]) -> bool:
+def in_per_layer_code(data: bytes, offsets: list[int], derived: Optional[re.Pattern] = None) -> bool:
     """Whether one of ``offsets`` (host reads) can be in code run per layer, read from indentation
     alone: the statements above each offset that open a block at a smaller indentation are its
     enclosing ones (a loop over layers or blocks, or ``forward`` in a class ``*Block``/``*Layer``/
     ``*Attention``). A read in a module-level function makes its calls reads too (host_sync's helpers).
+    ``derived`` matches reads of any receiver: they are looked for only in the functions whose text
+    names metadata (``_NEEDLES``; the value model follows values within one function, from such names).
     It may pass a file whose reads are not per layer (the tree pre-filter then drops it), never one
     whose reads are."""
     if b"\r" in data and data.count(b"\r") != data.count(b"\r\n"):
@@ -145,7 +156,9 @@ def in_per_layer_code(data: bytes, offsets: list[int]) -> bool:
         stack.append(k)
     helpers: set = set()
 
-    def per_layer(at: int, helper: bool) -> bool:
+    def enclosing(at: int, decorators: bool = True):
+        """The headers around offset ``at``, innermost first; with ``decorators``, those of the def a
+        decorator there belongs to."""
         line = data.rfind(b"\n", 0, at) + 1
         indent = len(data[line:at]) - len(data[line:at].lstrip(b" \t"))
         # The statement's own line counts (``for b in blocks(seq_lens.item()):``, ``def forward(self,
@@ -154,17 +167,22 @@ def in_per_layer_code(data: bytes, offsets: list[int]) -> bool:
         i = bisect.bisect_right(starts, line) - 1
         limit = indent + 1
         j = bisect.bisect_right(starts, at)
-        if j < len(headers) and headers[j][2] == b"def" and headers[j][1] <= indent \
+        if decorators and j < len(headers) and headers[j][2] == b"def" and headers[j][1] <= indent \
                 and _in_decorator(data, line, headers[j][1]):
             i, limit = j, headers[j][1] + 1
-        forward = False
-        outer = None
         while i >= 0 and limit > 0:
-            start, level, word, name, keyword = headers[i]
+            k, level = i, headers[i][1]
             i = parents[i]
             if level >= limit:
                 continue
             limit = level
+            yield k
+
+    def per_layer(at: int, helper: bool, decorators: bool = True) -> bool:
+        forward = False
+        outer = None
+        for k in enclosing(at, decorators):
+            start, level, word, name, keyword = headers[k]
             if word == b"for":
                 if _FOR_LAYERS.match(data, keyword):
                     return True
@@ -181,6 +199,38 @@ def in_per_layer_code(data: bytes, offsets: list[int]) -> bool:
 
     if any(per_layer(at, True) for at in offsets):
         return True
+    if derived is not None:
+        # The outermost defs (no def among the headers above them), each from its header to the next
+        # header as little indented (its end or later: these spans do not overlap); the reads in those
+        # holding a needle are the ones a derived value may reach.
+        in_def: list[bool] = []
+        spans: list[tuple[int, int, int, int]] = []  # (start, end, first header past it, def's header)
+        for k, (start, level, word, _, _) in enumerate(headers):
+            top = parents[k] == -1 or not in_def[parents[k]]
+            in_def.append(word == b"def" or not top)
+            if word == b"def" and top:
+                after = next((j for j in range(k + 1, len(headers)) if headers[j][1] <= level), len(headers))
+                spans.append((start, headers[after][0] if after < len(headers) else len(data), after, k))
+        begins = [span[0] for span in spans]
+        named: set = set()
+        for m in _NEEDLES.finditer(data):
+            i = bisect.bisect_right(begins, m.start()) - 1
+            if i >= 0 and m.start() < spans[i][1]:
+                named.add(i)
+        for i in sorted(named):
+            start, end, after, k = spans[i]
+            if per_layer(headers[k][4], False):  # the def runs per layer: any read in it
+                if derived.search(data, start, end):
+                    return True
+            elif any(headers[j][2] == b"class" or (headers[j][2] == b"for" and _FOR_LAYERS.match(data, headers[j][4]))
+                     for j in range(k + 1, after)):
+                # A loop over layers (or a class) inside: read by read. (A read in a decorator is
+                # outside the function's values: the value model never follows it.)
+                if any(per_layer(m.start(1) if m.lastindex else m.start(), True, False)
+                       for m in derived.finditer(data, start, end)):
+                    return True
+            elif headers[k][1] == 0 and derived.search(data, start, end):
+                helpers.add(headers[k][3].decode())  # a module-level function that reads: a helper
     if not helpers:
         return False
     calls = re.compile(rb"(?<![\w.])(?:" + b"|".join(re.escape(h.encode()) for h in sorted(helpers)) + rb")\s*\(")
@@ -211,8 +261,7 @@ PATTERNS: dict[str, PatternSpec] = {
         needles=tuple(stem.encode() for stem in SEQLEN_STEMS if stem != "cu_seqlens"),
         # seqlens, seq_lens, seg_lens, seg_indptr: one search for "se" and what follows (on vLLM 0.33's
         # 50 MB, 0.026 s against 0.063 s for four substring searches)
-        needle_pattern=re.compile(b"|".join(re.escape(stem.encode()) for stem in SEQLEN_STEMS
-                                            if stem != "cu_seqlens")),
+        needle_pattern=_NEEDLES,
         # The truth of a tensor as a whole test: ``if (a > b).any():`` (the visitor reports no other use).
         also=((b".any():",), (b".all():",), (b".any()):",), (b".all()):",)),
         # A per-layer place: a forward in a class *Block/*Layer/*Attention (any case), or a for loop
@@ -223,7 +272,8 @@ PATTERNS: dict[str, PatternSpec] = {
         ),
         # Then only reads that can be in such a place: ``in_per_layer_code`` reads the nesting from the
         # indentation (52 of vLLM 0.33's files passed on GL104's words alone, and CPython parsed them
-        # for no finding; 1 does now).
+        # for no finding; 1 did with the reads of lengths below, 34 do with the derived reads too, and
+        # the tree pre-filter sends none of those to libcst).
         # .item()/.tolist() without arguments (of a receiver naming lengths, on the line of the read or up
         # to three lines before it), int(t)/bool(t)/float(t) of lengths, with the lengths on the line of
         # the cast (or the next one: ``int(`` and its argument below it), and ``if``/``while`` tests of
@@ -236,8 +286,55 @@ PATTERNS: dict[str, PatternSpec] = {
             + rb"\w*(?:\[[^\]\n]*\])?\s*(?::|and\b|or\b|[<>]=?|==|!=|\))"),
         also_after=3,
         where=in_per_layer_code,
+        # Reads of a value derived from metadata under another name (``spans.tolist()``, ``int(m)``,
+        # ``if spans[0] > 0:``): in a function that names metadata (``in_per_layer_code``'s ``derived``).
+        # An if/elif/while statement starts its line; ``if x is None:`` alone is no read (the visitor
+        # leaves ``is`` tests alone).
+        # (The read is where group 1 starts, when it matched.)
+        derived=re.compile(rb"\.(?:item|tolist)\(\s*\)|(?<![\w.])(?:int|bool|float)\("
+                           rb"|^[ \t]*(if|elif|while)[ \t(]+(?![\w.]+[ \t]+is[ \t]+(?:not[ \t]+)?None[ \t]*:)", re.M),
     ),
 }
+
+
+# GL104's value model (values.py) and the tree pre-filter's cheaper picture of it (prefilter.py): the
+# operations through which a value stays where its tensor is, and with it the metadata it derives from
+# (``torch.diff(cu_seqlens).max()`` is still cu_seqlens' on the device). Any other call's result is host
+# data or unknown.
+# The same tensor seen otherwise.
+SAME_TENSOR_ATTRS = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
+# Tensor methods whose result lives where the tensor does (``.cuda()`` and ``.to(...)`` move it).
+KEEP_METHODS = frozenset("""
+    abs absolute add add_ addcmul all amax amin any argmax argmin argsort bfloat16 bincount bool byte ceil char
+    chunk clamp clamp_ clamp_max clamp_min clip clone contiguous copy_ count_nonzero cummax cummin cumprod
+    cumsum cumsum_ detach diff div div_ double eq expand expand_as fill_ flatten flip float floor floor_divide
+    gather ge gt half index_add index_fill index_put index_select int le long lt masked_fill masked_fill_
+    masked_scatter masked_select max maximum mean min minimum mul mul_ narrow ne neg nonzero permute pow prod
+    remainder repeat repeat_interleave reshape reshape_as roll round scatter scatter_ scatter_add select short
+    sort split square squeeze std sub sub_ sum t tensor_split tile topk transpose tril triu trunc type type_as
+    unbind unflatten unique unique_consecutive unsqueeze var view view_as where zero_
+""".split())
+MOVE_METHODS = ("cuda", "to")
+# Methods of a host container (a list of device tensors) that give back what it holds.
+CONTAINER_METHODS = ("pop", "get", "__getitem__", "copy")
+# torch.<f>(x, ...) and F.<f>(x, ...): where their tensor operands are.
+TORCH_KEEP = frozenset("""
+    abs add all amax amin any argmax argmin argsort bincount broadcast_to bucketize ceil chunk clamp clip clone
+    count_nonzero cummax cummin cumprod cumsum diff div eq flatten flip floor floor_divide gather ge gt
+    index_select le lt masked_fill masked_select max maximum mean min minimum mul narrow ne neg nonzero pad
+    permute pow prod remainder repeat_interleave reshape roll round searchsorted sort split squeeze sub sum t
+    tensor_split topk transpose tril triu unbind unique unique_consecutive unsqueeze where
+""".split())
+# torch.cat([a, b]): where the tensors of its first argument are.
+TORCH_JOIN = frozenset({"cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack"})
+# torch.tensor(x) of a device tensor is a copy on its device (of Python data, a host tensor).
+TORCH_COPIES = ("tensor", "as_tensor", "asarray")
+# Builtins whose result holds their argument's elements: max(seq_lens) is a 0-d device tensor.
+KEEP_BUILTINS = ("list", "tuple", "sorted", "reversed", "set", "frozenset", "max", "min", "sum", "abs", "round")
+# Declared types of host data: ``seq_lens: list[int] | None`` is a host list whatever its name.
+DECLARED_HOST_TYPES = frozenset({"int", "float", "bool", "str", "bytes", "complex", "None", "ndarray", "NDArray"})
+DECLARED_CONTAINERS = frozenset({"list", "List", "tuple", "Tuple", "Sequence", "MutableSequence", "Iterable",
+                                 "Iterator", "set", "Set", "frozenset", "FrozenSet", "dict", "Dict", "Mapping"})
 
 
 def is_seqlen_name(name: str) -> bool:

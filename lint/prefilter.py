@@ -17,7 +17,9 @@ sends a file to the libcst check only when its tree holds something a rule could
 # - dataclasses.replace(..., max_len=None, ...): a keyword named like a field of such a contract
 #   (the callee is not looked at, so an aliased replace is covered).
 # - GL104: .item()/.tolist() without arguments, or int(...) of one argument, whose expression reads a
-#   sequence-length name, under a per-layer forward or a loop over layers (host_sync's contexts).
+#   sequence-length name, under a per-layer forward or a loop over layers (host_sync's contexts); or
+#   whose value may derive from one in its function (``spans = cu_seqlens[1:] - ...``: the value
+#   model's derivations, through the same operations, over every binding of the function in any order).
 # A guard decorator only removes findings, so a file without any of the above has none either way.
 from __future__ import annotations
 
@@ -27,8 +29,11 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from .patterns import (CASTS, LAYER_LOOP_NAME, PATTERNS, PER_LAYER_CLASS_SUFFIXES, SYNC_METHODS,
-                       is_seqlen_name)
+from guardlint.contracts.catalog import HOST_SUFFIXES
+
+from .patterns import (CASTS, CONTAINER_METHODS, DECLARED_CONTAINERS, DECLARED_HOST_TYPES, KEEP_BUILTINS, KEEP_METHODS,
+                       LAYER_LOOP_NAME, MOVE_METHODS, PATTERNS, PER_LAYER_CLASS_SUFFIXES, SAME_TENSOR_ATTRS,
+                       SYNC_METHODS, TORCH_COPIES, TORCH_JOIN, TORCH_KEEP, is_seqlen_name)
 from .rules import RuleSet
 
 HOST_SYNC = "GL104"
@@ -101,6 +106,7 @@ class TreeFilter:
         words = [*names, *instances, *fields, *(("replace",) if fields else ())]
         scan = _Scan(names, fields, host_sync, _lines_of(data, words),
                      _lines_of(data, _READ_WORDS) if host_sync else [], instances)
+        scan.data = data
         if any(scan.block(body, False, None) for body in bodies()):
             return True
         if scan.replace_calls and any(
@@ -168,6 +174,35 @@ class _Scan:
         self.replace_names = {"replace"}  # names bound to dataclasses.replace by an import
         self.helpers: set = set()  # module-level functions holding a host read
         self.helper_names: set = set()
+        self._tainted: dict[int, Taint] = {}  # id(def) -> ``_tainted(def)``
+        self.data: Optional[bytes] = None  # the file's bytes: a def whose lines name no metadata derives none
+        self._line_starts: Optional[list[int]] = None
+
+    def tainted(self, func) -> Callable[[], "Taint"]:
+        """``_tainted(func)``, computed when first asked for."""
+        def get() -> Taint:
+            if func is None:
+                return _NO_TAINT
+            got = self._tainted.get(id(func))
+            if got is None:
+                got = self._tainted[id(func)] = _tainted(func) if self._names_metadata(func) else _NO_TAINT
+            return got
+        return get
+
+    def _names_metadata(self, func) -> bool:
+        """The lines of ``func`` hold a needle of GL104 (where the value model's seeds come from)."""
+        data = self.data
+        if data is None:
+            return True
+        starts = self._line_starts
+        if starts is None:
+            breaks = _LINE_BREAK.finditer(data) if b"\r" in data else re.finditer(b"\n", data)
+            starts = self._line_starts = [0, *(m.end() for m in breaks)]
+        first, last = func.lineno - 1, func.end_lineno
+        if first >= len(starts):
+            return True
+        end = starts[last] if last < len(starts) else len(data)
+        return PATTERNS[HOST_SYNC].needle_pattern.search(data, starts[first], end) is not None
 
     @staticmethod
     def _spans(node, lines: list[int]) -> bool:
@@ -182,28 +217,31 @@ class _Scan:
         i = bisect.bisect_left(lines, start)
         return i < len(lines) and lines[i] <= node.end_lineno
 
-    def block(self, stmts, context: bool, owner, suspects: Optional[list] = None, reads: bool = False) -> bool:
+    def block(self, stmts, context: bool, owner, suspects: Optional[list] = None, reads: bool = False,
+              func=None) -> bool:
         """Any reportable node in ``stmts``; ``context``: they run per layer; ``owner``: the class whose
         body they are directly in; ``suspects``: a host read was seen (None: module level, where each
         function is a possible helper); ``reads``: a host read here matters (inside a module-level
-        function, which may be a helper)."""
+        function, which may be a helper); ``func``: the innermost def around them."""
         for node in stmts:
             named = self._spans(node, self.name_lines)
             if not named and not self._spans(node, self.read_lines):
                 continue
             seen = [False] if suspects is None else suspects
             t = type(node)
-            inner_context, inner_owner, inner_reads = context, owner, reads
+            inner_context, inner_owner, inner_reads, inner_func = context, owner, reads, func
             if t is ast.ClassDef:
                 inner_owner = node.name
             elif t is ast.FunctionDef or t is ast.AsyncFunctionDef:
-                inner_owner = None
+                inner_owner, inner_func = None, node
                 inner_reads = reads or (suspects is None and t is ast.FunctionDef)
                 if node.name == "forward" and owner and owner.lower().endswith(PER_LAYER_CLASS_SUFFIXES):
                     inner_context = True
             elif (t is ast.For or t is ast.AsyncFor) and _loops_over_layers(node.iter):
                 inner_context = True
-            elif (t is ast.If or t is ast.While) and self.host_sync and _truth_read(node.test):
+            elif (t is ast.If or t is ast.While) and self.host_sync and (_tensor_truth(node.test) or _truth_read(
+                    node.test, self.tainted(func) if context and func is not None else None)):
+                # (A test's derivation counts only per layer: a helper is a function whose calls read.)
                 if context:
                     return True
                 seen[0] = True
@@ -212,19 +250,21 @@ class _Scan:
             look = named or inner_context or inner_reads
             blocks = [v for _, v in ast.iter_fields(node)
                       if type(v) is list and v and isinstance(v[0], _BLOCK_ITEMS)]
+            # Reads of derived values count where reads count: per layer and in module-level functions.
+            derived = func if inner_context or inner_reads else None
             if not blocks:
-                if look and self.expr(node, inner_context, seen):
+                if look and self.expr(node, inner_context, seen, derived):
                     return True
             else:
                 for _, value in ast.iter_fields(node):
                     if type(value) is list and value and isinstance(value[0], _BLOCK_ITEMS):
-                        if self.block(value, inner_context, inner_owner, seen, inner_reads):
+                        if self.block(value, inner_context, inner_owner, seen, inner_reads, inner_func):
                             return True
                         continue
                     if not look:
                         continue
                     for item in (value if type(value) is list else (value,)):
-                        if isinstance(item, ast.AST) and self.expr(item, inner_context, seen):
+                        if isinstance(item, ast.AST) and self.expr(item, inner_context, seen, derived):
                             return True
             if suspects is None and seen[0] and t is ast.FunctionDef:
                 self.helpers.add(node.name)
@@ -265,8 +305,11 @@ class _Scan:
                     return False
         return True
 
-    def expr(self, root, context: bool, suspects: list) -> bool:
+    def expr(self, root, context: bool, suspects: list, func=None) -> bool:
+        """Any reportable node in ``root``; ``func``: the def whose derived values its reads may read
+        (None: names only)."""
         names, fields = self.names, self.fields
+        tainted = self.tainted(func) if func is not None else None
         for node in ast.walk(root):
             t = type(node)
             if t is ast.Assign or t is ast.AnnAssign:
@@ -291,7 +334,7 @@ class _Scan:
                         return True
                 if fields and any(k.arg in fields for k in node.keywords) and type(node.func) in _CALLEES:
                     self.replace_calls.append(node.func)
-                if self.host_sync and _host_read(node):
+                if self.host_sync and _host_read(node, tainted):
                     if context:
                         return True
                     suspects[0] = True
@@ -335,22 +378,254 @@ def _reads_seqlen(expr: ast.AST) -> bool:
     return False
 
 
-def _host_read(call: ast.Call) -> bool:
-    """Could GL104's visitor report this call (context aside)?"""
+def _host_read(call: ast.Call, tainted: Optional[Callable[[], Taint]] = None) -> bool:
+    """Could GL104's visitor report this call (context aside)? ``tainted``: the names the enclosing def
+    binds from sequence-length metadata (``_tainted``), where derived values count."""
     func = call.func
     if type(func) is ast.Attribute:
-        if func.attr in ("any", "all") and not call.args and not call.keywords:
-            return True  # ``if (a > b).any():`` (host_sync looks at the if)
         return func.attr in SYNC_METHODS and not call.args and not call.keywords \
-            and _reads_seqlen(func.value)
+            and (_reads_seqlen(func.value) or (tainted is not None and _derives(func.value, tainted)))
     if type(func) is ast.Name and func.id in CASTS and len(call.args) + len(call.keywords) == 1:
-        return _reads_seqlen(call)
+        return _reads_seqlen(call) or (tainted is not None and bool(call.args) and _derives(call.args[0], tainted))
     return False
 
 
-def _truth_read(test: ast.AST) -> bool:
-    """Could GL104's visitor report this ``if``/``while`` test (``if seq_lens:``), context aside?"""
-    return type(test) is not ast.Call and _reads_seqlen(test)
+def _tensor_truth(test: ast.AST) -> bool:
+    """``if (a > b).any():``, ``if mask.all():`` as a whole test: host_sync's ``_tensor_truth``."""
+    if type(test) is not ast.Call or test.args or test.keywords:
+        return False
+    func = test.func
+    if type(func) is not ast.Attribute or func.attr not in ("any", "all"):
+        return False
+    base = func.value
+    return type(base) is ast.Compare or (type(base) is ast.Name and not base.id.endswith(HOST_SUFFIXES))
+
+
+def _truth_read(test: ast.AST, tainted: Optional[Callable[[], Taint]] = None) -> bool:
+    """Could GL104's visitor report this ``if``/``while`` test (``if seq_lens:``), context aside? The
+    shapes host_sync's ``_metadata_truth`` looks at: names, attributes and subscripts reading a
+    sequence-length name (or, with ``tainted``, whose value may derive from one), alone or compared
+    (not by ``is``/``in``); compared calls and arithmetic only by derivation."""
+    if type(test) is ast.UnaryOp and type(test.op) is ast.Not:
+        test = test.operand
+    t = type(test)
+    if t is ast.BoolOp:
+        return any(_truth_read(v, tainted) for v in test.values)
+    if t is ast.Compare:
+        if any(type(op) in (ast.Is, ast.IsNot, ast.In, ast.NotIn) for op in test.ops):
+            return False
+        return any(_operand(operand, tainted) for operand in (test.left, *test.comparators))
+    return (t is ast.Name or t is ast.Attribute or t is ast.Subscript) and _operand(test, tainted)
+
+
+def _operand(node: ast.AST, tainted: Optional[Callable[[], Taint]]) -> bool:
+    t = type(node)
+    if t is ast.Name or t is ast.Attribute or t is ast.Subscript:
+        return _reads_seqlen(node) or (tainted is not None and _derives(node, tainted))
+    return (t is ast.Call or t is ast.BinOp or t is ast.UnaryOp) and tainted is not None and _derives(node, tainted)
+
+
+def _derives(expr: ast.AST, tainted: Callable[[], Taint]) -> bool:
+    """``expr``'s value may derive from metadata: it carries (``_carriers``) a sequence-length name (not
+    one declared host data) or a name bound from one."""
+    carried = _carriers(expr)
+    if not carried:
+        return False
+    bound, host = tainted()
+    return any(n in bound or _seed(n, host) for n in carried)
+
+
+_BINDS = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor, ast.comprehension, ast.NamedExpr)
+_REBINDS = (ast.withitem, ast.ExceptHandler, ast.Delete, ast.Global, ast.Nonlocal, ast.Import, ast.ImportFrom,
+            ast.MatchAs, ast.MatchStar)
+# (names bound from metadata, sequence-length names that are parameters declared host data)
+Taint = tuple
+_NO_TAINT: Taint = (frozenset(), frozenset())
+
+
+def _tainted(func: ast.AST) -> Taint:
+    """The names (and attribute names: ``self.x = ...``) ``func`` binds, at any remove, to values that
+    may derive from metadata (``_carriers``): every binding in it, nested ones too, in any order; and its
+    parameters named like metadata but declared host data (``seq_lens: list[int]``) and never bound
+    again, which derive nothing (as in the value model). A superset of what the value model
+    (``values.py``) finds derived from metadata there."""
+    binds = []
+    rebound: set = set()
+    for node in ast.walk(func):
+        t = type(node)
+        if t in _REBINDS:  # what else binds or unbinds a name (a parameter named there is no longer its own)
+            if t is ast.withitem:
+                rebound |= _names(node.optional_vars) if node.optional_vars is not None else set()
+            elif t is ast.Delete:
+                rebound |= {n for target in node.targets for n in _names(target)}
+            elif t is ast.Global or t is ast.Nonlocal:
+                rebound.update(node.names)
+            elif t is ast.Import or t is ast.ImportFrom:
+                rebound.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif node.name:  # except ... as name, match captures
+                rebound.add(node.name)
+            continue
+        if t not in _BINDS:
+            continue
+        if t is ast.Assign:
+            targets, read = node.targets, _carriers(node.value)
+        elif t is ast.For or t is ast.AsyncFor or t is ast.comprehension:
+            targets, read = [node.target], _carriers(node.iter)
+        elif t is ast.AugAssign:
+            targets, read = [node.target], _carriers(node.target) | _carriers(node.value)
+        elif node.value is None:  # x: int
+            continue
+        else:
+            targets, read = [node.target], _carriers(node.value)
+        stored = {n for target in targets for n in _names(target)}
+        rebound |= stored
+        if read:
+            binds.append((stored, read))
+    host = frozenset(_host_params(func) - rebound)
+    tainted: set = set()
+    changed = bool(binds)
+    while changed:
+        changed = False
+        for stored, read in binds:
+            if not stored <= tainted and any(n in tainted or _seed(n, host) for n in read):
+                tainted |= stored
+                changed = True
+    return frozenset(tainted), host
+
+
+def _host_params(func: ast.AST) -> set:
+    """``func``'s parameters named like metadata whose declared type is host data (``values.declared_value``:
+    ints, lists of ints, numpy arrays, optional or not)."""
+    args = getattr(func, "args", None)
+    if args is None:
+        return set()
+    return {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)
+            if a.annotation is not None and _seqlen(a.arg) and _host_data(a.annotation)}
+
+
+def _host_data(annotation: ast.AST) -> bool:
+    """The declared type is host data all the way down (``values.declared_value`` says HOST, no
+    elements of unknown place)."""
+    t = type(annotation)
+    if t is ast.Constant:
+        return annotation.value is None
+    if t is ast.BinOp:
+        return type(annotation.op) is ast.BitOr and _host_data(annotation.left) and _host_data(annotation.right)
+    if t is ast.Name or t is ast.Attribute:
+        return (annotation.id if t is ast.Name else annotation.attr) in DECLARED_HOST_TYPES
+    if t is not ast.Subscript:
+        return False
+    base = annotation.value
+    name = base.id if type(base) is ast.Name else base.attr if type(base) is ast.Attribute else None
+    args = list(annotation.slice.elts) if type(annotation.slice) is ast.Tuple else [annotation.slice]
+    if name in ("Optional", "Union"):
+        return all(_host_data(a) for a in args)
+    if name == "Annotated":
+        return _host_data(args[0])
+    if name in ("NDArray", "ndarray"):
+        return True
+    if name in DECLARED_CONTAINERS:
+        args = [a for a in args if not (type(a) is ast.Constant and a.value is Ellipsis)]
+        return bool(args) and all(_host_data(a) for a in args)
+    return False
+
+
+def _seed(name: str, host: frozenset) -> bool:
+    """``name`` (``.attr`` for an attribute) holds metadata by its name, as the value model seeds it: a
+    sequence-length name, but for a parameter declared host data."""
+    return _seqlen(name[1:]) if name[0] == "." else _seqlen(name) and name not in host
+
+
+def _names(target: ast.AST) -> set:
+    """The names a binding target binds (``.x`` for the attribute of ``self.x``), and those it reads."""
+    return {node.id if type(node) is ast.Name else "." + node.attr for node in ast.walk(target)
+            if type(node) is ast.Name or type(node) is ast.Attribute}
+
+
+_CARRYING_METHODS = KEEP_METHODS | set(MOVE_METHODS) | set(CONTAINER_METHODS)
+_ELEMENT_BUILTINS = frozenset({*KEEP_BUILTINS, "enumerate", "zip", "iter"})
+_TORCH_PREFIXES = ("torch", "torch.nn.functional", "F", "torch.special", "torch.linalg")
+
+
+def _carriers(expr: ast.AST) -> frozenset:
+    """The names (``.attr`` for attributes and ``getattr`` strings) whose metadata the value of ``expr`` may
+    derive from, through the operations the value model follows (``patterns.KEEP_METHODS`` and the rest):
+    names, attributes, subscripts, arithmetic, comparisons, displays, comprehensions, those methods,
+    torch functions and builtins. Other calls give values that derive from nothing here."""
+    out: set = set()
+    stack = [expr]
+    while stack:
+        node = stack.pop()
+        t = type(node)
+        if t is ast.Name:
+            out.add(node.id)
+        elif t is ast.Attribute:
+            out.add("." + node.attr)
+            if node.attr in SAME_TENSOR_ATTRS:
+                stack.append(node.value)
+        elif t is ast.Subscript:
+            stack.append(node.value)
+        elif t is ast.BinOp:
+            stack += (node.left, node.right)
+        elif t is ast.UnaryOp:
+            if type(node.op) is not ast.Not:
+                stack.append(node.operand)
+        elif t is ast.BoolOp:
+            stack += node.values
+        elif t is ast.Compare:
+            stack += (node.left, *node.comparators)
+        elif t is ast.IfExp:
+            stack += (node.body, node.orelse)
+        elif t is ast.Tuple or t is ast.List or t is ast.Set:
+            stack += node.elts
+        elif t is ast.Dict:
+            stack += [v for v in node.values if v is not None]
+        elif t is ast.Starred or t is ast.NamedExpr:
+            stack.append(node.value)
+        elif t is ast.ListComp or t is ast.SetComp or t is ast.GeneratorExp:
+            stack.append(node.elt)
+        elif t is ast.DictComp:
+            stack.append(node.value)
+        elif t is ast.Call:
+            func = node.func
+            positional = [a.value if type(a) is ast.Starred else a for a in node.args]
+            if type(func) is ast.Name:
+                if func.id in _ELEMENT_BUILTINS:
+                    stack += positional
+                elif func.id == "getattr" and len(node.args) >= 2 and type(node.args[1]) is ast.Constant \
+                        and type(node.args[1].value) is str:
+                    out.add("." + node.args[1].value)
+            elif type(func) is ast.Attribute:
+                owner = _dotted(func.value)
+                if owner in _TORCH_PREFIXES:
+                    if func.attr in TORCH_KEEP or func.attr in TORCH_JOIN or func.attr in TORCH_COPIES:
+                        stack += positional
+                elif func.attr in _CARRYING_METHODS:
+                    stack.append(func.value)
+    return frozenset(out)
+
+
+def _dotted(expr: ast.AST) -> Optional[str]:
+    parts = []
+    while type(expr) is ast.Attribute:
+        parts.append(expr.attr)
+        expr = expr.value
+    if type(expr) is not ast.Name:
+        return None
+    parts.append(expr.id)
+    return ".".join(reversed(parts))
+
+
+_SEQLEN: dict[str, bool] = {}
+
+
+def _seqlen(name: str) -> bool:
+    got = _SEQLEN.get(name)
+    if got is None:
+        if len(_SEQLEN) > 4096:
+            _SEQLEN.clear()
+        got = _SEQLEN[name] = is_seqlen_name(name)
+    return got
 
 
 def _loops_over_layers(iterable: ast.AST) -> bool:
