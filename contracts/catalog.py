@@ -838,11 +838,12 @@ def reset(info):
 from sglang.srt.lora.utils import LoRABatchInfo as Info
 
 
-def build(bs, seg_indptr, weight_indices, ranks, scalings, lens):
+def build(bs, seg_indptr, weight_indices, ranks, scalings, lens, longest):
     info = Info(use_cuda_graph=False, bs=bs, num_segments=bs, seg_indptr=seg_indptr,
                 weight_indices=weight_indices, lora_ranks=ranks, scalings=scalings,
                 max_len=None, seg_lens=None, permutation=None)
     info.seg_lens = lens
+    info.max_len = longest  # a host int: sglang's Triton kernels size their grid by max_len itself
     return info
 '''),
         Example("good", '''\
