@@ -35,6 +35,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Optional
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -174,6 +175,26 @@ def time_ms(fn, device, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def finish(args, rows, columns, name: str, device, dtype, warmup: int, iters: int, extra: dict, *, title: str,
+           ylabel: Optional[str] = None) -> str:
+    """The run's metadata, and with --write its results (``name``, ``name``_smoke under --smoke) and plot; the
+    Markdown table either way."""
+    meta = env_meta()
+    meta.update(device=str(device), dtype=str(dtype).replace("torch.", ""), warmup=warmup, iters=iters,
+                config="smoke" if args.smoke else "Qwen2.5-VL-7B vision tower (random weights)", **extra)
+    try:
+        import transformers
+        meta["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if not args.write:
+        return markdown_table(rows, columns)
+    name = f"{name}_smoke" if args.smoke else name
+    table = write_results(name, rows, columns, meta=meta, title=title)
+    plot(rows, RESULTS / f"{name}.png", **({"ylabel": ylabel} if ylabel else {}))
+    return table
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny tower, fp32, runs on the CPU")
@@ -233,21 +254,8 @@ def main() -> int:
             print(f"{case} | {label}: {row['ms']:.2f} ms, rel err {error:.2e}", file=sys.stderr, flush=True)
 
     columns = ["case", "tokens", "implementation", "ms", "speedup_vs_sdpa", "rel_max_err_vs_fp32", "note"]
-    meta = env_meta()
-    meta.update(device=str(device), dtype=str(dtype).replace("torch.", ""), warmup=warmup, iters=iters,
-                config="smoke" if args.smoke else "Qwen2.5-VL-7B vision tower (random weights)")
-    try:
-        import transformers
-        meta["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    if args.write:
-        name = "transformers_vision_smoke" if args.smoke else "transformers_vision"
-        table = write_results(name, rows, columns, meta=meta,
-                              title="Hugging Face Qwen2.5-VL vision tower: attention implementations")
-        plot(rows, RESULTS / f"{name}.png")
-    else:
-        table = markdown_table(rows, columns)
+    table = finish(args, rows, columns, "transformers_vision", device, dtype, warmup, iters, {},
+                   title="Hugging Face Qwen2.5-VL vision tower: attention implementations")
     print(table)
     return 1 if failed else 0
 
@@ -367,26 +375,14 @@ def train_main(args, device, config, cases, dtype, warmup, iters, tolerance) -> 
 
     columns = ["case", "tokens", "implementation", "ms", "above_floor_ms", "above_floor_vs_torch", "step_vs_torch",
                "grad_rel_max_err_vs_fp32", "note"]
-    meta = env_meta()
-    meta.update(device=str(device), dtype=str(dtype).replace("torch.", ""), warmup=warmup, iters=iters,
-                config="smoke" if args.smoke else "Qwen2.5-VL-7B vision tower (random weights)",
-                step="train mode, grad enabled: loss = pooler_output.float().square().mean(), loss.backward(); "
-                     "gradients set to None in each step; no optimizer step",
-                checked="gradients of " + ", ".join(reference) + " against the fp32 sdpa tower's "
-                        "(relative max error, the worst of them)",
-                tolerance=tolerance)
-    try:
-        import transformers
-        meta["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    if args.write:
-        name = "transformers_vision_train_smoke" if args.smoke else "transformers_vision_train"
-        table = write_results(name, rows, columns, meta=meta,
-                              title="Qwen2.5-VL vision tower: one training step (forward + backward)")
-        plot(rows, RESULTS / f"{name}.png", ylabel="vision tower training step, ms (median)")
-    else:
-        table = markdown_table(rows, columns)
+    extra = dict(step="train mode, grad enabled: loss = pooler_output.float().square().mean(), loss.backward(); "
+                      "gradients set to None in each step; no optimizer step",
+                 checked="gradients of " + ", ".join(reference) + " against the fp32 sdpa tower's "
+                         "(relative max error, the worst of them)",
+                 tolerance=tolerance)
+    table = finish(args, rows, columns, "transformers_vision_train", device, dtype, warmup, iters, extra,
+                   title="Qwen2.5-VL vision tower: one training step (forward + backward)",
+                   ylabel="vision tower training step, ms (median)")
     print(table)
     return 1 if failed else 0
 
