@@ -28,10 +28,15 @@ from guardlint.kernels.attention import triton_bwd  # noqa: E402
 
 IMAGES = (1024, 4096, 256, 2304, 576, 8192)
 HEADS = 16
+OWNED_UP_TO = 512
 CANDIDATES = {
     # (BLOCK_M, BLOCK_N, warps, stages). dK/dV: BLOCK_N keys held in registers, BLOCK_M query rows streamed.
     "dkdv": [(64, 64, 4, 2), (32, 64, 4, 2), (32, 128, 8, 2), (64, 128, 8, 2), (16, 128, 4, 2), (16, 64, 4, 2),
              (16, 128, 8, 2), (64, 64, 8, 2)],
+    # A fifth element 1: one dK/dV program per (kv head, sequence) walks its key tiles and computes the whole dQ
+    # (float32 partial sums in a scratch), no dQ kernel. Tried where the longest sequence is at most OWNED_UP_TO.
+    "dkdv-owned": [(32, 64, 4, 2, 1), (64, 64, 4, 2, 1), (32, 128, 8, 2, 1), (16, 64, 4, 2, 1), (64, 64, 8, 2, 1),
+                   (64, 32, 4, 2, 1)],
     # dQ: BLOCK_M query rows held, BLOCK_N keys streamed.
     "dq": [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3)],
     # The statistics pass with the forward's log-sum-exp: delta = rowsum(dO * O) only.
@@ -91,7 +96,12 @@ def main(argv=None) -> int:
         chosen = dict(start)
         for kernel in ("dkdv", "dq", "prep"):
             timings = {}
-            for cand in CANDIDATES[kernel]:
+            if kernel == "dq" and len(chosen["dkdv"]) > 4 and chosen["dkdv"][4]:
+                row["dq_best"] = "none (owned by dK/dV)"
+                continue
+            candidates = CANDIDATES[kernel] + (CANDIDATES["dkdv-owned"] if kernel == "dkdv"
+                                               and longest <= OWNED_UP_TO else [])
+            for cand in candidates:
                 config = dict(chosen, **{kernel: cand})
                 try:
                     got = triton_bwd.varlen_attention_triton_backward(grad, q, k, v, out, cu, longest, scale, causal,
@@ -126,7 +136,8 @@ def main(argv=None) -> int:
                "torch_bwd_us", "fwd_bwd_vs_torch", "dkdv_best", "dq_best", "prep_best"]
     meta = env_meta()
     meta.update({"dtype": "bfloat16", "heads": HEADS, "timer": "triton.testing.do_bench medians (L2 flushed)",
-                 "picks": {n: {k: list(c) for k, c in p.items()} for n, p in picks.items()}})
+                 "picks": {n: {k: list(c) for k, c in p.items()} for n, p in picks.items()},
+                 "owned_up_to": OWNED_UP_TO})
     print(write_results("attention_backward_tune", rows, columns, meta=meta,
                         title="Attention backward tiles: per-kernel candidates (µs, whole backward)"))
     return 0

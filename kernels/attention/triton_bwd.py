@@ -185,13 +185,35 @@ def _bwd_prep(Q, K, OUT, DO, LSE, DELTA, cu_seqlens,
 
 
 @triton.jit
+def _ds_k(dst, key_ok, k0, k1, k2, k3, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+          PRECISION: tl.constexpr, OUT: tl.constexpr):
+    """A key tile's share of the query tile's dQ (unscaled): dS K, from dS^T (keys x queries)."""
+    # Keys past the end are 0 in K but their dS is not (it may even overflow): zero it first.
+    ds = tl.trans(tl.where(key_ok[:, None], dst, 0.0)).to(k0.dtype)
+    dq0 = tl.dot(ds, k0, input_precision=PRECISION, out_dtype=OUT)
+    dq1 = dq0
+    dq2 = dq0
+    dq3 = dq0
+    if D1 > 0:
+        dq1 = tl.dot(ds, k1, input_precision=PRECISION, out_dtype=OUT)
+    if D2 > 0:
+        dq2 = tl.dot(ds, k2, input_precision=PRECISION, out_dtype=OUT)
+    if D3 > 0:
+        dq3 = tl.dot(ds, k3, input_precision=PRECISION, out_dtype=OUT)
+    return dq0, dq1, dq2, dq3
+
+
+@triton.jit
 def _dkdv_step(dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, k0, k1, k2, k3, v0, v1, v2, v3, key_ok, q_base, do_base,
                dq_base, LSE, DELTA, lse_base, start_m, offs_n, seq_len, stride_qt, stride_dot, stride_dqt, stride_lt,
                qk_scale, scale, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
                MASK_CAUSAL: tl.constexpr, FUSE_DQ: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OWN_DQ: tl.constexpr, acc_base, stride_at, tile):
     """One query tile folded into a key tile's dK/dV; with ``FUSE_DQ`` and a sequence that is this one key tile,
-    also the query tile's whole dQ = scale * dS K, stored (the dQ kernel skips such sequences)."""
+    also the query tile's whole dQ = scale * dS K, stored (the dQ kernel skips such sequences). With ``OWN_DQ``
+    (the program walks all its sequence's key tiles, in order) the tile's share dS K goes to the float32 rows of
+    ``acc_base`` (stored by key tile 0, which every query tile sees; added by the later ones), or straight to dQ
+    when the sequence is this one key tile."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     row_ok = offs_m < seq_len
     q0, q1, q2, q3 = _parts(q_base, offs_m, stride_qt, row_ok, D0, D1, D2, D3, UPCAST)
@@ -209,21 +231,22 @@ def _dkdv_step(dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, k0, k1, k2, k3, v0, v1, v
         dv2 = tl.dot(pt, g2, dv2, input_precision=PRECISION, out_dtype=acc_ty)
     if D3 > 0:
         dv3 = tl.dot(pt, g3, dv3, input_precision=PRECISION, out_dtype=acc_ty)
-    if FUSE_DQ:
+    if FUSE_DQ or OWN_DQ:
         if seq_len <= BLOCK_N:
-            # Keys past the end are 0 in K but their dS is not (it may even overflow): zero it first.
-            ds = tl.trans(tl.where(key_ok[:, None], dst, 0.0)).to(k0.dtype)
-            dq0 = tl.dot(ds, k0, input_precision=PRECISION, out_dtype=acc_ty)
-            dq1 = dq0
-            dq2 = dq0
-            dq3 = dq0
-            if D1 > 0:
-                dq1 = tl.dot(ds, k1, input_precision=PRECISION, out_dtype=acc_ty)
-            if D2 > 0:
-                dq2 = tl.dot(ds, k2, input_precision=PRECISION, out_dtype=acc_ty)
-            if D3 > 0:
-                dq3 = tl.dot(ds, k3, input_precision=PRECISION, out_dtype=acc_ty)
+            dq0, dq1, dq2, dq3 = _ds_k(dst, key_ok, k0, k1, k2, k3, D1, D2, D3, PRECISION, acc_ty)
             _store_parts(dq_base, offs_m, stride_dqt, row_ok, dq0, dq1, dq2, dq3, scale, D0, D1, D2, D3)
+        elif OWN_DQ:
+            dq0, dq1, dq2, dq3 = _ds_k(dst, key_ok, k0, k1, k2, k3, D1, D2, D3, PRECISION, acc_ty)
+            if tile > 0:
+                a0, a1, a2, a3 = _parts(acc_base, offs_m, stride_at, row_ok, D0, D1, D2, D3, False)
+                dq0 += a0
+                if D1 > 0:
+                    dq1 += a1
+                if D2 > 0:
+                    dq2 += a2
+                if D3 > 0:
+                    dq3 += a3
+            _store_parts(acc_base, offs_m, stride_at, row_ok, dq0, dq1, dq2, dq3, 1.0, D0, D1, D2, D3)
     dst = dst.to(q0.dtype)
     dk0 = tl.dot(dst, q0, dk0, input_precision=PRECISION, out_dtype=acc_ty)
     if D1 > 0:
@@ -236,13 +259,15 @@ def _dkdv_step(dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, k0, k1, k2, k3, v0, v1, v
 
 
 @triton.jit
-def _bwd_dkdv(Q, K, V, DO, DK, DV, DQ, LSE, DELTA, cu_seqlens,
+def _bwd_dkdv(Q, K, V, DO, DK, DV, DQ, DQACC, LSE, DELTA, cu_seqlens,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-              stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lt, total_tokens,
-              qk_scale, scale,
+              stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_at, stride_ah,
+              stride_lt, total_tokens, qk_scale, scale,
               GROUP: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
               CAUSAL: tl.constexpr, FUSE_DQ: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OWN_DQ: tl.constexpr):
+    # OWN_DQ: one program per (kv head, sequence) walks the key tiles in order (grid dimension 0 is 1) and owns
+    # the sequence's dQ rows of its group's heads: float32 partial sums in DQACC, then dQ in a last pass.
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
     start, seq_len = _sequence(cu_seqlens, seq, total_tokens)
@@ -284,20 +309,36 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, DQ, LSE, DELTA, cu_seqlens,
             do_base = DO + start * stride_dot + head * stride_doh
             dq_base = DQ + start * stride_dqt + head * stride_dqh
             lse_base = start * stride_lt + head
+            acc_base = DQACC + start * stride_at + head * stride_ah
             for start_m in range(first_m, masked_end, BLOCK_M):
                 dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3 = _dkdv_step(
                     dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, k0, k1, k2, k3, v0, v1, v2, v3, key_ok, q_base, do_base,
                     dq_base, LSE, DELTA, lse_base, start_m, offs_n, seq_len, stride_qt, stride_dot, stride_dqt,
-                    stride_lt, qk_scale, scale, D0, D1, D2, D3, True, FUSE_DQ, UPCAST, PRECISION, BLOCK_M, BLOCK_N)
+                    stride_lt, qk_scale, scale, D0, D1, D2, D3, True, FUSE_DQ, UPCAST, PRECISION, BLOCK_M, BLOCK_N,
+                    OWN_DQ, acc_base, stride_at, tile)
             for start_m in range(tl.maximum(first_m, masked_end), seq_len, BLOCK_M):
                 dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3 = _dkdv_step(
                     dk0, dk1, dk2, dk3, dv0, dv1, dv2, dv3, k0, k1, k2, k3, v0, v1, v2, v3, key_ok, q_base, do_base,
                     dq_base, LSE, DELTA, lse_base, start_m, offs_n, seq_len, stride_qt, stride_dot, stride_dqt,
-                    stride_lt, qk_scale, scale, D0, D1, D2, D3, False, FUSE_DQ, UPCAST, PRECISION, BLOCK_M, BLOCK_N)
+                    stride_lt, qk_scale, scale, D0, D1, D2, D3, False, FUSE_DQ, UPCAST, PRECISION, BLOCK_M, BLOCK_N,
+                    OWN_DQ, acc_base, stride_at, tile)
         _store_parts(DK + start * stride_dkt + kv_head * stride_dkh, offs_n, stride_dkt, key_ok, dk0, dk1, dk2, dk3,
                      scale, D0, D1, D2, D3)
         _store_parts(DV + start * stride_dvt + kv_head * stride_dvh, offs_n, stride_dvt, key_ok, dv0, dv1, dv2, dv3,
                      1.0, D0, D1, D2, D3)
+        if OWN_DQ:
+            tl.debug_barrier()  # the next key tile adds to the dQ rows this one stored: all stores first
+    if OWN_DQ:
+        if seq_len > BLOCK_N:
+            for g in range(GROUP):
+                head = kv_head * GROUP + g
+                acc_base = DQACC + start * stride_at + head * stride_ah
+                dq_base = DQ + start * stride_dqt + head * stride_dqh
+                for start_m in range(0, seq_len, BLOCK_M):
+                    offs_m = start_m + tl.arange(0, BLOCK_M)
+                    row_ok = offs_m < seq_len
+                    a0, a1, a2, a3 = _parts(acc_base, offs_m, stride_at, row_ok, D0, D1, D2, D3, False)
+                    _store_parts(dq_base, offs_m, stride_dqt, row_ok, a0, a1, a2, a3, scale, D0, D1, D2, D3)
 
 
 @triton.jit
@@ -379,6 +420,39 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens,
                      scale, D0, D1, D2, D3)
 
 
+@triton.jit
+def _bwd_zero_uncovered(DQ, DK, DV, cu_seqlens, batch, total_tokens, heads, kv_heads, head_dim,
+                        stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                        BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Zeros in the gradient rows no sequence covers (before the first offset, after the last, any gap), as the
+    sequence kernels clamp the offsets; the gradients are allocated uninitialised, so a covered batch costs a
+    scan of the offsets and no write."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    covered = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for first in range(0, batch, BLOCK_B):
+        seqs = first + tl.arange(0, BLOCK_B)
+        ok = seqs < batch
+        lo = tl.load(cu_seqlens + seqs, mask=ok, other=0).to(tl.int64)
+        hi = tl.load(cu_seqlens + seqs + 1, mask=ok, other=0).to(tl.int64)
+        lo = tl.minimum(tl.maximum(lo, 0), total_tokens)
+        hi = tl.minimum(tl.maximum(hi, lo), total_tokens)
+        hit = (rows[:, None] >= lo[None, :]) & (rows[:, None] < hi[None, :])
+        covered = tl.maximum(covered, tl.max(hit.to(tl.int32), 1))
+    zero = (covered == 0) & (rows < total_tokens)
+    if tl.max(zero.to(tl.int32), 0) > 0:
+        cols = tl.arange(0, BLOCK_D)
+        mask = zero[:, None] & (cols < head_dim)[None, :]
+        at = rows.to(tl.int64)[:, None]
+        for h in range(heads):
+            tl.store(DQ + at * stride_dqt + h * stride_dqh + cols[None, :],
+                     tl.zeros([BLOCK_R, BLOCK_D], dtype=DQ.dtype.element_ty), mask=mask)
+        for h in range(kv_heads):
+            tl.store(DK + at * stride_dkt + h * stride_dkh + cols[None, :],
+                     tl.zeros([BLOCK_R, BLOCK_D], dtype=DK.dtype.element_ty), mask=mask)
+            tl.store(DV + at * stride_dvt + h * stride_dvh + cols[None, :],
+                     tl.zeros([BLOCK_R, BLOCK_D], dtype=DV.dtype.element_ty), mask=mask)
+
+
 # Per kernel (BLOCK_M, BLOCK_N, warps, stages). Small tiles under the interpreter (its cost is per program and per
 # op); on the GPU what bench/attention_backward_tune.py measured on the H200 (bench/results/attention_backward_tune.md),
 # by head dim (up to 96: the 64 + 16/32 parts; 128), causal or not, and the launch's rows: up to 64 (windows of
@@ -418,6 +492,12 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def new_gradient(x: torch.Tensor) -> torch.Tensor:
+    """A gradient buffer, contiguous whatever x's strides. Uninitialised on purpose: the kernels write every row
+    of every sequence and ``_bwd_zero_uncovered`` the rows of none; tests replace it with a NaN-filled one."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
 def varlen_attention_triton_backward(
         grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         cu_seqlens: torch.Tensor, max_seqlen: int, softmax_scale: float, causal: bool, *,
@@ -431,11 +511,9 @@ def varlen_attention_triton_backward(
     total_tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     batch = cu_seqlens.shape[0] - 1
-    dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
-    dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
     if total_tokens == 0 or batch <= 0:
-        return dq, dk, dv
+        return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    dq, dk, dv = (new_gradient(t) for t in (q, k, v))
     negative = softmax_scale < 0
     if negative:
         # softmax(s q.k) = softmax(-s (-q).k): the kernels take a scale >= 0, and dq changes sign back.
@@ -454,7 +532,7 @@ def varlen_attention_triton_backward(
                 UPCAST=INTERPRET and q.dtype == torch.bfloat16, PRECISION=_precision(q.dtype))
 
     def tiles(name):
-        block_m, block_n, warps, stages = configs[name]
+        block_m, block_n, warps, stages = configs[name][:4]
         return dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
     qk_scale = softmax_scale * LOG2E
@@ -465,15 +543,26 @@ def varlen_attention_triton_backward(
         lse.stride(0), total_tokens, qk_scale, HAVE_LSE=have_lse, **prep)
     # Where the hint says every sequence fits one dK/dV key tile, that kernel also computes their dQ (5 products
     # instead of 7) and the dQ kernel skips them; a longer sequence (a short hint) still gets its dQ from there.
-    fuse = rows <= dkdv["BLOCK_N"]
-    _bwd_dkdv[(triton.cdiv(rows, dkdv["BLOCK_N"]), kv_heads, batch)](
-        q, k, v, grad_out, dk, dv, dq, lse, delta, cu_seqlens, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0],
-        sg[1], dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
-        total_tokens, qk_scale, softmax_scale, FUSE_DQ=fuse, **dkdv)
-    _bwd_dq[(triton.cdiv(rows, dqm["BLOCK_M"]), num_heads, batch)](
-        q, k, v, grad_out, dq, lse, delta, cu_seqlens, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1],
-        dq.stride(0), dq.stride(1), lse.stride(0), total_tokens, qk_scale, softmax_scale,
-        SHORT=dkdv["BLOCK_N"] if fuse else 0, **dqm)
+    # ``own`` (a fifth element 1 in the dK/dV tiles): one dK/dV program walks each sequence's key tiles and
+    # computes its whole dQ (5 products; float32 partial sums in a scratch), and there is no dQ kernel.
+    own = len(configs["dkdv"]) > 4 and bool(configs["dkdv"][4])
+    fuse = rows <= dkdv["BLOCK_N"] and not own
+    acc = torch.empty(q.shape, dtype=lse.dtype, device=q.device) if own else lse
+    acc_strides = (acc.stride(0), acc.stride(1)) if own else (0, 0)
+    _bwd_dkdv[(1 if own else triton.cdiv(rows, dkdv["BLOCK_N"]), kv_heads, batch)](
+        q, k, v, grad_out, dk, dv, dq, acc, lse, delta, cu_seqlens, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0],
+        sg[1], dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1), *acc_strides,
+        lse.stride(0), total_tokens, qk_scale, softmax_scale, FUSE_DQ=fuse, OWN_DQ=own, **dkdv)
+    if not own:
+        _bwd_dq[(triton.cdiv(rows, dqm["BLOCK_M"]), num_heads, batch)](
+            q, k, v, grad_out, dq, lse, delta, cu_seqlens, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1],
+            dq.stride(0), dq.stride(1), lse.stride(0), total_tokens, qk_scale, softmax_scale,
+            SHORT=dkdv["BLOCK_N"] if fuse else 0, **dqm)
+    zero_rows = 16 if INTERPRET else 128
+    _bwd_zero_uncovered[(triton.cdiv(total_tokens, zero_rows),)](
+        dq, dk, dv, cu_seqlens, batch, total_tokens, num_heads, kv_heads, head_dim, dq.stride(0), dq.stride(1),
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), BLOCK_R=zero_rows, BLOCK_B=16 if INTERPRET else 64,
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
     if negative:
         dq = -dq
     return dq, dk, dv

@@ -13,6 +13,7 @@ from guardlint.guard import prepare_varlen_metadata
 from guardlint.kernels import varlen_attention
 from guardlint.kernels.attention import api as attention
 from guardlint.kernels.attention import triton as triton_path
+from guardlint.kernels.attention import triton_bwd
 from guardlint.kernels.attention.triton_bwd import varlen_attention_triton_backward
 
 
@@ -236,3 +237,44 @@ def test_auto_under_grad_ranks_forward_plus_backward_times():
     train_only = dict(entry, case="windows", max_seqlen=64, times_us={})
     assert dispatch.choose(**dict(shape, max_seqlen=64), runnable=lambda n: True, entries=[forward_only, train_only],
                            ) == "gluon"
+
+
+def _nan_gradients(monkeypatch):
+    monkeypatch.setattr(triton_bwd, "new_gradient", lambda x: torch.full(x.shape, float("nan"), dtype=x.dtype))
+
+
+OWNED = {"dkdv": (16, 16, 4, 1, 1)}  # one dK/dV program per sequence computes its dQ too (no dQ kernel)
+
+
+@pytest.mark.parametrize("lengths, heads, kv_heads, head_dim, causal, scale", CASES)
+def test_sequence_owned_dq_matches_float64_autograd(lengths, heads, kv_heads, head_dim, causal, scale, monkeypatch):
+    _nan_gradients(monkeypatch)
+    q, k, v, grad, cu = inputs(lengths, heads, kv_heads, head_dim)
+    scale = head_dim ** -0.5 if scale is None else scale
+    out = triton_path.varlen_attention_triton(q, k, v, cu, max(lengths), scale, causal)
+    for hint in (max(lengths), 3):  # a short hint only sizes the grids
+        got = varlen_attention_triton_backward(grad, q, k, v, out, cu, hint, scale, causal, config=OWNED)
+        assert_grads(got, float64_grads(q, k, v, grad, cu, scale, causal), 1e-5)
+
+
+@pytest.mark.parametrize("config", [None, OWNED], ids=["dq-kernel", "owned-dq"])
+@pytest.mark.parametrize("cu", [[3, 10, 10, 20], [0, 9, 4, 30], [5, 5], [0, 12, 40, 40]])
+def test_rows_no_sequence_covers_get_zero_gradients(cu, config, monkeypatch):
+    """The gradients start uninitialised (NaN here): rows before the first offset, after the last, and past the
+    tokens (clamped, as the kernels clamp them) are zeroed by their own pass, every other row written."""
+    _nan_gradients(monkeypatch)
+    total, heads, head_dim = 25, 2, 16
+    g = torch.Generator().manual_seed(7)
+    q, k, v, grad = (torch.randn(total, heads, head_dim, generator=g) for _ in range(4))
+    offsets = torch.tensor(cu, dtype=torch.int32)
+    out = triton_path.varlen_attention_triton(q, k, v, offsets, 30, 0.25, False)
+    got = varlen_attention_triton_backward(grad, q, k, v, out, offsets, 30, 0.25, False, config=config)
+    spans = [(min(max(a, 0), total), min(max(b, a, 0), total)) for a, b in zip(cu[:-1], cu[1:])]
+    covered = torch.zeros(total, dtype=torch.bool)
+    for a, b in spans:
+        covered[a:b] = True
+    for name, x in zip("qkv", got):
+        assert torch.isfinite(x).all(), f"d{name} has unwritten rows"
+        assert (x[~covered] == 0).all(), f"d{name}: a row no sequence covers is not zero"
+    if cu == [3, 10, 10, 20]:  # a valid batch with tokens on both sides: the covered rows are the reference's
+        assert_grads(got, float64_grads(q, k, v, grad, offsets, 0.25, False), 1e-5)

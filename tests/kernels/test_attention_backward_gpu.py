@@ -9,6 +9,7 @@ import torch
 
 from guardlint.kernels import varlen_attention
 from guardlint.kernels.attention import triton as triton_path
+from guardlint.kernels.attention import triton_bwd
 from guardlint.kernels.attention.triton_bwd import varlen_attention_triton_backward
 from test_attention_backward import assert_grads, float64_grads
 
@@ -60,3 +61,36 @@ def test_varlen_attention_trains_on_the_gpu():
     varlen_attention(*leaves, cu, backend="triton").backward(grad)
     assert_grads([t.grad for t in leaves], float64_grads(q.cpu(), k.cpu(), v.cpu(), grad.cpu(), cu.cpu(),
                                                          80 ** -0.5, False), TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("head_dim", [80, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("tiles", [(32, 64, 4, 2, 1), (64, 64, 4, 2, 1), (32, 128, 8, 2, 1)])
+def test_sequence_owned_dq_on_the_gpu_matches_float64(head_dim, causal, tiles, monkeypatch):
+    """One dK/dV program per sequence computes its dQ too (float32 partial sums across its key tiles), on
+    gradients that start as NaN, for every sequence length of LENGTHS (0, 1, partial and many tiles)."""
+    monkeypatch.setattr(triton_bwd, "new_gradient",
+                        lambda x: torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device))
+    q, k, v, grad, cu = batch(LENGTHS, 4, 2, head_dim, torch.bfloat16)
+    scale = head_dim ** -0.5
+    out = triton_path.varlen_attention_triton(q, k, v, cu, max(LENGTHS), scale, causal)
+    for hint in (max(LENGTHS), 100):
+        got = varlen_attention_triton_backward(grad, q, k, v, out, cu, hint, scale, causal, config={"dkdv": tiles})
+        assert_grads(got, float64_grads(q.cpu(), k.cpu(), v.cpu(), grad.cpu(), cu.cpu(), scale, causal),
+                     TOLERANCE[torch.bfloat16])
+
+
+def test_rows_no_sequence_covers_get_zero_gradients_on_the_gpu(monkeypatch):
+    monkeypatch.setattr(triton_bwd, "new_gradient",
+                        lambda x: torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device))
+    q, k, v, grad, cu = batch([40, 300, 7], 4, 2, 80, torch.bfloat16)
+    cu = torch.tensor([40, 340, 340], dtype=torch.int32, device="cuda")  # 40 rows before, 7 after
+    out = triton_path.varlen_attention_triton(q, k, v, cu, 300, 80 ** -0.5, False)
+    for config in (None, {"dkdv": (32, 64, 4, 2, 1)}):
+        got = varlen_attention_triton_backward(grad, q, k, v, out, cu, 300, 80 ** -0.5, False, config=config)
+        for x in got:
+            assert torch.isfinite(x).all()
+            assert (x[:40] == 0).all() and (x[340:] == 0).all()
+        assert_grads([x[40:340] for x in got],
+                     [x[40:340] for x in float64_grads(q.cpu(), k.cpu(), v.cpu(), grad.cpu(), cu.cpu(),
+                                                       80 ** -0.5, False)], TOLERANCE[torch.bfloat16])
