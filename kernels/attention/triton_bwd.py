@@ -150,6 +150,20 @@ def _prep_lse(q_base, k_base, lse_ptrs, offs_m, row_ok, tile, seq_len, stride_qt
 
 
 @triton.jit
+def _rowsum_product(o0, o1, o2, o3, g0, g1, g2, g3, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+                    OUT: tl.constexpr):
+    """delta = rowsum(dO * O) over the head-dim parts, in OUT."""
+    delta = tl.sum(o0.to(OUT) * g0.to(OUT), 1)
+    if D1 > 0:
+        delta += tl.sum(o1.to(OUT) * g1.to(OUT), 1)
+    if D2 > 0:
+        delta += tl.sum(o2.to(OUT) * g2.to(OUT), 1)
+    if D3 > 0:
+        delta += tl.sum(o3.to(OUT) * g3.to(OUT), 1)
+    return delta
+
+
+@triton.jit
 def _bwd_prep(Q, K, OUT, DO, LSE, DELTA, cu_seqlens,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_dot, stride_doh,
               stride_lt, total_tokens, qk_scale,
@@ -173,14 +187,7 @@ def _bwd_prep(Q, K, OUT, DO, LSE, DELTA, cu_seqlens,
                       stride_qt, stride_kt, qk_scale, D0, D1, D2, D3, CAUSAL, UPCAST, PRECISION, BLOCK_M, BLOCK_N)
         o0, o1, o2, o3 = _parts(o_base, offs_m, stride_ot, row_ok, D0, D1, D2, D3, UPCAST)
         g0, g1, g2, g3 = _parts(do_base, offs_m, stride_dot, row_ok, D0, D1, D2, D3, UPCAST)
-        acc_ty = LSE.dtype.element_ty
-        delta = tl.sum(o0.to(acc_ty) * g0.to(acc_ty), 1)
-        if D1 > 0:
-            delta += tl.sum(o1.to(acc_ty) * g1.to(acc_ty), 1)
-        if D2 > 0:
-            delta += tl.sum(o2.to(acc_ty) * g2.to(acc_ty), 1)
-        if D3 > 0:
-            delta += tl.sum(o3.to(acc_ty) * g3.to(acc_ty), 1)
+        delta = _rowsum_product(o0, o1, o2, o3, g0, g1, g2, g3, D1, D2, D3, LSE.dtype.element_ty)
         tl.store(DELTA + (start + offs_m) * stride_lt + head, delta, mask=row_ok)
 
 
@@ -366,12 +373,14 @@ def _dq_step(dq0, dq1, dq2, dq3, q0, q1, q2, q3, g0, g1, g2, g3, lse, delta, k_b
 
 
 @triton.jit
-def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens,
-            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-            stride_dqt, stride_dqh, stride_lt, total_tokens, qk_scale, scale,
+def _bwd_dq(Q, K, V, OUT, DO, DQ, LSE, DELTA, cu_seqlens,
+            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot,
+            stride_doh, stride_dqt, stride_dqh, stride_lt, total_tokens, qk_scale, scale,
             GROUP: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
             CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SHORT: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SHORT: tl.constexpr, DELTA_HERE: tl.constexpr):
+    # DELTA_HERE: this kernel runs first and computes delta = rowsum(dO * O) of its rows (it holds the dO tile
+    # already), stored for the dK/dV kernel: no statistics pass.
     head = tl.program_id(1)
     seq = tl.program_id(2)
     start, seq_len = _sequence(cu_seqlens, seq, total_tokens)
@@ -390,7 +399,13 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, cu_seqlens,
         g0, g1, g2, g3 = _parts(do_base, offs_m, stride_dot, row_ok, D0, D1, D2, D3, UPCAST)
         rows = start + offs_m
         lse = tl.load(LSE + rows * stride_lt + head, mask=row_ok, other=float("inf"))
-        delta = tl.load(DELTA + rows * stride_lt + head, mask=row_ok, other=0.0)
+        if DELTA_HERE:
+            o0, o1, o2, o3 = _parts(OUT + start * stride_ot + head * stride_oh, offs_m, stride_ot, row_ok, D0, D1,
+                                    D2, D3, UPCAST)
+            delta = _rowsum_product(o0, o1, o2, o3, g0, g1, g2, g3, D1, D2, D3, lse.dtype)
+            tl.store(DELTA + rows * stride_lt + head, delta, mask=row_ok)
+        else:
+            delta = tl.load(DELTA + rows * stride_lt + head, mask=row_ok, other=0.0)
         dq0 = _accumulator(LSE, BLOCK_M, D0)
         dq1 = dq0
         dq2 = dq0
@@ -470,8 +485,9 @@ GPU_CONFIGS = {
     (False, True, 1): {"prep": (64, 64, 4, 2), "dkdv": (32, 64, 4, 2), "dq": _DQ_NARROW},
     (True, False, 1): {"prep": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": _DQ_WIDE},
     (True, True, 1): {"prep": (64, 64, 4, 2), "dkdv": (32, 64, 4, 2), "dq": _DQ_WIDE},
-    # One 64-key tile per sequence: the dQ kernel's programs return at once.
-    **{(wide, causal, 0): {"prep": (64, 64, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 64, 4, 2)}
+    # One 64-key tile per sequence: one dK/dV program per sequence computes its dQ too (a fifth element 1), so
+    # there is no dQ kernel; a longer sequence (a short hint) still gets every row from that program.
+    **{(wide, causal, 0): {"prep": (32, 64, 4, 1), "dkdv": (32, 64, 4, 2, 1), "dq": (64, 64, 4, 2)}
        for wide in (False, True) for causal in (False, True)},
 }
 KERNELS = ("prep", "dkdv", "dq")
@@ -538,26 +554,32 @@ def varlen_attention_triton_backward(
     qk_scale = softmax_scale * LOG2E
     sq, sk, sv, so, sg = q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride()
     prep, dkdv, dqm = tiles("prep"), tiles("dkdv"), tiles("dq")
-    _bwd_prep[(triton.cdiv(rows, prep["BLOCK_M"]), num_heads, batch)](
-        q, k, out, grad_out, lse, delta, cu_seqlens, sq[0], sq[1], sk[0], sk[1], so[0], so[1], sg[0], sg[1],
-        lse.stride(0), total_tokens, qk_scale, HAVE_LSE=have_lse, **prep)
     # Where the hint says every sequence fits one dK/dV key tile, that kernel also computes their dQ (5 products
     # instead of 7) and the dQ kernel skips them; a longer sequence (a short hint) still gets its dQ from there.
     # ``own`` (a fifth element 1 in the dK/dV tiles): one dK/dV program walks each sequence's key tiles and
     # computes its whole dQ (5 products; float32 partial sums in a scratch), and there is no dQ kernel.
     own = len(configs["dkdv"]) > 4 and bool(configs["dkdv"][4])
     fuse = rows <= dkdv["BLOCK_N"] and not own
+    # With the forward's log-sum-exp and a dQ kernel that visits every query row, that kernel runs first and
+    # computes delta too: no statistics pass.
+    delta_in_dq = have_lse and not (own or fuse)
+    dq_args = (q, k, v, out, grad_out, dq, lse, delta, cu_seqlens, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0],
+               so[1], sg[0], sg[1], dq.stride(0), dq.stride(1), lse.stride(0), total_tokens, qk_scale, softmax_scale)
+    if delta_in_dq:
+        _bwd_dq[(triton.cdiv(rows, dqm["BLOCK_M"]), num_heads, batch)](*dq_args, SHORT=0, DELTA_HERE=True, **dqm)
+    else:
+        _bwd_prep[(triton.cdiv(rows, prep["BLOCK_M"]), num_heads, batch)](
+            q, k, out, grad_out, lse, delta, cu_seqlens, sq[0], sq[1], sk[0], sk[1], so[0], so[1], sg[0], sg[1],
+            lse.stride(0), total_tokens, qk_scale, HAVE_LSE=have_lse, **prep)
     acc = torch.empty(q.shape, dtype=lse.dtype, device=q.device) if own else lse
     acc_strides = (acc.stride(0), acc.stride(1)) if own else (0, 0)
     _bwd_dkdv[(1 if own else triton.cdiv(rows, dkdv["BLOCK_N"]), kv_heads, batch)](
         q, k, v, grad_out, dk, dv, dq, acc, lse, delta, cu_seqlens, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0],
         sg[1], dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1), *acc_strides,
         lse.stride(0), total_tokens, qk_scale, softmax_scale, FUSE_DQ=fuse, OWN_DQ=own, **dkdv)
-    if not own:
+    if not (own or delta_in_dq):
         _bwd_dq[(triton.cdiv(rows, dqm["BLOCK_M"]), num_heads, batch)](
-            q, k, v, grad_out, dq, lse, delta, cu_seqlens, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], sg[0], sg[1],
-            dq.stride(0), dq.stride(1), lse.stride(0), total_tokens, qk_scale, softmax_scale,
-            SHORT=dkdv["BLOCK_N"] if fuse else 0, **dqm)
+            *dq_args, SHORT=dkdv["BLOCK_N"] if fuse else 0, DELTA_HERE=False, **dqm)
     zero_rows = 16 if INTERPRET else 128
     _bwd_zero_uncovered[(triton.cdiv(total_tokens, zero_rows),)](
         dq, dk, dv, cu_seqlens, batch, total_tokens, num_heads, kv_heads, head_dim, dq.stride(0), dq.stride(1),

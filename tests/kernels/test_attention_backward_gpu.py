@@ -94,3 +94,21 @@ def test_rows_no_sequence_covers_get_zero_gradients_on_the_gpu(monkeypatch):
         assert_grads([x[40:340] for x in got],
                      [x[40:340] for x in float64_grads(q.cpu(), k.cpu(), v.cpu(), grad.cpu(), cu.cpu(),
                                                        80 ** -0.5, False)], TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("head_dim", [80, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_saved_log_sum_exp_backward_on_the_gpu(head_dim, causal, monkeypatch):
+    """From the training forward's log-sum-exp (the dQ kernel computes delta, no statistics pass) on NaN-started
+    gradients: float64-close, for the default tiles of each length class (short, medium and long hints)."""
+    from guardlint.kernels.attention import api
+
+    monkeypatch.setattr(triton_bwd, "new_gradient",
+                        lambda x: torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device))
+    q, k, v, grad, cu = batch(LENGTHS, 4, 2, head_dim, torch.bfloat16)
+    scale = head_dim ** -0.5
+    out, lse = api.varlen_attention_triton_train_op(q, k, v, cu, max(LENGTHS), scale, causal, True)
+    expected = float64_grads(q.cpu(), k.cpu(), v.cpu(), grad.cpu(), cu.cpu(), scale, causal)
+    for hint in (max(LENGTHS), 300, 64):
+        got = varlen_attention_triton_backward(grad, q, k, v, out, cu, hint, scale, causal, lse=lse)
+        assert_grads(got, expected, TOLERANCE[torch.bfloat16])
