@@ -5,7 +5,7 @@ saved log-sum-exp), medians of ``triton.testing.do_bench`` (L2 flushed before ea
 flash forward and backward alone (``torch.ops.aten._flash_attention_forward`` / ``_backward``), and our forward with
 and without the log-sum-exp output.
 
-    python bench/attention_backward_tune.py [--write] [--cases 6img-d80,...]
+    python bench/attention_backward_tune.py [--write] [--cases 6img-d80,...] [--name attention_backward_tune]
 """
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--cases", default="")
+    ap.add_argument("--name", default="attention_backward_tune", help="results file name (bench/results/NAME.*)")
     args = ap.parse_args(argv)
     wanted = set(filter(None, args.cases.split(",")))
     rows, picks = [], {}
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
     meta.update({"dtype": "bfloat16", "heads": HEADS, "timer": "triton.testing.do_bench medians (L2 flushed)",
                  "picks": {n: {k: list(c) for k, c in p.items()} for n, p in picks.items()},
                  "owned_up_to": OWNED_UP_TO})
-    print(write_results("attention_backward_tune", rows, columns, meta=meta,
+    print(write_results(args.name, rows, columns, meta=meta,
                         title="Attention backward tiles: per-kernel candidates (µs, whole backward)"))
     return 0
 
