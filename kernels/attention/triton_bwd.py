@@ -7,7 +7,7 @@ masks them), ``P = softmax(s)``, ``O = P V``, upstream gradient ``dO``:
     dP = dO V^T,  delta = rowsum(dO * O),  dS = P * (dP - delta)
     dQ = scale * dS K,     dK = scale * dS^T Q   (dK summed over the group too)
 
-Three kernels, each a program per (tile, head, sequence) looping over its sequence's tiles with the grid's stride
+Up to four kernels, the sequence ones a program per (tile, head, sequence) looping over its sequence's tiles with the grid's stride
 (so ``max_seqlen`` only sizes the launch, and a short one costs time, never a row):
 
 - ``_bwd_prep``: per query row, ``delta``; and the base-2 log-sum-exp of its scaled logits (a pass over the keys,
@@ -17,6 +17,11 @@ Three kernels, each a program per (tile, head, sequence) looping over its sequen
   key-major (K Q^T), so no register tile is transposed. Where the launch's rows fit one key tile (the windows
   of vision towers), a sequence that is one key tile also gets its whole dQ here (5 products instead of 7).
 - ``_bwd_dq``: per query tile, dQ accumulated over its key tiles (sequences the dK/dV kernel did are skipped).
+  With the forward's log-sum-exp it runs first and computes delta itself (it holds the dO tile): no ``_bwd_prep``.
+- Owned dQ (a fifth dK/dV tile element, the tiles of one-key-tile windows): one dK/dV program per (kv head,
+  sequence) walks the key tiles in order and computes the sequence's dQ too (float32 partial sums in a scratch),
+  and no dQ kernel runs.
+- ``_bwd_zero_uncovered``: the gradients are allocated uninitialised; this pass zeroes the rows no sequence covers.
 
 Masks only where a tile needs one: key bounds on a sequence's last key tile (dQ), causal masks on tiles across
 the diagonal; rows past a sequence's end load a log-sum-exp of +inf, so their P is 0 without a mask.
