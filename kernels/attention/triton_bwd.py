@@ -7,8 +7,8 @@ masks them), ``P = softmax(s)``, ``O = P V``, upstream gradient ``dO``:
     dP = dO V^T,  delta = rowsum(dO * O),  dS = P * (dP - delta)
     dQ = scale * dS K,     dK = scale * dS^T Q   (dK summed over the group too)
 
-Up to four kernels, the sequence ones a program per (tile, head, sequence) looping over its sequence's tiles with the grid's stride
-(so ``max_seqlen`` only sizes the launch, and a short one costs time, never a row):
+Up to four kernels; those over sequences have a program per (tile, head, sequence) looping over its sequence's tiles
+with the grid's stride (so ``max_seqlen`` only sizes the launch, and a short one costs time, never a row):
 
 - ``_bwd_prep``: per query row, ``delta``; and the base-2 log-sum-exp of its scaled logits (a pass over the keys,
   as the forward's, without V) only when the forward did not save it (the training forward does).
