@@ -17,10 +17,36 @@ QKV_BACKENDS = f"{VISION_MODULE}.QKV_BACKEND_IMPL[]"
 # Constant keys of such tables, resolved: a key that names another backend is no candidate.
 REGISTRIES = {f"{VISION_MODULE}.QKV_BACKEND_IMPL": {"flashinfer_cudnn": VISION_FI}}
 VISION_ATTENTION = f"{VISION_MODULE}.VisionAttention"
+# The releases the catalog's picture of each engine is taken from. The linter judges a call by the engine's
+# own source where the scanned tree or the environment has it (lint/engine_defs.py), by this picture where not,
+# and a finding says which.
+PINNED = {"sglang": "0.5.23", "vllm": "0.33.0"}
+# sglang 0.5.23's QKV_BACKEND_IMPL: for each backend, the keywords of VisionAttention.forward (which passes
+# forward_metadata and max_seqlen on to it) whose value it reads in place of a host read of its own. Empty: no
+# keyword spares it one (sdpa builds its mask from the offsets on the host unless given a mask, flashinfer_cudnn
+# needs its prepared values rather than reading them, ascend copies the offsets to the host either way, amx and
+# xpu always read). tests/engines/test_catalog_drift.py compares this with what the release's source says.
+VISION_BACKENDS_SPARED_BY = {
+    "triton_attn": ("forward_metadata", "max_seqlen"),
+    "sdpa": (),
+    "fa3": ("forward_metadata", "max_seqlen"),
+    "fa4": ("forward_metadata", "max_seqlen"),
+    "flashinfer_cudnn": (),
+    "ascend_attn": (),
+    "aiter_attn": ("forward_metadata",),
+    "amx_attn": (),
+    "xpu_attn": (),
+}
+# A layer that picks its backend from a table when built: the constructor's keyword that names the entry (the
+# platform's default when absent or None), the table, and the catalog's keywords per backend (above).
+LAYER_BACKENDS = {VISION_ATTENTION: ("qkv_backend", f"{VISION_MODULE}.QKV_BACKEND_IMPL", VISION_BACKENDS_SPARED_BY)}
 VLLM_MM = "vllm.model_executor.layers.attention.mm_encoder_attention.MMEncoderAttention"
 # Other names an engine exports a target under (its package's __init__ re-imports it): most of vLLM
 # 0.33's models import MMEncoderAttention from vllm.model_executor.layers.attention.
 REEXPORTS = {"vllm.model_executor.layers.attention.MMEncoderAttention": VLLM_MM}
+# The methods an instance call runs where the class defines no forward of its own (vLLM's CustomOp dispatches
+# forward to the one of the platform): what the call may pass is read from them.
+CALLED_METHODS = {VLLM_MM: ("forward_native", "forward_cuda")}
 OUR_CUDNN = "guardlint.kernels.cudnn_vision_attention"
 ENGINE_LORA_INFO = "sglang.srt.lora.utils.LoRABatchInfo"
 OUR_LORA_INFO = "guardlint.kernels.lora.LoRABatchInfo"
@@ -280,6 +306,14 @@ _VISION_DIAG_COMMON: dict[str, Any] = dict(
     ),
 )
 
+# How GL101 and GL102 read the engine a call reaches.
+_VISION_JUDGED = (
+    "Judged by the definition the call reaches: a copy of sglang's vision module in the scanned tree, else the "
+    "installed sglang's (read by path, never imported), else this catalog's sglang 0.5.23; the finding's note "
+    "names which. Only what VisionFlashInferAttention.forward there takes is asked for, a QKV_BACKEND_IMPL without "
+    "flashinfer_cudnn cannot reach it, and a fix never imports a helper that module does not define.",
+)
+
 GL101 = Contract(
     code="GL101",
     name="missing-sequence-lengths",
@@ -299,6 +333,7 @@ GL101 = Contract(
     require=(("forward_metadata",), ("sequence_lengths",)),
     subject=("sequence_lengths",),
     derivations=(ENGINE_PREPARE_CUDNN, PREPARE_CUDNN, SEQUENCE_LENGTHS),
+    notes=_VISION_JUDGED,
     fix_safety="unsafe",
     diagnosis=Diagnosis(
         message="sequence_lengths should be prepared for vision flashinfer_cudnn attention backend",
@@ -334,6 +369,7 @@ GL102 = Contract(
     require=(("forward_metadata",), ("max_seqlen",)),
     subject=("max_seqlen",),
     derivations=(ENGINE_PREPARE_CUDNN, PREPARE_CUDNN, MAX_SEQLEN),
+    notes=_VISION_JUDGED,
     fix_safety="unsafe",
     diagnosis=Diagnosis(
         message="max_seqlen should be prepared for vision flashinfer_cudnn attention backend",
@@ -706,6 +742,18 @@ GL109 = Contract(
     targets=(Target(VISION_ATTENTION, "instance"),),
     params=VISION_ATTENTION_PARAMS,
     require=(("forward_metadata",), ("max_seqlen",)),
+    notes=(
+        "Judged by the VisionAttention the file reaches: a copy of sglang's vision module in the scanned tree, else "
+        "the installed sglang's (read by path, never imported), else this catalog's sglang 0.5.23; the finding's "
+        "note names which. A keyword is asked for only where that layer passes it on to a backend that reads it "
+        "instead of the host (in 0.5.23: forward_metadata and max_seqlen for triton_attn, fa3 and fa4, "
+        "forward_metadata for aiter_attn); where the layer or its backends take neither (older releases and their "
+        "forks), there is no finding.",
+        "The backends a call can reach follow the layer's construction: a constant qkv_backend=\"sdpa\", or a name "
+        "that the constructor refuses to run with unless it is one of some constants, limits them; without one "
+        "(or with None, the platform's default) any backend of the table may run. sglang's server setting "
+        "mm_attention_backend overrides the constructor's choice; a static check does not see it.",
+    ),
     diagnosis=Diagnosis(
         message="VisionAttention without forward_metadata derives max_seqlen with a host read in every block",
         headline="a host read per block",

@@ -79,6 +79,92 @@ class RawFinding:
     qual: str = ""  # the target the callee resolved to (derivations are chosen by it)
     per_layer: str = ""  # why the call runs once per layer ("" when it does not, as far as is known)
     note: str = ""  # the longer text behind the message (``Finding.note``)
+    # The engine definition the call was judged by (``engine_defs.Judgement``): the keywords it takes (None: the
+    # catalog's), its positional parameters, and the source named in the note.
+    takes: Optional[frozenset] = None
+    params: Optional[tuple] = None
+    judged: str = ""
+
+
+def _gaps(require, present: set) -> Optional[tuple]:
+    """``Contract.missing_groups`` over ``require``: None when some group is complete, else the fewest gaps."""
+    if not require:
+        return None
+    best: Optional[tuple] = None
+    for group in require:
+        gaps = tuple(n for n in group if n not in present)
+        if not gaps:
+            return None
+        if best is None or len(gaps) < len(best):
+            best = gaps
+    return best
+
+
+def _constants(expr: Optional[cst.BaseExpression]) -> Optional[set]:
+    """The strings ``expr`` can be: one constant, or a tuple, list or set (or ``frozenset(...)``) of them."""
+    if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Name) and expr.func.value in ("set", "frozenset",
+                                                                                              "tuple") \
+            and len(expr.args) == 1:
+        expr = expr.args[0].value
+    if isinstance(expr, cst.SimpleString):
+        value = expr.evaluated_value
+        return {value} if isinstance(value, str) else None
+    if isinstance(expr, (cst.Tuple, cst.List, cst.Set)):
+        found: set = set()
+        for e in expr.elements:
+            got = _constants(e.value) if isinstance(e, cst.Element) else None
+            if got is None or len(got) != 1:
+                return None
+            found |= got
+        return found
+    return None
+
+
+def _statements(block):
+    """The statements of a block (a def's body), into compound statements but not into nested defs or classes."""
+    for stmt in getattr(block, "body", ()):
+        if isinstance(stmt, cst.SimpleStatementLine):
+            yield from stmt.body
+        elif not isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+            yield from _compound(stmt)
+
+
+def _compound(stmt):
+    yield stmt
+    for name in ("body", "orelse", "finalbody"):
+        part = getattr(stmt, name, None)
+        if isinstance(part, cst.If):  # elif
+            yield from _compound(part)
+        elif isinstance(part, (cst.Else, cst.Finally)):
+            yield from _statements(part.body)
+        elif isinstance(part, cst.BaseSuite):
+            yield from _statements(part)
+    for handler in getattr(stmt, "handlers", ()):
+        yield from _statements(handler.body)
+
+
+def _required(stmt, name: str) -> Optional[set]:
+    """The constants ``stmt`` makes ``name`` one of, or the function stops: ``assert name in (...)``,
+    ``assert name == "c"``, ``if name not in (...): raise ...``, ``if name != "c": raise ...``."""
+    raising: tuple[type, type]
+    if isinstance(stmt, cst.Assert):
+        test, raising = stmt.test, (cst.In, cst.Equal)
+    elif isinstance(stmt, cst.If) and any(isinstance(s, cst.Raise) for s in _statements(stmt.body)):
+        test, raising = stmt.test, (cst.NotIn, cst.NotEqual)
+    else:
+        return None
+    if not isinstance(test, cst.Comparison) or len(test.comparisons) != 1:
+        return None
+    left, comparison = test.left, test.comparisons[0]
+    if not (isinstance(left, cst.Name) and left.value == name and isinstance(comparison.operator, raising)):
+        return None
+    found = _constants(comparison.comparator)
+    if found is None or (isinstance(comparison.operator, (cst.Equal, cst.NotEqual)) and len(found) != 1):
+        return None
+    if isinstance(comparison.operator, (cst.Equal, cst.NotEqual)) and not isinstance(comparison.comparator,
+                                                                                      cst.SimpleString):
+        return None
+    return found
 
 
 def _join(items, last: str) -> str:
@@ -148,12 +234,15 @@ def callable_names(bindings: dict, known) -> set[str]:
 
 class Checker:
     def __init__(self, rules: RuleSet, collector: Collector, strict: bool = False,
-                 module_names: Optional[set[str]] = None):
+                 module_names: Optional[set[str]] = None, path: Optional[str] = None):
         """``module_names``: what ``callable_names`` gives for the module scope, when the caller keeps
-        it (a file checked in chunks would otherwise look through every module binding per chunk)."""
+        it (a file checked in chunks would otherwise look through every module binding per chunk).
+        ``path``: the file's, where an engine's own source is looked for (``engine_defs``)."""
         self.rules = rules
         self.c = collector
         self.strict = strict
+        self.path = path
+        self._judged: dict = {}
         known = known_targets(rules)
         self.resolver = Resolver(collector.module, rules.by_instance, known)
         # Only calls whose last name is one of these can reach a contract; the rest are not resolved.
@@ -215,15 +304,28 @@ class Checker:
         return out
 
     def _check(self, c: Contract, node, scope, seq, label, guarded, out, qual: str = "") -> None:
-        bound = bind_args(node, c.params_for(qual))
+        judged = self._judge(c, qual, node, scope, seq) if c.kind in ("call", "positional") else None
+        if judged is not None and not judged.reachable:
+            return  # the engine's table here has no entry for the target: the call cannot reach it
+        params = judged.params if judged is not None and judged.params is not None else c.params_for(qual)
+        bound = bind_args(node, params)
         target = c.target(qual)
         if target is not None and target.when_passed and not set(target.when_passed) <= bound.present():
             return
         note = contract_note(c, target.message if target is not None else "")
+        found = dict(takes=judged.takes, params=judged.params, judged=judged.label) if judged is not None else {}
+        if judged is not None:
+            note = "\n".join(part for part in (note, f"Judged against {judged.label}.") if part)
         if c.kind == "call":
             if guarded:  # the guard derives what is missing at runtime
                 return
-            missing = self._missing(c, self._present(c, bound, scope, seq), node, scope, seq)
+            require = c.require
+            if judged is not None and judged.takes is not None:
+                # Only what the definition this call reaches takes is advice that can be followed.
+                require = tuple(g for g in c.require if all(_top(n) in judged.takes for n in g))
+                if not require:
+                    return
+            missing = self._missing(c, self._present(c, bound, scope, seq), node, scope, seq, require)
             if missing is None:
                 return
             if bound.star or bound.double_star:
@@ -232,19 +334,19 @@ class Checker:
             # A target with its own parameter list names only the alternatives it takes (vLLM's
             # MMEncoderAttention has no forward_metadata).
             own = set(target.params) if target is not None and target.params else None
-            groups = [g for g in c.require if own is None or all(_top(n) in own for n in g)] or list(c.require)
+            groups = [g for g in require if own is None or all(_top(n) in own for n in g)] or list(require)
             nones = list(dict.fromkeys(_top(n) for g in groups for n in g if _top(n) in bound.explicit_none()))
             if c.subject and len(groups) > 1:  # the line names the subject only: the note, every way out
                 note += f"\nIt takes {_join(['+'.join(g) for g in groups], 'or')} (not None)."
             out.append(RawFinding(node, c, _line(c, f"{label} {lacks(c, groups, nones)}"), c.severity,
-                                  how="call", bound=bound, scope=scope, seq=seq, label=label, note=note))
+                                  how="call", bound=bound, scope=scope, seq=seq, label=label, note=note, **found))
         elif c.kind == "positional":
             if bound.positional:
                 n = bound.positional
                 out.append(RawFinding(node, c, _line(c, f"{label} passes {n} positional argument"
                                                         f"{'s' if n != 1 else ''}"), c.severity,
                                       how="positional", bound=bound, scope=scope, seq=seq, label=label,
-                                      note=note))
+                                      note=note, **found))
             elif bound.star:
                 self._unknown(c, node, label, bound, out)
         elif c.kind == "value":
@@ -312,15 +414,121 @@ class Checker:
                 return True
         return False
 
-    def _missing(self, c: Contract, present: set[str], node, scope, seq):
-        items = {n for g in c.require for n in g if n in present or ("." not in n and _top(n) in present)}
-        missing = c.missing_groups(items)
+    def _missing(self, c: Contract, present: set[str], node, scope, seq, require=None):
+        """The gaps of the group closest to complete (None: one is), over ``require`` (the contract's groups,
+        or those the definition the call reaches takes)."""
+        require = c.require if require is None else require
+        items = {n for g in require for n in g if n in present or ("." not in n and _top(n) in present)}
+        missing = _gaps(require, items)
         if missing is not None and c.satisfied_by_later_assignment:
             later = self._stored_later(node, scope, seq)
             if later:
-                items |= {n for g in c.require for n in g if _top(n) in later}
-                missing = c.missing_groups(items)
+                items |= {n for g in require for n in g if _top(n) in later}
+                missing = _gaps(require, items)
         return missing
+
+    # -- the definition a call reaches (engine_defs) -----------------------------------------------------
+    def _judge(self, c: Contract, qual: str, node: cst.Call, scope: Scope, seq: int):
+        """``engine_defs.judge`` of the call's target (None for a target of no pinned engine), once per target,
+        keywords and the backends the call's layer may pick."""
+        from guardlint.contracts.catalog import LAYER_BACKENDS
+
+        from . import engine_defs
+
+        if not qual or engine_defs.engine_of(qual) is None:
+            return None
+        target = c.target(qual)
+        kind = target.kind if target is not None else "instance"
+        keywords = tuple(dict.fromkeys(_top(n) for g in c.require for n in g))
+        backends = self._backends(qual, node, scope, seq) if qual in LAYER_BACKENDS else None
+        key = (qual, kind, keywords, backends)
+        if key not in self._judged:
+            self._judged[key] = engine_defs.judge(qual, kind, keywords, self.path, backends)
+        return self._judged[key]
+
+    def _constructions(self, node: cst.Call, scope: Scope, seq: int, qual: str):
+        """The calls that built the instance ``node`` calls (``self.attn = C(...)`` in any method of the class,
+        ``attn = C(...)`` before it), with their scope and seq; None where they cannot be told."""
+        f = node.func
+        if isinstance(f, cst.Attribute) and f.attr.value == "forward":
+            f = f.value
+        made: list = []
+        if isinstance(f, cst.Call):
+            made = [(f, scope, seq)]
+        elif isinstance(f, cst.Name):
+            b = self.resolver.lookup(scope, f.value, seq)
+            if b is None or b.kind != "call" or not isinstance(b.value, tuple) or len(b.value) < 4:
+                return None
+            made = [(b.value[3], b.value[1], b.value[2])]
+        elif isinstance(f, cst.Attribute) and isinstance(f.value, cst.Name):
+            b = self.resolver.lookup(scope, f.value.value, seq)
+            if b is None or b.kind != "self" or not isinstance(b.value, ClassInfo):
+                return None
+            made = [(call, s, sq) for _, s, sq, call in b.value.attrs.get(f.attr.value, ())]
+        made = [m for m in made if self._makes(m, qual)]
+        return made or None
+
+    def _makes(self, made, qual: str) -> bool:
+        call, s, sq = made
+        ref = self.resolver.resolve(call.func, s, sq)
+        return ref is not None and ref.kind == "qual" and self.rules.canonical.get(ref.qual, ref.qual) == qual
+
+    def _backends(self, qual: str, node: cst.Call, scope: Scope, seq: int) -> Optional[frozenset]:
+        """The backend keys the layer's constructions allow: a constant ``qkv_backend="sdpa"``, or a name its
+        constructor only lets hold some constants (assigned only those, or refused unless one of them: ``if
+        backend not in ("sdpa",): raise``). None: any (absent or None picks the platform's default)."""
+        from guardlint.contracts.catalog import LAYER_BACKENDS
+
+        from . import engine_defs
+
+        keyword = LAYER_BACKENDS[qual][0]
+        made = self._constructions(node, scope, seq, qual)
+        if not made:
+            return None
+        keys: set = set()
+        for call, s, _ in made:
+            if any(a.star for a in call.args):
+                return None
+            arg = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == keyword), None)
+            positional = [a.value for a in call.args if a.keyword is None]
+            if arg is None and positional:
+                params = engine_defs.parameters(qual, "__init__", self.path)
+                if params is None:
+                    return None
+                if keyword in params and params.index(keyword) < len(positional):
+                    arg = positional[params.index(keyword)]
+            allowed = _constants(arg) if arg is not None else None
+            if allowed is None and isinstance(arg, cst.Name):
+                allowed = self._allowed(arg.value, s)
+            if allowed is None:
+                return None
+            keys |= allowed
+        return frozenset(keys)
+
+    def _allowed(self, name: str, scope: Scope) -> Optional[set]:
+        """The constants a name can hold in the function that builds the layer: those it is assigned (when it
+        is no parameter and only constants are assigned to it), narrowed by the ones the function refuses to
+        run without (``assert name in (...)``, ``if name not in (...): raise``); None when unknown."""
+        fn = scope.function_scope()
+        node = getattr(self.c, "defs", {}).get(id(fn.info)) if isinstance(fn.info, FuncInfo) else None
+        if node is None:
+            return None
+        p = node.params
+        is_param = any(x.name.value == name for x in (*p.posonly_params, *p.params, *p.kwonly_params))
+        assigned: Optional[set] = None if is_param else set()
+        allowed: Optional[set] = None
+        for stmt in _statements(node.body):
+            if isinstance(stmt, (cst.Assign, cst.AnnAssign, cst.AugAssign)) and assigned is not None:
+                targets = [t.target for t in stmt.targets] if isinstance(stmt, cst.Assign) else [stmt.target]
+                if any(isinstance(t, cst.Name) and t.value == name for t in targets):
+                    value = _constants(stmt.value) if isinstance(stmt, cst.Assign) and len(targets) == 1 else None
+                    assigned = None if value is None else assigned | value
+            required = _required(stmt, name)
+            if required is not None:
+                allowed = required if allowed is None else allowed & required
+        if assigned:  # a local assigned only constants
+            return assigned if allowed is None else assigned & allowed
+        return allowed
 
     def _stored_later(self, node, scope: Scope, seq: int) -> set[str]:
         """Attributes set to a non-None value on the call's result, later in the same function."""

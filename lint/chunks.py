@@ -86,6 +86,7 @@ class _View:
     assigned: dict
     stores: list
     per_layer: dict
+    defs: dict
 
 
 @dataclass
@@ -435,6 +436,7 @@ class _Run:
         # The module is each chunk's, set before its findings are fixed.
         builder = EditBuilder(cst.Module([]), None, self.data, Resolver(collector.module, {}, ()), text=self.text,
                               layout=self.layout.result(self.text.count("\n") + 2))
+        builder.path = self.path
         lines = _Lines(self.text, builder._starts)
         table = suppress.suppressions(self.data) if suppress.may_suppress(self.data) else None
         seen: set = set()
@@ -451,7 +453,8 @@ class _Run:
                     patterns.walk(stmt)
             raw = c.pattern_raw
             # A _View holds exactly what Checker reads of a Collector, for this chunk's calls.
-            raw.extend(Checker(rules, cast(Collector, view), self.strict, module_names=module_names).run())
+            raw.extend(Checker(rules, cast(Collector, view), self.strict, module_names=module_names,
+                               path=self.path).run())
             spans, self.spans[c.index] = self.spans[c.index], None
             if not raw:
                 _untie(view)
@@ -514,9 +517,9 @@ class _Run:
                 walker.walk(stmt)
             # The chunk's calls, stores and per-call facts leave the collector with it.
             c.view = _View(collector.module, collector.sites, collector.calls, collector.assigned,
-                           collector.stores, collector.per_layer)
+                           collector.stores, collector.per_layer, collector.defs)
             collector.sites, collector.calls, collector.stores = [], [], []
-            collector.assigned, collector.per_layer = {}, {}
+            collector.assigned, collector.per_layer, collector.defs = {}, {}, {}
             bindings = collector.module.bindings
             module_names.update(callable_names({n: bindings[n] for n in collector.module_bound}, known))
             collector.module_bound.clear()

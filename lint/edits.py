@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Optional
 
 import libcst as cst
 
-from . import fixes, hoist
+from . import engine_defs, fixes, hoist
 from .findings import MESSAGE_WIDTH, NO_FIX, Edit, Fix
 from .names import Resolver, Scope
 from .positions import LINE_BREAK
@@ -79,11 +79,17 @@ class EditBuilder:
 
         def can_import(module: str, name: str) -> Optional[str]:
             b = self.resolver.lookup(r.scope, name, r.seq) if r.scope is not None else None
-            if b is None:
-                return None
-            if b.kind == "import" and b.value == f"{module}.{name}":
+            if b is not None and b.kind == "import" and b.value == f"{module}.{name}":
                 return ""
-            return f"{name} already names something else here, so {module}.{name} cannot be imported"
+            if b is not None:
+                return f"{name} already names something else here, so {module}.{name} cannot be imported"
+            # An engine's helper: the module this file would import must define it (a fork may not).
+            defined, source = engine_defs.defines(module, name, self.path) if engine_defs.engine_of(module) \
+                else (None, "")
+            if defined is False:
+                return f"helper not in this {module.split('.')[0]}\n{module} as {source} does not define {name}, " \
+                       f"so the fixed file would not import."
+            return None
 
         def in_scope(name: str) -> bool:
             """A value of this name bound in the call's own function before it (not an import)."""
@@ -95,11 +101,11 @@ class EditBuilder:
 
         if r.how == "call":
             plan = fixes.plan_call(r.contract, r.node, r.bound.values, can_import, r.qual, in_scope,
-                                   r.per_layer)
+                                   r.per_layer, r.takes, r.judged)
         elif r.how == "replace":
             plan = fixes.plan_replace(r.contract, r.node, can_import)
         else:
-            plan = fixes.plan_positional(r.contract, r.node, r.label, r.qual)
+            plan = fixes.plan_positional(r.contract, r.node, r.label, r.qual, r.params)
         if plan is None:
             return None, ""
         if isinstance(plan, fixes.NoFix):
@@ -152,9 +158,10 @@ class EditBuilder:
         if isinstance(got, hoist.Refused):
             return refused(got.reason, got.short)
         for module, name in d.imports:
-            defined, source = hoist.definition_source(self.path, module, name)
+            defined, source = engine_defs.defines(module, name, self.path)
             if defined is False:
-                return refused(f"{module} as {source} does not define {name}", "helper not in this sglang")
+                return refused(f"{module} as {source} does not define {name}",
+                               f"helper not in this {module.split('.')[0]}")
         imports = fixes._imports_for([(d.target, d, "")], can_import)
         if isinstance(imports, fixes.NoFix):
             return refused(imports.reason)

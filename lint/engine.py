@@ -142,17 +142,20 @@ def syntax_check(data: bytes, path: str) -> FileResult:
 
 def check_source(data: bytes, path: str, rules: RuleSet, *, strict: bool = False,
                  module_name: Optional[str] = None, is_package: bool = False,
-                 keep_module: bool = False, prefilter: bool = False) -> FileResult:
+                 keep_module: bool = False, prefilter: bool = False, sketch: bool = False,
+                 callees: Optional[dict] = None) -> FileResult:
     """Findings of one file's bytes (PEP 263 cookies and a UTF-8 BOM are honoured).
 
     ``module_name`` (dotted, from the file's package) resolves relative imports and makes this
     file's own module-level definitions targets when their qualified name is one. Never raises for
     a problem of the file: those are GL000 findings. With ``prefilter``, a file whose CPython tree
     holds nothing a rule could report is not given to libcst (``prefilter.py``); ``parsed`` is then
-    False.
+    False. With ``sketch``, the result carries the file's facts for the callee summaries; ``callees``
+    is the file's table of them (``summaries.build``), which GL104 asks at its calls.
     """
     try:
-        return _check_source(data, path, rules, strict, module_name, is_package, keep_module, prefilter)
+        return _check_source(data, path, rules, strict, module_name, is_package, keep_module, prefilter,
+                             sketch, callees)
     except RecursionError:
         return file_error(path, "nested too deeply to check")
     except MemoryError:
@@ -162,7 +165,8 @@ def check_source(data: bytes, path: str, rules: RuleSet, *, strict: bool = False
                                 f"the file was not checked")
 
 
-def _check_source(data, path, rules, strict, module_name, is_package, keep_module, prefilter) -> FileResult:
+def _check_source(data, path, rules, strict, module_name, is_package, keep_module, prefilter, sketch=False,
+                  callees=None) -> FileResult:
     if len(data) > MAX_BYTES:
         return file_error(path, f"file too large to check ({len(data) / 1e6:.1f} MB; the limit is "
                                 f"{MAX_BYTES // (1024 * 1024)} MB)")
@@ -192,11 +196,16 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
     finally:
         if was_enabled:
             gc.enable()
+    facts = None
+    if sketch and tree is not None:
+        from .summaries import sketch as sketch_file
+
+        facts = sketch_file(tree, data, path, module_name, is_package)
     if prefilter and tree is not None:
         from .prefilter import tree_filter
 
         if not tree_filter(rules).may_report(tree, data):
-            return FileResult(path, [])
+            return FileResult(path, [], facts=facts)
     _load()
     # libcst's parse allocates a node object per token and per grammar rule and makes no cycles: the
     # collector passes it triggers cost ~10% of the parse (65 files of sglang 0.5.23: 2.26 -> 2.04 s).
@@ -223,12 +232,15 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
     raw: list[RawFinding] = []
     visitors: list[object] = [collector]
     for contract in rules.patterns:
-        visitors.append(_pattern_visitor(
-            contract, lambda node, message, c=contract: raw.append(RawFinding(node, c, message, c.severity,
-                                                                               note=pattern_note(c)))))
+        # (``note``: the finding's own facts, before the rule's words: the path through a callee, GL104)
+        visitor = _pattern_visitor(contract, lambda node, message, note="", c=contract: raw.append(RawFinding(
+            node, c, message, c.severity, note="\n".join(filter(None, (note, pattern_note(c)))))))
+        if callees and hasattr(visitor, "callees"):
+            visitor.callees, visitor.path = callees, path
+        visitors.append(visitor)
     Walker(visitors).walk(module)
-    raw.extend(Checker(rules, collector, strict).run())
-    result = FileResult(path, [], parsed=True, module=module if keep_module else None)
+    raw.extend(Checker(rules, collector, strict, path=path).run())
+    result = FileResult(path, [], parsed=True, module=module if keep_module else None, facts=facts)
     if not raw:
         return result
 

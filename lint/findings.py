@@ -148,13 +148,15 @@ def share_reasons(findings: Iterable[Finding]) -> list[Finding]:
 @dataclass
 class FileResult:
     """Findings of one file. ``module`` (and ``nodes``, the node of each finding) are kept on
-    request for a fixer; they do not cross process boundaries."""
+    request for a fixer; they do not cross process boundaries. ``facts``: what the callee summaries
+    need of the file (``summaries.FileFacts``), when asked for."""
 
     path: str
     findings: list[Finding]
     parsed: bool = False
     module: Optional[cst.Module] = None
     nodes: list = field(default_factory=list)
+    facts: object = None
 
 
 @dataclass(frozen=True)

@@ -311,13 +311,15 @@ def _with_derivations(contract: Contract, derivations: tuple) -> Contract:
 
 
 def plan_call(contract: Contract, call: cst.Call, bound_values: dict, can_import: ImportCheck,
-              qual: str = "", in_scope: Optional[Callable[[str], bool]] = None, per_layer: str = "") -> Outcome:
+              qual: str = "", in_scope: Optional[Callable[[str], bool]] = None, per_layer: str = "",
+              takes: Optional[frozenset] = None, judged: str = "") -> Outcome:
     """Fix for a ``call`` contract: derive what is missing from the call's own arguments. A name
     passed as None gets its value replaced; an absent one is added as a keyword.
 
     Only the derivations written for ``qual`` (the resolved target) are used. A missing value that
     ``in_scope`` says is already bound under its own name is passed as that name. A derivation with a
-    host read is not written into code that runs once per layer (``per_layer`` says why it does)."""
+    host read is not written into code that runs once per layer (``per_layer`` says why it does). ``takes``:
+    the keywords the target's definition here uses (``judged`` names it); a fix passes no other."""
     if not contract.derivations or contract.fix_safety == "none":
         return None
     derivations = tuple(d for d in contract.derivations if d.applies_to(qual or None))
@@ -327,6 +329,15 @@ def plan_call(contract: Contract, call: cst.Call, bound_values: dict, can_import
         return NoFix.because("nothing at the call can build it",
                              f"Compute it once per model forward with the engine's own helper "
                              f"(guardlint explain {contract.code}).")
+    written = contract.fix_writes or (derivations[0].target,)
+    untaken = [t for t in written if takes is not None and t.split(".", 1)[0] not in takes]
+    if untaken:
+        # No falling back to a later derivation (see choose_derivations): the preferred one is what the
+        # target needs; where this release takes no such keyword, the finding says so.
+        short = qual.rsplit(".", 1)[-1].removesuffix("[]") or "the target"
+        return NoFix.because(f"{short} here takes no {untaken[0]}",
+                             f"{short} as {judged or 'found'} does not use {untaken[0]}: the fix would pass a "
+                             f"value it ignores.")
     contract = _with_derivations(contract, derivations)
     in_scope = in_scope or (lambda name: False)
 
@@ -457,10 +468,13 @@ def plan_replace(contract: Contract, call: cst.Call, can_import: ImportCheck) ->
     return _derive_into(contract, call, keywords, missing_in, source_of, can_import)
 
 
-def plan_positional(contract: Contract, call: cst.Call, label: str, qual: str = "") -> Outcome:
+def plan_positional(contract: Contract, call: cst.Call, label: str, qual: str = "",
+                    params: Optional[Sequence[str]] = None) -> Outcome:
     """Fix for a ``positional`` contract: name every positional argument by the parameters of the
-    resolved target ``qual`` (targets may differ: ours has fewer fields than the engine's)."""
-    params: Sequence[str] = contract.params_for(qual) if qual else contract.params
+    resolved target ``qual`` (targets may differ: ours has fewer fields than the engine's), or by
+    ``params``, those of the target's definition this file reaches."""
+    if params is None:
+        params = contract.params_for(qual) if qual else contract.params
     if contract.fix_safety == "none" or not params:
         return None
     if any(a.star for a in call.args):

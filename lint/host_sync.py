@@ -14,8 +14,12 @@ value model's answer (``values.py``), names the fallback where it does not know.
 # A receiver the value model shows to be a device value derived from metadata is reported under its own
 # name (``spans (from cu_seqlens)``), one it shows to be on the host is not, whatever its name; the value
 # map of a function is built the first time one of its reads needs it.
+# A call of a function of the scanned tree is a read when the function's summary (``summaries.py``, given
+# as ``callees``) says it reads on the host the parameter that a device value derived from metadata fills
+# at the call; the finding names the path to the read.
 from __future__ import annotations
 
+import os
 import re
 from typing import Callable, Optional
 
@@ -23,8 +27,8 @@ import libcst as cst
 
 from guardlint.contracts import Contract
 
-from .findings import message, per_layer_place
-from .names import dotted
+from .findings import MESSAGE_WIDTH, message, per_layer_place
+from .names import dotted, is_none
 from .patterns import CASTS, LAYER_LOOP_NAME, PER_LAYER_CLASS_SUFFIXES, SYNC_METHODS, is_seqlen_name
 from .values import Values
 from .walk import children
@@ -59,6 +63,30 @@ def _metadata_name(expr: cst.CSTNode) -> Optional[str]:
     return None
 
 
+def _loop_index(node: cst.For) -> Optional[str]:
+    """``i`` of ``for i, layer in enumerate(...)`` or ``for i in range(...)``."""
+    func = dotted(node.iter.func) if isinstance(node.iter, cst.Call) else None
+    target = node.target
+    if func == "enumerate" and isinstance(target, cst.Tuple) and target.elements \
+            and isinstance(target.elements[0].value, cst.Name):
+        return target.elements[0].value.value
+    if func == "range" and isinstance(target, cst.Name):
+        return target.value
+    return None
+
+
+def _tests_index(test: cst.BaseExpression, index: str) -> bool:
+    """``i == k`` (either side; ``and`` with anything else): true for one value of ``i`` at most."""
+    if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.And):
+        return _tests_index(test.left, index) or _tests_index(test.right, index)
+    if not (isinstance(test, cst.Comparison) and len(test.comparisons) == 1
+            and isinstance(test.comparisons[0].operator, cst.Equal)):
+        return False
+    sides = (test.left, test.comparisons[0].comparator)
+    return any(isinstance(a, cst.Name) and a.value == index for a in sides) \
+        and not all(isinstance(a, cst.Name) and a.value == index for a in sides)
+
+
 def _layer_loop(iterable: cst.BaseExpression) -> Optional[str]:
     for name in _names_in(iterable):
         if LAYER_LOOP_NAME.search(name):
@@ -67,13 +95,20 @@ def _layer_loop(iterable: cst.BaseExpression) -> Optional[str]:
 
 
 class PerLayerHostSync:
-    def __init__(self, contract: Contract, report: Callable[[cst.BaseExpression, str], None]):
+    def __init__(self, contract: Contract, report: Callable[..., None]):
         self.contract = contract
         self.report = report
         self._classes: list[Optional[str]] = []  # enclosing class names; None for a def in between
         self._contexts: list[Optional[str]] = []  # why the code here runs per layer
         self._inside_report = 0  # depth of calls nested in an already reported one
         self._funcs: list[list] = []  # enclosing defs, innermost last: [def, its value map once built]
+        # (qualname of the enclosing def, callee as written) -> summaries.Callee, for calls whose definition
+        # reads a parameter on the host (summaries.py); empty where the run built none.
+        self.callees: dict = {}
+        self.path = ""  # the file's, as shown (the place of a callee is said relative to it)
+        self._scope: list[str] = []  # names of the enclosing classes and defs
+        self._indices: list[Optional[str]] = []  # the index name of each enclosing for loop over layers
+        self._once: set[int] = set()  # ids of bodies that run at most once per loop (``if i == k:``)
 
     def _message(self, what: str, context: str) -> str:
         # The headline says "per layer"; the line names the read and where it is.
@@ -89,6 +124,9 @@ class PerLayerHostSync:
         self._fallback = 0
 
     def visit_If(self, node: cst.If) -> None:
+        index = next((i for i in reversed(self._indices) if i is not None), None) if self._indices else None
+        if index is not None and _tests_index(node.test, index):
+            self._once.add(id(node.body))
         if _tests_metadata(node.test):
             self._fallback += 1
         self._truth(node.test, "if")
@@ -113,9 +151,10 @@ class PerLayerHostSync:
             self._fallback -= 1
 
     def _context(self) -> Optional[str]:
-        return next((c for c in reversed(self._contexts) if c), None)
+        return next((c or None for c in reversed(self._contexts) if c is not None), None)
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self._scope.append(node.name.value)
         if _host_only(node):
             self._classes.append(None)
             self._contexts.append(None)
@@ -124,6 +163,7 @@ class PerLayerHostSync:
         self._classes.append(node.name.value)
 
     def leave_ClassDef(self, node: cst.ClassDef) -> None:
+        self._scope.pop()
         self._classes.pop()
         if _host_only(node):
             self._contexts.pop()
@@ -138,8 +178,10 @@ class PerLayerHostSync:
         self._contexts.append(context)
         self._classes.append(None)
         self._funcs.append([node, None])
+        self._scope.append(node.name.value)
 
     def leave_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self._scope.pop()
         self._contexts.pop()
         self._classes.pop()
         self._funcs.pop()
@@ -156,15 +198,39 @@ class PerLayerHostSync:
     def visit_For(self, node: cst.For) -> None:
         loop = _layer_loop(node.iter)
         self._contexts.append(f"a loop over {loop}" if loop else None)
+        self._indices.append(_loop_index(node) if loop else None)
 
     def leave_For(self, node: cst.For) -> None:
         self._contexts.pop()
+        self._indices.pop()
+
+    def visit_IndentedBlock(self, node: cst.IndentedBlock) -> None:
+        self._block(node, 1)
+
+    def leave_IndentedBlock(self, node: cst.IndentedBlock) -> None:
+        self._block(node, -1)
+
+    def visit_SimpleStatementSuite(self, node: cst.SimpleStatementSuite) -> None:
+        self._block(node, 1)
+
+    def leave_SimpleStatementSuite(self, node: cst.SimpleStatementSuite) -> None:
+        self._block(node, -1)
+
+    def _block(self, node: cst.BaseSuite, step: int) -> None:
+        # The body of ``if i == k:`` inside ``for i, layer in enumerate(self.layers)`` runs at most once per
+        # loop, not once per layer: "" in the contexts stops the search for a per-layer context there.
+        if id(node) not in self._once:
+            return
+        if step > 0:
+            self._contexts.append("")
+        else:
+            self._contexts.pop()
 
     def visit_Call(self, node: cst.Call) -> None:
         if self._inside_report:
             self._inside_report += 1
             return
-        context = next((c for c in reversed(self._contexts) if c), None)
+        context = self._context()
         if context is None:
             return
         if getattr(self, "_fallback", 0):
@@ -173,6 +239,12 @@ class PerLayerHostSync:
         if what is None and isinstance(node.func, cst.Name) and node.func.value in getattr(self, "_helpers", {}) \
                 and not self._fallback:
             what = f"{node.func.value}(...), which reads {self._helpers[node.func.value]}"
+        if what is None and self.callees:
+            found = self._callee_read(node, context)
+            if found is not None:
+                self.report(node, *found)
+                self._inside_report = 1
+                return
         if what is not None:
             self.report(node, self._message(what, context))
             self._inside_report = 1
@@ -180,6 +252,37 @@ class PerLayerHostSync:
     def leave_Call(self, node: cst.Call) -> None:
         if self._inside_report:
             self._inside_report -= 1
+
+    def _callee_read(self, node: cst.Call, context: str) -> Optional[tuple[str, str]]:
+        """(message, note) of a call whose definition reads on the host the parameter that a device value
+        derived from metadata fills here (the callee's summary, ``summaries.py``): the message names the
+        function that reads, as precisely as the line has room for; the note, the whole path. A read the
+        callee skips when another argument is passed (not None) is not this call's."""
+        callee = self.callees.get((".".join(self._scope), dotted(node.func)))
+        model = self._values() if callee is not None else None
+        if callee is None or model is None:
+            return None
+        passed = callee.bind(node.args)
+        for param, arg in passed.items():
+            read = callee.summary.reads.get(param)
+            if read is None or any(u in passed and not is_none(passed[u]) for u in read.unless):
+                continue
+            v = model.of(arg)
+            if not (v.device and v.source):
+                continue
+            short = f"{dotted(node.func)}(...) reads {_metadata_name(arg) or _derived(model, arg) or v.source}"
+            name, path, line = read.path[-1]
+            name = name.rsplit(".", 1)[-1]
+            here = os.path.dirname(self.path)
+            places = (path, os.path.relpath(path, here) if here else path, os.path.basename(path))
+            texts = [f"{short} with {read.kind} via `{name}()` in {p}:{line}" for p in places]
+            for what in (*texts, f"{short} with {read.kind} via `{name}()`", f"{short} with {read.kind}", short):
+                message = self._message(what, context)
+                if len(message) <= MESSAGE_WIDTH:
+                    break
+            note = f"{callee.summary.name}() reads its {param} on the host ({read.kind}): {read.via()}."
+            return message, note
+        return None
 
     @staticmethod
     def _host_read(node: cst.Call, values: Optional[ValuesOf] = None) -> Optional[str]:

@@ -39,7 +39,8 @@ class ClassInfo:
     def __init__(self, name: str, qualname: Optional[str]):
         self.name = name
         self.qualname = qualname
-        self.attrs: dict[str, list[tuple[cst.BaseExpression, "Scope", int]]] = {}
+        # attr -> (callee, scope, seq, the call) of each ``self.<attr> = <call>``
+        self.attrs: dict[str, list[tuple[cst.BaseExpression, "Scope", int, cst.Call]]] = {}
 
 
 @dataclass
@@ -155,7 +156,7 @@ class Resolver:
             if base.kind == "inst" and not base.method:
                 return Ref("inst", base.qual, method=attr)
             if base.kind == "self" and base.cls is not None:
-                for value, s, sq in base.cls.attrs.get(attr, ()):
+                for value, s, sq, _ in base.cls.attrs.get(attr, ()):
                     made = self._instance_made_by(value, s, sq, depth + 1)
                     if made is not None:
                         return made

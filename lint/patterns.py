@@ -130,6 +130,31 @@ def _in_decorator(data: bytes, line: int, level: int, most: int = 30) -> bool:
     return False
 
 
+# The headers of the last text read (GL104's pre-filter and the callee summaries' read the same bytes in turn).
+_LAST_HEADERS: list = [None, None]
+
+
+def _headers(data: bytes) -> tuple:
+    """The for/def/class headers of ``data`` (offset, indentation, keyword, name, keyword's offset), their
+    offsets, and each one's nearest header above it with a smaller indentation."""
+    if _LAST_HEADERS[0] is data:
+        return _LAST_HEADERS[1]
+    # Offsets in ``data``: the text searched has a line break in front (a header on the first line).
+    headers = [(m.start(1) - 1, len(m.group(1)), m.group(2), m.group(3), m.start(2) - 1)
+               for m in _HEADER.finditer(b"\n" + data)]
+    # Each header's parent: everything in between is indented at least as deep as the header, so a walk
+    # up can jump there.
+    parents: list[int] = []
+    stack: list[int] = []
+    for k, header in enumerate(headers):
+        while stack and headers[stack[-1]][1] >= header[1]:
+            stack.pop()
+        parents.append(stack[-1] if stack else -1)
+        stack.append(k)
+    _LAST_HEADERS[:] = [data, (headers, [h[0] for h in headers], parents)]
+    return _LAST_HEADERS[1]
+
+
 def in_per_layer_code(data: bytes, offsets: list[int], derived: Optional[re.Pattern] = None) -> bool:
     """Whether one of ``offsets`` (host reads) can be in code run per layer, read from indentation
     alone: the statements above each offset that open a block at a smaller indentation are its
@@ -141,19 +166,7 @@ def in_per_layer_code(data: bytes, offsets: list[int], derived: Optional[re.Patt
     whose reads are."""
     if b"\r" in data and data.count(b"\r") != data.count(b"\r\n"):
         return True  # lines ended by \r alone: the line breaks looked for here are \n
-    # Offsets in ``data``: the text searched has a line break in front (a header on the first line).
-    headers = [(m.start(1) - 1, len(m.group(1)), m.group(2), m.group(3), m.start(2) - 1)
-               for m in _HEADER.finditer(b"\n" + data)]
-    starts = [h[0] for h in headers]
-    # Each header's nearest header above it with a smaller indentation: everything in between is
-    # indented at least as deep as the header, so a walk up can jump there.
-    parents: list[int] = []
-    stack: list[int] = []
-    for k, header in enumerate(headers):
-        while stack and headers[stack[-1]][1] >= header[1]:
-            stack.pop()
-        parents.append(stack[-1] if stack else -1)
-        stack.append(k)
+    headers, starts, parents = _headers(data)
     helpers: set = set()
 
     def enclosing(at: int, decorators: bool = True):
@@ -235,6 +248,39 @@ def in_per_layer_code(data: bytes, offsets: list[int], derived: Optional[re.Patt
         return False
     calls = re.compile(rb"(?<![\w.])(?:" + b"|".join(re.escape(h.encode()) for h in sorted(helpers)) + rb")\s*\(")
     return any(per_layer(m.start(), False) for m in calls.finditer(data))
+
+
+def reached_places(data: bytes) -> bool:
+    """Whether GL104's pre-filter, last run on this very text, got to its per-layer test: the text names
+    metadata and has a per-layer place (``PatternSpec.may_match`` tests those first)."""
+    return _LAST_HEADERS[0] is data
+
+
+def names_metadata_per_layer(data: bytes) -> bool:
+    """Whether a GL104 needle (a sequence-length name) is in code run per layer, read from indentation
+    alone (as ``in_per_layer_code``, without decorators): in a loop over layers, or in ``forward`` of a
+    class ``*Block``/``*Layer``/``*Attention`` (its own line counts: ``def forward(self, x, cu_seqlens)``)."""
+    headers, starts, parents = _headers(data)
+    seen: set = set()
+    for m in _NEEDLES.finditer(data):
+        line = data.rfind(b"\n", 0, m.start()) + 1
+        if line in seen:
+            continue
+        seen.add(line)
+        text = data[line:m.start()]
+        i, limit, forward = bisect.bisect_right(starts, line) - 1, len(text) - len(text.lstrip(b" \t")) + 1, False
+        while i >= 0 and limit > 0:
+            _, level, word, name, keyword = headers[i]
+            i = parents[i]
+            if level >= limit:
+                continue
+            limit = level
+            if word == b"for" and _FOR_LAYERS.match(data, keyword):
+                return True
+            forward = forward or (word == b"def" and name == b"forward")
+            if word == b"class" and forward and name.decode().lower().endswith(PER_LAYER_CLASS_SUFFIXES):
+                return True
+    return False
 
 
 # GL104 per-layer-host-sync. Names of host-read metadata: cu_seqlens, cu_seqlens_q, seq_lens,

@@ -18,7 +18,7 @@ import stat
 import subprocess  # noqa: F401  (``runner.subprocess.run`` is where tests stand in for git)
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from guardlint.contracts import all_contracts
 
@@ -46,6 +46,11 @@ PARSE_EVERY_FILE = False
 # Files past the textual pre-filter go to libcst only when their CPython tree holds something a rule
 # could report (prefilter.py); False: all of them do, as before (kept so that the gain can be measured).
 AST_PREFILTER = True
+# GL104 asks, at a per-layer call, the summary of the function it calls (summaries.py): the files that
+# can hold such a call are sketched as they are parsed, the summaries are built once from those sketches,
+# and the files where a call reaches a host read are checked again with them. False: no summaries, as
+# before (kept so that the cost and the findings can be compared).
+CALLEE_SUMMARIES = True
 # The same in bytes of work: ast.parse takes ~0.3 s per MB, the full check ~6x that.
 MIN_PARALLEL_WORK = 1_500_000
 FULL_CHECK_WEIGHT = 6
@@ -72,6 +77,8 @@ class Candidate:
     is_package: bool
     full: bool = True  # False: only CPython's parse (the pre-filter rules out every finding)
     stdin: bool = False  # read from standard input: fixed text goes to stdout, never to a file
+    sketch: bool = False  # its facts go to the callee summaries (alone, when not ``full``)
+    callees: Optional[dict] = None  # its table of callee summaries (the second check of a file)
 
     @property
     def work(self) -> int:
@@ -123,10 +130,15 @@ def _check_one(c: Candidate, rules: RuleSet, strict: bool, keep_module: bool = F
     from .engine import syntax_check
 
     if not c.full:
+        if c.sketch:
+            from .summaries import sketch_source
+
+            return FileResult(c.path, [], facts=sketch_source(c.data, c.path, c.module_name, c.is_package))
         return syntax_check(c.data, c.path)
     return deep_check(c.data, c.path, rules, strict=strict, module_name=c.module_name,
                       is_package=c.is_package, keep_module=keep_module,
-                      prefilter=AST_PREFILTER and not keep_module)
+                      prefilter=AST_PREFILTER and not keep_module and c.callees is None, sketch=c.sketch,
+                      callees=c.callees)
 
 
 # A long method chain (``a.b().c()...``, 500 links) nests two nodes a link, several frames each in
@@ -187,34 +199,61 @@ def _check_chunk(chunk: list[Candidate]) -> list:
     out = []
     for c in chunk:
         r = _check_one(c, rules, strict)
-        out.append((r.path, r.findings, r.parsed))
+        out.append((r.path, r.findings, r.parsed, r.facts))
     return out
 
 
+class _Workers:
+    """The worker processes of one run: started by its first pass with enough work, and kept for its
+    later passes (the callee summaries' reading, the second check), which then cost no start."""
+
+    def __init__(self, rules: RuleSet, strict: bool):
+        self.rules, self.strict = rules, strict
+        self.pool: Any = None  # a ProcessPoolExecutor once started
+
+    def start(self, n: int):
+        if self.pool is None:
+            from concurrent.futures import ProcessPoolExecutor
+
+            self.pool = ProcessPoolExecutor(max_workers=n, initializer=_init_worker,
+                                            initargs=(self.rules, self.strict))
+        return self.pool
+
+    def close(self, wait: bool = True) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=wait)
+            self.pool = None
+
+
 def _check_all(candidates: list[Candidate], rules: RuleSet, strict: bool, jobs: Optional[int],
-               keep_modules: bool, progress: Optional[Callable[[int], None]] = None) -> list:
-    """One result per candidate, in the candidates' order, whether checked here or across processes.
-    ``progress(n)`` is told of each n files done."""
+               keep_modules: bool, progress: Optional[Callable[[int], None]] = None,
+               workers: Optional[_Workers] = None) -> list:
+    """One result per candidate, in the candidates' order, whether checked here or across processes
+    (``workers``' when they are started, then whatever the work). ``progress(n)`` is told of each n
+    files done."""
     full = sum(1 for c in candidates if c.full)
     work = sum(c.work for c in candidates)
-    workers = min(cpu_count(), jobs or cpu_count(), max(1, len(candidates) // 8))
-    if keep_modules or workers <= 1 or (full < MIN_PARALLEL and work < MIN_PARALLEL_WORK):
+    n = min(cpu_count(), jobs or cpu_count(), max(1, len(candidates) // 8))
+    started = workers is not None and workers.pool is not None
+    if keep_modules or (not started and (n <= 1 or (full < MIN_PARALLEL and work < MIN_PARALLEL_WORK))):
         out = []
         for c in candidates:
             out.append(_check_one(c, rules, strict, keep_modules))
             if progress is not None:
                 progress(1)
         return out
-    from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
     # Most work first, dealt round-robin into chunks, so no worker ends with a long tail.
     ordered = sorted(candidates, key=lambda c: -c.work)
-    n_chunks = workers * 4
+    n_chunks = n * 4
     chunks = [c for c in (ordered[i::n_chunks] for i in range(n_chunks)) if c]
     results: dict[int, object] = {}  # id(candidate) -> its FileResult
     crashed: list[Candidate] = []
-    with ProcessPoolExecutor(max_workers=workers, initializer=_init_worker, initargs=(rules, strict)) as pool:
+    own = workers is None
+    workers = workers or _Workers(rules, strict)
+    try:
+        pool = workers.start(n)
         futures = [(chunk, pool.submit(_check_chunk, chunk)) for chunk in chunks]
         for chunk, future in futures:
             try:
@@ -222,10 +261,13 @@ def _check_all(candidates: list[Candidate], rules: RuleSet, strict: bool, jobs: 
             except BrokenProcessPool:
                 crashed.extend(chunk)
                 continue
-            for c, (path, findings, parsed) in zip(chunk, part):
-                results[id(c)] = FileResult(path, findings, parsed)
+            for c, (path, findings, parsed, facts) in zip(chunk, part):
+                results[id(c)] = FileResult(path, findings, parsed, facts=facts)
             if progress is not None:
                 progress(len(chunk))
+    finally:
+        if own or crashed:
+            workers.close(wait=not crashed)
     if crashed:
         for c, r in zip(crashed, _isolate(crashed, rules, strict)):
             results[id(c)] = r
@@ -249,8 +291,8 @@ def _isolate(candidates: list[Candidate], rules: RuleSet, strict: bool) -> list:
             if pool is None:
                 pool = ProcessPoolExecutor(max_workers=1, initializer=_init_worker, initargs=(rules, strict))
             try:
-                (path, findings, parsed), = pool.submit(_check_chunk, [c]).result()
-                results.append(FileResult(path, findings, parsed))
+                (path, findings, parsed, facts), = pool.submit(_check_chunk, [c]).result()
+                results.append(FileResult(path, findings, parsed, facts=facts))
             except BrokenProcessPool:
                 results.append(file_error(c.path, "the checking process died on this file; it was not "
                                                   "checked"))
@@ -285,6 +327,9 @@ def lint_paths(paths: Sequence[str], settings: Settings, *, strict: bool = False
                                                                  builtin=list(all_contracts()))
     found = find_files([p for p in paths if p != "-"], settings)
     files = found.files
+    summarize = CALLEE_SUMMARIES and any(c.code == "GL104" for c in rules.patterns)
+    if summarize:
+        from .summaries import may_call
     candidates: list[Candidate] = []
     findings: list[Finding] = []
     for path in files:
@@ -296,12 +341,14 @@ def lint_paths(paths: Sequence[str], settings: Settings, *, strict: bool = False
             findings.extend(file_error(path, f"cannot read: {e.strerror or e}").findings)
             continue
         full = rules.may_match(data)
+        sketch = summarize and (full or may_call(data))
         # Which files get at least CPython's parse must not depend on --select/--ignore: a file with
         # a target of an unselected rule and a syntax error is still reported (GL000).
-        if not full and not PARSE_EVERY_FILE and not (every_rule is not None and every_rule.may_match(data)):
+        if not full and not sketch and not PARSE_EVERY_FILE \
+                and not (every_rule is not None and every_rule.may_match(data)):
             continue
-        name, is_pkg = module_name_for(path) if full else (None, False)
-        candidates.append(Candidate(path, data, name, is_pkg, full))
+        name, is_pkg = module_name_for(path) if full or sketch else (None, False)
+        candidates.append(Candidate(path, data, name, is_pkg, full, sketch=sketch))
     n_files = len(files)
     if "-" in paths:
         n_files += 1
@@ -319,7 +366,13 @@ def lint_paths(paths: Sequence[str], settings: Settings, *, strict: bool = False
             done[0] += n
             progress(done[0], n_files)
 
-    results = _check_all(candidates, rules, strict, jobs, keep_modules, tick) if candidates else []
+    workers = _Workers(rules, strict)
+    try:
+        results = _check_all(candidates, rules, strict, jobs, keep_modules, tick, workers) if candidates else []
+        if summarize and results:
+            _recheck_with_callees(candidates, results, files, rules, strict, jobs, keep_modules, workers)
+    finally:
+        workers.close()
     for r in results:
         findings.extend(r.findings)
     findings = _keep(findings, settings)
@@ -331,6 +384,45 @@ def lint_paths(paths: Sequence[str], settings: Settings, *, strict: bool = False
         _fix(report, candidates, rules, settings, strict, unsafe_fixes, write=fix == "apply")
     report.findings.sort(key=Finding.sort_key)
     return report
+
+
+def _recheck_with_callees(candidates: list[Candidate], results: list, files: Sequence[str], rules: RuleSet,
+                          strict: bool, jobs: Optional[int], keep_modules: bool, workers: _Workers) -> None:
+    """The callee summaries, built once from the files' sketches (their exact reading, libcst's, by the
+    workers when they are started); the files with a per-layer call whose definition reads on the host
+    what the call passes are checked again with them (in place: their candidates and results are
+    replaced)."""
+    from .summaries import build, read_facts
+
+    def read_all(items: list) -> list:
+        if workers.pool is not None:
+            from concurrent.futures.process import BrokenProcessPool
+
+            try:
+                return list(workers.pool.map(_read_facts, items))
+            except BrokenProcessPool:
+                workers.close(wait=False)
+        return [read_facts(*item) for item in items]
+
+    data = {c.path: c.data for c in candidates}
+    tables = build([r.facts for r in results if r.facts is not None], files,
+                   lambda path: data[path] if path in data else read_source(path), read_all)
+    again = []
+    for i, (c, r) in enumerate(zip(candidates, results)):
+        if c.path in tables and not c.stdin:
+            callees, sites = tables[c.path]
+            if not sites <= {(f.line, f.column) for f in r.findings if f.code == "GL104"}:  # (reported already)
+                again.append((i, dataclasses.replace(c, full=True, callees=callees, sketch=False)))
+    if not again:
+        return
+    for (i, c), r in zip(again, _check_all([c for _, c in again], rules, strict, jobs, keep_modules, None, workers)):
+        candidates[i], results[i] = c, r
+
+
+def _read_facts(item: tuple):
+    from .summaries import read_facts
+
+    return read_facts(*item)
 
 
 def _selects_all(settings: Settings) -> bool:
@@ -361,7 +453,7 @@ def _fix(report: Report, candidates: list[Candidate], rules: RuleSet, settings: 
 
         def recheck(data: bytes, c=c) -> list[Finding]:
             result = deep_check(data, c.path, rules, strict=strict, module_name=c.module_name,
-                                is_package=c.is_package)
+                                is_package=c.is_package, callees=c.callees)
             return _keep(result.findings, settings)
 
         change = fixer.fix_source(c.data, found, recheck, unsafe_fixes=unsafe_fixes, path=path)

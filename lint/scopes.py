@@ -43,6 +43,8 @@ class Collector:
         self._classes: list[Optional[str]] = []
         # Names bound in the module scope since the caller last emptied it (None: not kept).
         self.module_bound: Optional[set[str]] = None
+        # id(FuncInfo) -> its def: the checker reads a constructor's body for the backends it allows.
+        self.defs: dict[int, cst.FunctionDef] = {}
 
     def _next(self) -> int:
         self.seq += 1
@@ -123,6 +125,7 @@ class Collector:
         info = FuncInfo(name, [d.decorator for d in node.decorators], self.scope, self.seq + 1, self.func,
                         self._qualname(name))
         self.bind(name, "def", info)
+        self.defs[id(info)] = node
         inner = Scope("function", self.scope, info)
         p = node.params
         positional = [*p.posonly_params, *p.params]
@@ -274,7 +277,7 @@ class Collector:
                 self.assigned[id(value)] = f"{obj}.{attr}"
                 cls = self._self_class(obj)
                 if cls is not None:
-                    cls.attrs.setdefault(attr, []).append((value.func, self.scope, self.seq))
+                    cls.attrs.setdefault(attr, []).append((value.func, self.scope, self.seq, value))
         elif isinstance(target, (cst.Tuple, cst.List)):
             for el in target.elements:
                 self._target(el.value, None)

@@ -120,6 +120,30 @@ def combine(a: Value, b: Value) -> Value:
     return _make(where, source, items)
 
 
+def _members(annotation: cst.BaseExpression) -> list:
+    if isinstance(annotation, cst.BinaryOperation) and isinstance(annotation.operator, cst.BitOr):
+        return _members(annotation.left) + _members(annotation.right)
+    return [annotation]
+
+
+def _declared_union(members: list) -> Optional[Value]:
+    """A union's value: each member's where all are known; where some member is host data besides ``None``
+    (``torch.Tensor | Sequence[int]``) and another is not known, host or unknown: the callers may pass
+    either, so nothing shows the value on the device (a name does not make it so); None where the only
+    known member is ``None`` (``Optional[torch.Tensor]``: the name seeds it)."""
+    flat = [m for a in members for m in _members(a)]
+    values = [declared_value(a) for a in flat]
+    if not values:
+        return None
+    if all(v is not None for v in values):
+        out: Optional[Value] = None
+        for v in values:
+            out = join(out, v)
+        return out
+    hosts = [v for a, v in zip(flat, values) if v is not None and not (isinstance(a, cst.Name) and a.value == "None")]
+    return _make(HOST | UNKNOWN, None, UNKNOWN_VALUE) if hosts else None
+
+
 def seed(name: str) -> Value:
     """What a name holds when nothing in the function says: metadata (as named) on the device, else
     unknown."""
@@ -133,8 +157,7 @@ def declared_value(annotation: cst.BaseExpression) -> Optional[Value]:
     container of unknown elements for a bare ``list``; None where the type does not say (a tensor may
     be on either side)."""
     if isinstance(annotation, cst.BinaryOperation) and isinstance(annotation.operator, cst.BitOr):
-        left, right = declared_value(annotation.left), declared_value(annotation.right)
-        return join(left, right) if left is not None and right is not None else None
+        return _declared_union([annotation.left, annotation.right])
     if isinstance(annotation, (cst.Name, cst.Attribute)):
         name = dotted(annotation)
         last = name.rsplit(".", 1)[-1] if name else None
@@ -148,15 +171,10 @@ def declared_value(annotation: cst.BaseExpression) -> Optional[Value]:
     name = dotted(annotation.value)
     last = name.rsplit(".", 1)[-1] if name else None
     args = [el.slice.value for el in annotation.slice if isinstance(el.slice, cst.Index)]
-    if last in ("Optional", "Union", "Annotated"):
-        members = args[:1] if last == "Annotated" else args
-        values = [declared_value(a) for a in members]
-        if not values or any(v is None for v in values):
-            return None
-        out: Optional[Value] = None
-        for v in values:
-            out = join(out, v)
-        return out
+    if last == "Annotated":
+        return declared_value(args[0]) if args else None
+    if last in ("Optional", "Union"):
+        return _declared_union(args)
     if last == "NDArray" or last == "ndarray":
         return HOST_VALUE
     if last in DECLARED_CONTAINERS:
@@ -239,9 +257,12 @@ class Values:
     """The values of one function's names at each of their uses (see the module's docstring).
 
     ``assume(test)``: True or False where the asker takes an ``if`` test's outcome as given (the branch
-    not taken is still walked, but its values do not flow past the ``if``); None elsewhere."""
+    not taken is still walked, but its values do not flow past the ``if``); None elsewhere.
+    ``param_seed(name)``: what a parameter without a declared host type holds on entry (default:
+    ``seed``); a callee's summary asks "if this parameter were a device tensor" (``summaries.py``)."""
 
-    def __init__(self, func: cst.FunctionDef, assume: Optional[Callable[[cst.BaseExpression], Optional[bool]]] = None):
+    def __init__(self, func: cst.FunctionDef, assume: Optional[Callable[[cst.BaseExpression], Optional[bool]]] = None,
+                 param_seed: Callable[[str], Value] = seed):
         self._assume = assume
         self._uses: dict[int, Value] = {}
         self._scoped: set[str] = set()  # global and nonlocal names: not this function's to follow
@@ -250,7 +271,7 @@ class Values:
         p = func.params
         for param in (*p.posonly_params, *p.params, *p.kwonly_params):
             declared = declared_value(param.annotation.annotation) if param.annotation is not None else None
-            env[param.name.value] = declared or seed(param.name.value)
+            env[param.name.value] = declared or param_seed(param.name.value)
         for star in (p.star_arg, p.star_kwarg):
             if isinstance(star, cst.Param):
                 env[star.name.value] = _make(HOST, None, UNKNOWN_VALUE)

@@ -52,6 +52,24 @@ def test_backend_table_and_metadata_builders_exist():
     assert params == ["cu_seqlens", "device", "elem_per_token"]
 
 
+def test_vision_backends_spared_by_match_the_engine():
+    """``VISION_BACKENDS_SPARED_BY`` (the linter's picture where no engine source is found) is what the linter reads
+    from the release's own source: per backend, the keywords of VisionAttention that spare it a host read."""
+    from guardlint.lint import engine_defs
+
+    near = str(source.module_path(SGLANG, "sglang.srt.models.siglip"))
+    keys, label = engine_defs.backend_keys(f"{VISION}.QKV_BACKEND_IMPL", near)
+    assert keys == set(catalog.VISION_BACKENDS_SPARED_BY) and label.endswith("(this tree)")
+    for key, spared in catalog.VISION_BACKENDS_SPARED_BY.items():
+        judged = engine_defs.judge(catalog.VISION_ATTENTION, "instance", ("forward_metadata", "max_seqlen"), near,
+                                   frozenset({key}))
+        assert judged.takes == set(spared), key
+    # The older release's layer passes max_seqlen on, but none of its backends reads it instead of the host.
+    old = str(source.module_path(OLD_SGLANG, "sglang.srt.models.siglip"))
+    older = engine_defs.judge(catalog.VISION_ATTENTION, "instance", ("forward_metadata", "max_seqlen"), old)
+    assert older.takes == set() and older.params[-1] == "attention_mask"
+
+
 def test_vllm_mm_encoder_attention_signature():
     if not release_dir("vllm-0.33.0").is_dir() and not os.environ.get("GUARDLINT_ENGINE_VLLM"):
         pytest.skip("vLLM 0.33.0 is not fetched (make engines-vllm; GUARDLINT_ENGINE_VLLM=1 makes this an error)")

@@ -111,6 +111,7 @@ def test_full_format_shows_the_source_line_the_span_the_note_and_the_fix(tmp_pat
     ]
     assert first.splitlines()[5:] == [
         "  = note: LoRA batch_info must provide max_len or seg_lens.",
+        "  = note: Judged against catalog: sglang 0.5.23.",
         "  = help: Add seg_lens=p[1:] - p[:-1]; Add max_len=int((p[1:] - p[:-1]).max()) (a host read, once per "
         "batch) (an unsafe fix: --unsafe-fixes applies it)",
     ]

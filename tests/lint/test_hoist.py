@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from guardlint.lint import build_rules, check_source, fixed_source, lint_source
-from guardlint.lint.hoist import definition_source
+from guardlint.lint.engine_defs import defines
 
 HEAD = """\
 import torch.nn as nn
@@ -300,10 +300,8 @@ def test_the_helper_must_exist_in_the_engine_the_file_would_import(tmp_path):
     model.write_text(THREE_LEVELS)
     found = [f for f in check_source(model.read_bytes(), str(model), build_rules()).findings if f.code == "GL109"]
     assert found and found[0].fix is None and found[0].message.endswith("; no fix: helper not in this sglang")
-    assert definition_source(str(model), "sglang.srt.layers.attention.vision", "VisionAttention")[0] is True
+    assert defines("sglang.srt.layers.attention.vision", "VisionAttention", str(model))[0] is True
     (vision / "vision.py").write_text("def prepare_vision_attention_metadata(cu_seqlens, device):\n    pass\n")
-    from guardlint.lint import hoist
-    hoist._DEFINED.clear()
     found = [f for f in check_source(model.read_bytes(), str(model), build_rules()).findings if f.code == "GL109"]
     assert found[0].fix is not None
 

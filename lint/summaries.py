@@ -1,0 +1,815 @@
+"""Callee summaries: what a function of the scanned tree does with its parameters, for the calls that reach it.
+
+Per function: the parameters it reads on the host (``.item()``, ``.tolist()``, ``int()`` of them, directly or
+through its own callees, to a fixed point), the keywords it forwards to a callee, those it requires (raises
+or asserts when None) and those it never reads. ``sketch`` takes a file's facts from its CPython tree;
+``build`` resolves calls to their definitions across the tree, once per run, for GL104 to ask at a call.
+"""
+# Demand first. The roots are the calls of per-layer code (GL104's places) that may pass metadata (an
+# argument that may derive from a sequence-length name, as the tree pre-filter judges it); only the
+# functions they reach are sketched, and only those whose text, or a callee's, holds a host read are read
+# exactly: their source is parsed with libcst and walked by the value model (``values.py``) with every
+# parameter taken for a device tensor. So the cost follows the calls made from per-layer code, not the
+# size of the tree: the roots' files are sketched by the workers that parse them anyway, and a run parses
+# besides the modules the calls resolve to (an ast parse each) and the few functions on a path to a read.
+# Resolution is by facts, never by a name alone: ``self.m()`` is the method of the enclosing class or of
+# its bases defined in the tree, ``f()`` a module-level def of the file or what an import of it names,
+# ``m.f()`` the def in the module ``m`` is bound to (absolute and relative imports; a module is a file
+# under the package root of the file that imports it, so a src/ layout works). A name bound in the
+# calling function, a class (a constructor), anything else: no summary, no finding.
+# A read on a path taken only when another parameter is None (``bounds if bounds is not None else
+# cu.tolist()``) is the callee's fallback: a call that passes that parameter is not reported.
+from __future__ import annotations
+
+import ast
+import os
+import re
+from dataclasses import dataclass, field
+from itertools import accumulate, takewhile
+from typing import Any, Callable, Optional
+
+from .patterns import PATTERNS, PER_LAYER_CLASS_SUFFIXES, names_metadata_per_layer, reached_places
+from .prefilter import HOST_SYNC, _NO_TAINT, _derives, _dotted, _loops_over_layers, _tainted
+
+# A host read in a function's text: what GL104 reads (``host_sync._host_read``) and no more (``x.float()``
+# is not one).
+_READ = re.compile(rb"\.(?:item|tolist)\(\s*\)|(?<![\w.])(?:int|float|bool)\(")
+# Functions followed from the roots in one run at most: a bound, not a budget (a tree's per-layer code
+# reaches a few hundred).
+MAX_FUNCTIONS = 5000
+# Imports followed from one name (``from pkg import f`` where pkg's __init__ imports f in turn).
+_MAX_HOPS = 8
+# Files from this size on are checked in chunks (``chunks.MIN_BYTES``), without a sketch.
+_LARGE = 512 * 1024
+
+Ref = tuple  # ("self", class qualname, method) | ("name", name) | ("attr", dotted base, name)
+
+
+def may_call(data: bytes) -> bool:
+    """A file that the textual pre-filter has just turned down (``RuleSet.may_match``) can hold a per-layer
+    call with metadata: GL104's part of it got to its per-layer test (the text names metadata and has a
+    per-layer place), and a name of metadata is in code run per layer (``names_metadata_per_layer``).
+    (The files parsed anyway are sketched whatever their text: the sketch finds its places itself.)"""
+    return reached_places(data) and names_metadata_per_layer(data)
+
+
+# -- facts of one file (CPython's tree) ------------------------------------------------------------------
+@dataclass
+class FuncFacts:
+    qualname: str
+    line: int
+    lines: tuple  # (first line, decorators included; last line)
+    params: tuple  # positional parameters in order
+    keywords: frozenset  # the parameters a caller may name (all but a bound ``self``)
+    kwargs: Optional[str]  # the ``**`` parameter
+    bound: int  # leading parameters a call through an instance fills (``self``, ``cls``): 1 or 0
+    reads_text: bool  # its text holds a host read
+    calls: dict  # callee as written (``self.m``, ``f``, ``mod.f``) -> Ref, for the calls of its own body
+    forwards: frozenset  # parameters passed on to a callee under their own name (``**`` for **kwargs)
+    requires: frozenset  # parameters it raises or asserts on when None
+    ignores: frozenset  # parameters its body never names
+
+
+@dataclass(frozen=True)
+class Root:
+    """A call in per-layer code: the def it is in (``scope``), the callee as written, its Ref, the arguments
+    (positions, keywords) that may hold metadata, and those it passes a value other than None."""
+
+    scope: str
+    callee: str
+    ref: Ref
+    positions: tuple
+    keywords: tuple
+    given: tuple  # positions (ints) and keywords (names)
+    at: tuple  # line and column (1-based) of the call
+
+
+@dataclass
+class FileFacts:
+    path: str
+    module: Optional[str]
+    package: Optional[str]  # where relative imports start
+    names: dict  # module-level name -> ("def",) | ("class",) | ("module", m) | ("from", m, attr) | ("other",)
+    classes: dict  # class qualname -> (bases as written, {method: parameters a call through self binds})
+    functions: dict = field(default_factory=dict)  # qualname -> FuncFacts, those sketched so far
+    roots: list = field(default_factory=list)
+
+
+def sketch(tree: ast.Module, data: bytes, path: str, module: Optional[str], is_package: bool) -> FileFacts:
+    """The facts of a file: its module-level names and classes, its roots and the functions of the file
+    they reach."""
+    s = _Sketch(tree, data, path, module, is_package)
+    s.roots(tree.body, [], None, [], None, False)
+    s.close()
+    return s.facts
+
+
+def sketch_source(data: bytes, path: str, module: Optional[str], is_package: bool) -> Optional[FileFacts]:
+    """``sketch`` of a file no rule parses: None where CPython cannot parse it, or it is checked in chunks."""
+    if len(data) >= _LARGE:
+        return None
+    try:
+        tree = ast.parse(data, filename=path)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    return sketch(tree, data, path, module, is_package)
+
+
+class _Sketch:
+    def __init__(self, tree: ast.Module, data: bytes, path: str, module: Optional[str], is_package: bool,
+                 facts: Optional[FileFacts] = None):
+        package = module if is_package else (module.rpartition(".")[0] or None) if module else None
+        self.data = data
+        self.defs: dict = {}  # qualname -> (def, its class's qualname or None)
+        self._bindings: dict = {}
+        self._taints: dict = {}
+        self._starts: Optional[list] = None
+        self.facts = facts or FileFacts(path, module, package, {}, {})
+        if facts is None:
+            self._names(tree.body)
+        self._index(tree.body, "", None)
+
+    def _names(self, body) -> None:
+        """Module-level bindings in order, the last one winning (through top-level if/try blocks)."""
+        names = self.facts.names
+        for node in body:
+            t = type(node)
+            if t is ast.FunctionDef or t is ast.AsyncFunctionDef or t is ast.ClassDef:
+                names[node.name] = ("class",) if t is ast.ClassDef else ("def",)
+            elif t is ast.Import:
+                for a in node.names:
+                    names[a.asname or a.name.split(".")[0]] = ("module", a.name if a.asname else a.name.split(".")[0])
+            elif t is ast.ImportFrom:
+                base = self._absolute(node.module, node.level)
+                for a in node.names:
+                    if a.name != "*":
+                        names[a.asname or a.name] = ("from", base, a.name) if base else ("other",)
+            elif t is ast.If or t is ast.Try:
+                for block in (node.body, *getattr(node, "handlers", ()), node.orelse, getattr(node, "finalbody", ())):
+                    self._names(block.body if type(block) is ast.ExceptHandler else block)
+            elif t is ast.Assign or t is ast.AnnAssign or t is ast.AugAssign:
+                for sub in ast.walk(node):
+                    if type(sub) is ast.Name and type(sub.ctx) is ast.Store:
+                        names[sub.id] = ("other",)
+
+    def _absolute(self, module: Optional[str], level: int) -> Optional[str]:
+        if not level:
+            return module
+        package = self.facts.package
+        for _ in range(level - 1):
+            package = package.rpartition(".")[0] if package else None
+        if not package:
+            return None
+        return f"{package}.{module}" if module else package
+
+    def _index(self, body, prefix: str, cls: Optional[str]) -> None:
+        for node in body:
+            t = type(node)
+            if t is ast.ClassDef:
+                qual = prefix + node.name
+                methods = {item.name: 0 if any(_dotted(d) == "staticmethod" for d in item.decorator_list) else 1
+                           for item in node.body if type(item) in (ast.FunctionDef, ast.AsyncFunctionDef)}
+                self.facts.classes.setdefault(qual, (tuple(filter(None, map(_dotted, node.bases))), methods))
+                self._index(node.body, qual + ".", qual)
+            elif t is ast.FunctionDef or t is ast.AsyncFunctionDef:
+                self.defs[prefix + node.name] = (node, cls)
+
+    # -- the roots -------------------------------------------------------------------------------------
+    def roots(self, body, scope: list, owner, funcs: list, method, context: bool) -> None:
+        """``owner``: (name, qualname or None) of the class whose body this is; ``funcs``: enclosing defs,
+        innermost last; ``method``: (name of self, class qualname) of the innermost enclosing method;
+        ``context``: this runs per layer (as GL104's visitor decides)."""
+        for node in body:
+            t = type(node)
+            if t is ast.ClassDef:
+                qual = ".".join([*scope, node.name]) if not funcs else None
+                self.roots(node.body, [*scope, node.name], (node.name, qual), funcs, method, context)
+                continue
+            if t is ast.FunctionDef or t is ast.AsyncFunctionDef:
+                if not self._names_metadata(node):
+                    continue  # no argument of a call in it can derive from metadata
+                inner = method
+                if owner is not None:
+                    first = (node.args.posonlyargs + node.args.args)[:1]
+                    bound = owner[1] is not None and self.facts.classes[owner[1]][1].get(node.name)
+                    inner = (first[0].arg, owner[1]) if first and bound else None
+                layer = node.name == "forward" and owner is not None \
+                    and owner[0].lower().endswith(PER_LAYER_CLASS_SUFFIXES)
+                self.roots(node.body, [*scope, node.name], None, [*funcs, node], inner, context or layer)
+                continue
+            inner_context = context or ((t is ast.For or t is ast.AsyncFor) and _loops_over_layers(node.iter))
+            for _, value in ast.iter_fields(node):
+                if type(value) is list and value and isinstance(value[0], (ast.stmt, ast.excepthandler,
+                                                                           ast.match_case)):
+                    for block in ([value] if isinstance(value[0], ast.stmt) else [h.body for h in value]):
+                        self.roots(block, scope, None, funcs, method, inner_context)
+                elif inner_context:
+                    for item in value if type(value) is list else (value,):
+                        if isinstance(item, ast.AST):
+                            self._calls_in(item, scope, funcs, method)
+
+    def _calls_in(self, expr: ast.AST, scope: list, funcs: list, method) -> None:
+        taint = None
+        for node in ast.walk(expr):
+            if type(node) is not ast.Call or type(node.func) not in (ast.Name, ast.Attribute):
+                continue
+            taint = taint or self._taint(funcs[-1] if funcs else None)
+            args = list(takewhile(_not_starred, node.args))
+            positions = tuple(i for i, arg in enumerate(args) if _derives(arg, taint))
+            keywords = tuple(k.arg for k in node.keywords if k.arg and _derives(k.value, taint))
+            ref = self._ref(node.func, funcs, method) if positions or keywords else None
+            callee = _dotted(node.func)
+            if ref is not None and callee is not None:
+                given = tuple(i for i, a in enumerate(args) if not _is_none(a)) \
+                    + tuple(k.arg for k in node.keywords if k.arg and not _is_none(k.value))
+                self.facts.roots.append(Root(".".join(scope), callee, ref, positions, keywords, given,
+                                             (node.lineno, node.col_offset + 1)))
+
+    def _taint(self, func) -> Callable:
+        """What ``_derives`` asks of ``func`` (the prefilter's ``_tainted``), once a def."""
+        key = id(func)
+        if key not in self._taints:
+            value = _tainted(func) if func is not None else _NO_TAINT
+            self._taints[key] = lambda: value
+        return self._taints[key]
+
+    def _names_metadata(self, func) -> bool:
+        """The text of ``func`` holds a GL104 needle: only then can a value in it derive from metadata."""
+        start, end = _span(self._lines(), func.lineno, func.end_lineno or func.lineno)
+        needles = PATTERNS[HOST_SYNC].needle_pattern
+        return needles is None or needles.search(self.data, start, end) is not None
+
+    def _lines(self) -> list:
+        if self._starts is None:
+            self._starts = _line_starts(self.data)
+        return self._starts
+
+    def _ref(self, func: Any, funcs: list, method) -> Optional[Ref]:
+        t = type(func)
+        if t is ast.Name:
+            return None if any(func.id in self._bound(f) for f in funcs) else ("name", func.id)
+        base = _dotted(func.value) if t is ast.Attribute else None
+        if base is None:
+            return None
+        if method is not None and base == method[0]:
+            return ("self", method[1], func.attr)
+        if any(base.split(".")[0] in self._bound(f) for f in funcs):
+            return None
+        return ("attr", base, func.attr)
+
+    def _bound(self, func: Any) -> frozenset:
+        """Names ``func`` binds (parameters, assignments, imports, inner defs): they hide the module's."""
+        got = self._bindings.get(id(func))
+        if got is None:
+            a = func.args
+            names = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if p is not None}
+            declared = set()
+            node: Any
+            for node in ast.walk(func):
+                t = type(node)
+                if t is ast.Name and type(node.ctx) is not ast.Load:
+                    names.add(node.id)
+                elif (t is ast.FunctionDef or t is ast.AsyncFunctionDef or t is ast.ClassDef) and node is not func:
+                    names.add(node.name)
+                elif t is ast.Import or t is ast.ImportFrom:
+                    names.update((al.asname or al.name).split(".")[0] for al in node.names)
+                elif t is ast.ExceptHandler and node.name:
+                    names.add(node.name)
+                elif t is ast.Global:
+                    declared.update(node.names)
+            got = self._bindings[id(func)] = frozenset(names - declared)
+        return got
+
+    # -- functions -------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Sketches the functions of this file its roots reach without leaving it (``build`` goes on)."""
+        todo = [r.ref for r in self.facts.roots]
+        seen: set = set()
+        while todo:
+            qual = self._local(todo.pop())
+            if qual is not None and qual not in seen:
+                seen.add(qual)
+                fn = self.function(qual)
+                todo.extend(fn.calls.values() if fn is not None else ())
+
+    def _local(self, ref: Ref) -> Optional[str]:
+        if ref[0] == "name":
+            return ref[1] if self.facts.names.get(ref[1]) == ("def",) else None
+        cls, seen = ref[1] if ref[0] == "self" else None, set()
+        while cls in self.facts.classes and cls not in seen:
+            seen.add(cls)
+            bases, methods = self.facts.classes[cls]
+            if ref[2] in methods:
+                return f"{cls}.{ref[2]}"
+            cls = next((b for b in bases if b in self.facts.classes), None)
+        return None
+
+    def function(self, qual: str) -> Optional[FuncFacts]:
+        got = self.facts.functions.get(qual)
+        if got is not None or qual not in self.defs:
+            return got
+        node, cls = self.defs[qual]
+        a = node.args
+        positional = tuple(p.arg for p in (*a.posonlyargs, *a.args))
+        bound = self.facts.classes[cls][1].get(node.name, 0) if cls is not None else 0
+        method = (positional[0], cls) if bound and positional else None
+        params = frozenset(positional[bound:]) | {p.arg for p in a.kwonlyargs}
+        calls: dict = {}
+        forwards: set = set()
+        used: set = set()
+        for sub in _own_nodes(node):
+            t = type(sub)
+            if t is ast.Name:
+                used.add(sub.id)
+            elif t is ast.Call:
+                ref = self._ref(sub.func, [node], method)
+                if ref is not None:
+                    calls[_dotted(sub.func)] = ref
+                for k in sub.keywords:
+                    name = k.value.id if type(k.value) is ast.Name else None
+                    if k.arg is None and a.kwarg is not None and name == a.kwarg.arg:
+                        forwards.add("**")
+                    elif k.arg in params and name == k.arg:
+                        forwards.add(k.arg)
+        first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        last = node.end_lineno or node.lineno
+        reads = _READ.search(self.data, *_span(self._lines(), node.lineno, last)) is not None
+        fn = self.facts.functions[qual] = FuncFacts(
+            qual, node.lineno, (first, last), positional, params, a.kwarg.arg if a.kwarg else None, bound, reads,
+            calls, frozenset(forwards), frozenset(_required(node) & params), params - used)
+        return fn
+
+
+def _line_starts(data: bytes) -> list:
+    """Offsets of the lines as CPython numbers them (``\\n``, ``\\r\\n`` and ``\\r`` end one), and the end."""
+    return [0, *accumulate(map(len, data.splitlines(keepends=True)))]
+
+
+def _span(starts: list, first: int, last: int) -> tuple:
+    """The offsets of lines ``first`` to ``last`` (1-based, inclusive)."""
+    return starts[min(first - 1, len(starts) - 1)], starts[min(last, len(starts) - 1)]
+
+
+def _own_nodes(func):
+    """The nodes of ``func``'s body, not those of the functions, lambdas and classes defined in it."""
+    stack = list(func.body)
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(c for c in ast.iter_child_nodes(node)
+                     if type(c) not in (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef))
+
+
+def _required(func) -> set:
+    """Names ``func`` refuses when None: ``if p is None: raise ...`` (alone or in an ``or``) and ``assert p
+    is not None`` or ``assert p`` (alone or in an ``and``), anywhere in its own body."""
+    out: set = set()
+    for node in _own_nodes(func):
+        t = type(node)
+        if t is ast.If and any(type(s) is ast.Raise for s in node.body):
+            test = node.test
+            for part in test.values if type(test) is ast.BoolOp and type(test.op) is ast.Or else [test]:
+                if type(part) is ast.Compare and type(part.ops[0]) is ast.Is and len(part.ops) == 1 \
+                        and type(part.left) is ast.Name and _is_none(part.comparators[0]):
+                    out.add(part.left.id)
+        elif t is ast.Assert:
+            test = node.test
+            for part in test.values if type(test) is ast.BoolOp and type(test.op) is ast.And else [test]:
+                if type(part) is ast.Name:
+                    out.add(part.id)
+                elif type(part) is ast.Compare and type(part.ops[0]) is ast.IsNot and len(part.ops) == 1 \
+                        and type(part.left) is ast.Name and _is_none(part.comparators[0]):
+                    out.add(part.left.id)
+    return out
+
+
+def _is_none(node) -> bool:
+    return type(node) is ast.Constant and node.value is None
+
+
+def _not_starred(node) -> bool:
+    return type(node) is not ast.Starred
+
+
+# -- summaries across the tree -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Read:
+    """How a parameter is read on the host: ``kind`` (``.item()``, ``int()``...), the functions from the
+    summarised one down to the read, each (name, path, line of its call of the next or of the read), and
+    the parameters whose passing (not None) spares the read (it is on a path taken when they are None)."""
+
+    kind: str
+    path: tuple
+    unless: frozenset = frozenset()
+
+    def via(self) -> str:
+        return " -> ".join(f"`{name}()` in {path}:{line}" for name, path, line in self.path)
+
+
+@dataclass(frozen=True)
+class Summary:
+    name: str
+    path: str
+    line: int
+    params: tuple  # positional, in order
+    keywords: frozenset
+    kwargs: Optional[str]
+    reads: dict  # parameter (or a keyword that **kwargs takes and passes on) -> Read
+    forwards: frozenset
+    requires: frozenset
+    ignores: frozenset
+
+
+@dataclass(frozen=True)
+class Callee:
+    """What a call resolves to: its definition's summary, and the leading parameters the call form binds
+    itself (``self`` of ``self.m(...)``)."""
+
+    summary: Summary
+    skip: int
+
+    def bind(self, args) -> dict:
+        """The parameter each argument of a call (libcst ``Arg``s) fills -> the argument's value; positions
+        past a ``*args`` are not known."""
+        s, out = self.summary, {}
+        at: Optional[int] = self.skip
+        for arg in args:
+            if arg.keyword is not None:
+                name = arg.keyword.value
+                if name in s.keywords or (s.kwargs is not None and name in s.reads):
+                    out[name] = arg.value
+            elif arg.star:
+                at = None if arg.star == "*" else at
+            elif at is not None:
+                if at < len(s.params):
+                    out[s.params[at]] = arg.value
+                at += 1
+        return out
+
+
+class Summaries:
+    """The summaries of the functions that the roots of ``facts`` reach, across the files ``files``."""
+
+    def __init__(self, facts: list, files, read: Callable[[str], bytes], read_all: Optional[Callable] = None):
+        self._files = {os.path.normpath(p): p for p in files}
+        self._read = read
+        # ``read_facts`` of each (file's bytes, FuncFacts), in order (the run's workers may do it)
+        self._read_all = read_all or (lambda items: [read_facts(*item) for item in items])
+        self._by_path = {os.path.normpath(f.path): f for f in facts}
+        self._by_module = {f.module: f for f in facts if f.module}
+        self._sketches: dict = {}  # normalised path -> _Sketch of a file parsed here
+        self._package_roots: dict = {}  # folders where a top-level package of the tree lies
+        for f in facts:
+            if f.module:
+                root = os.path.dirname(os.path.normpath(f.path))
+                for _ in range(f.module.count(".") + (f.module == f.package)):
+                    root = os.path.dirname(root)
+                self._package_roots[root] = None
+
+    # -- resolution ------------------------------------------------------------------------------------
+    def module(self, name: str) -> Optional[FileFacts]:
+        """The facts of the module ``name`` where it is a file of the tree."""
+        if name not in self._by_module:
+            self._by_module[name] = None
+            rel = name.replace(".", os.sep)
+            for root in self._package_roots:
+                for candidate, package in ((rel + ".py", False), (os.path.join(rel, "__init__.py"), True)):
+                    path = os.path.normpath(os.path.join(root, candidate))
+                    if path in self._files and self._by_module[name] is None:
+                        self._by_module[name] = self._by_path.get(path) or self._parse(path, name, package)
+        return self._by_module[name]
+
+    def _parse(self, path: str, module: Optional[str], package: bool, facts: Optional[FileFacts] = None):
+        try:
+            data = self._read(self._files.get(path, path))
+            tree = ast.parse(data)
+        except (SyntaxError, ValueError, OSError, RecursionError, MemoryError):
+            return None
+        s = self._sketches[path] = _Sketch(tree, data, self._files.get(path, path), module, package, facts)
+        self._by_path.setdefault(path, s.facts)
+        return s.facts
+
+    def function(self, f: FileFacts, qual: str) -> Optional[FuncFacts]:
+        if qual not in f.functions:
+            path = os.path.normpath(f.path)
+            if path not in self._sketches and self._parse(path, f.module, f.module == f.package, f) is None:
+                return None
+            return self._sketches[path].function(qual)
+        return f.functions[qual]
+
+    def resolve(self, f: FileFacts, ref: Ref) -> Optional[tuple]:
+        """(file facts, qualname, parameters the call form binds) of the def ``ref`` reaches from ``f``."""
+        if ref[0] == "self":
+            return self._method(f, ref[1], ref[2], set())
+        if ref[0] == "name":
+            return self._named(f, ref[1], "def", 0)
+        target = self._module_of(f, ref[1])
+        return self._named(target, ref[2], "def", 0) if target is not None else None
+
+    def _named(self, f: FileFacts, name: str, kind: str, hops: int) -> Optional[tuple]:
+        """The def (``kind`` "def") or class ("class") ``name`` is bound to in ``f``'s module, through its
+        imports of it."""
+        binding = f.names.get(name)
+        if binding == (kind,):
+            return (f, name, 0) if kind == "def" else (f, name)
+        if binding is not None and binding[0] == "from" and hops < _MAX_HOPS \
+                and self.module(f"{binding[1]}.{binding[2]}") is None:
+            target = self.module(binding[1])
+            return self._named(target, binding[2], kind, hops + 1) if target is not None else None
+        return None
+
+    def _module_of(self, f: FileFacts, dotted: str) -> Optional[FileFacts]:
+        first, _, rest = dotted.partition(".")
+        binding = f.names.get(first)
+        if binding is None or binding[0] not in ("module", "from"):
+            return None
+        base = binding[1] if binding[0] == "module" else f"{binding[1]}.{binding[2]}"
+        return self.module(f"{base}.{rest}" if rest else base)
+
+    def _method(self, f: FileFacts, cls: str, name: str, seen: set) -> Optional[tuple]:
+        if (f.path, cls) in seen or cls not in f.classes:
+            return None
+        seen.add((f.path, cls))
+        bases, methods = f.classes[cls]
+        if name in methods:
+            return (f, f"{cls}.{name}", methods[name])
+        for base in bases:
+            owner, _, short = base.rpartition(".")
+            if base in f.classes:
+                found: Optional[tuple] = (f, base)
+            elif owner:
+                module = self._module_of(f, owner)
+                found = self._named(module, short, "class", 0) if module is not None else None
+            else:
+                found = self._named(f, base, "class", 0)
+            got = self._method(found[0], found[1], name, seen) if found else None
+            if got is not None:
+                return got
+        return None
+
+    # -- the summaries ---------------------------------------------------------------------------------
+    def tables(self) -> dict:
+        """Per file path (as given), its table: (the def a root is in, the callee as written) -> Callee, for
+        the roots whose definition reads on the host a parameter the call may fill with metadata, and the
+        places of those roots ({(line, column)})."""
+        roots: list = []
+        graph: dict = {}  # key (path, qualname) -> [(callee as written, key, skip)]
+        funcs: dict = {}  # key -> (FileFacts, FuncFacts)
+        for f in list(self._by_path.values()):
+            for root in f.roots:
+                target = self.resolve(f, root.ref)
+                if target is not None:
+                    roots.append((f, root, target))
+        todo = [target for _, _, target in roots]
+        while todo and len(funcs) < MAX_FUNCTIONS:
+            tf, qual, _ = todo.pop()
+            key = (tf.path, qual)
+            fn = self.function(tf, qual) if key not in funcs else None
+            if fn is None:
+                continue
+            funcs[key] = (tf, fn)
+            edges = graph[key] = []
+            for text, ref in fn.calls.items():
+                target = self.resolve(tf, ref)
+                if target is not None:
+                    edges.append((text, (target[0].path, target[1]), target[2]))
+                    todo.append(target)
+        summaries = self._exact({k: funcs[k] for k in _callers({k for k, (_, fn) in funcs.items() if fn.reads_text},
+                                                                 graph)}, graph)
+        out: dict = {}
+        for f, root, (tf, qual, skip) in roots:
+            s = summaries.get((tf.path, qual))
+            if s is None:
+                continue
+            named = {s.params[i + skip] if isinstance(i, int) and i + skip < len(s.params) else i for i in root.given}
+            hot = {s.params[i + skip] for i in root.positions if i + skip < len(s.params)} | set(root.keywords)
+            if any(p in s.reads and not s.reads[p].unless & named for p in hot):
+                table, sites = out.setdefault(f.path, ({}, set()))
+                table[(root.scope, root.callee)] = Callee(s, skip)
+                sites.add(root.at)
+        return out
+
+    def _exact(self, funcs: dict, graph: dict) -> dict:
+        """The summaries of ``funcs`` (those with a path to a host read) from the value model, to a fixed
+        point over their calls: a read reaches the caller whose parameter the call passes to it."""
+        reads, calls = {}, {}
+        keys = list(funcs)
+        found = self._read_all([(self._read(funcs[k][0].path), funcs[k][1]) for k in keys]) if keys else []
+        for key, got in zip(keys, found):
+            f, fn = funcs[key]
+            if got is not None:
+                reads[key] = {p: Read(kind, ((fn.qualname, f.path, at),), unless)
+                              for p, (kind, unless, at) in got[0].items()}
+                targets = {text: (t, skip) for text, t, skip in graph.get(key, ()) if t in funcs}
+                calls[key] = [(targets[c[0]], *c[1:]) for c in got[1] if c[0] in targets]
+        changed = True
+        while changed:
+            changed = False
+            for key, made in calls.items():
+                fn = funcs[key][1]
+                for (target, skip), guard, positional, keywords, splat, at in made:
+                    tfn = funcs[target][1]
+                    for q, read in list(reads.get(target, {}).items()):
+                        new = _through(q, read, (fn.qualname, funcs[key][0].path, at), guard,
+                                       splat and fn.kwargs is not None, fn.keywords, tfn, skip, positional, keywords)
+                        if new is not None:
+                            source, new = new
+                            old = reads[key].get(source)
+                            if old is None or (old.unless and not new.unless):
+                                reads[key][source] = new
+                                changed = True
+        return {key: Summary(fn.qualname, f.path, fn.line, fn.params, fn.keywords, fn.kwargs, reads[key],
+                             fn.forwards, fn.requires, fn.ignores)
+                for key, (f, fn) in funcs.items() if key in reads}
+
+
+def _through(q: str, read: Read, hop: tuple, guard: frozenset, splat: bool, own: frozenset, target: FuncFacts,
+             skip: int, positional: list, keywords: dict) -> Optional[tuple]:
+    """(the caller's parameter, its Read) where a call of ``target`` passes that parameter to ``q``, which
+    ``target`` reads as ``read``; None where it passes none, or passes what spares the read. Arguments are
+    (parameter of the caller they carry, what is passed: None for None, a parameter's name, or "")."""
+    def given(name: str) -> Optional[tuple]:
+        at = target.params.index(name) - skip if name in target.params[skip:] else len(positional)
+        return positional[at] if at < len(positional) else keywords.get(name)
+
+    arg = given(q)
+    if arg is not None:
+        source = arg[0]
+    elif splat and q not in own and (q in target.keywords or target.kwargs):
+        source = q  # a keyword the caller's **kwargs takes and passes on
+    else:
+        return None
+    if not source:
+        return None
+    unless = set(guard)
+    for u in read.unless:
+        passed = given(u)
+        if passed is None and splat and u not in own:
+            unless.add(u)  # unless the caller's own caller passes it
+        elif passed is not None and passed[1] == "":
+            return None  # the call passes a value: no read
+        elif passed is not None and passed[1]:
+            unless.add(passed[1])
+    return source, Read(read.kind, (hop, *read.path), frozenset(unless))
+
+
+def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
+    """What the value model says of ``fn`` (of the file ``data``) with each parameter taken for a device
+    tensor: ({parameter: (how it is read on the host, the parameters whose None-branch the read is on, the
+    line)}, [(callee as written, those parameters for the call, its positional arguments, its keywords,
+    whether it passes **kwargs on, the line)]), arguments as ``_through`` takes them; None where its text
+    does not parse alone.
+    Calls under a test of prepared metadata are left out, as GL104 leaves them (GL109 reports the callers
+    that pass none)."""
+    import libcst as cst
+    from libcst.metadata import PositionProvider
+
+    from .host_sync import _prepared, _tests_metadata
+    from .names import dotted, is_none
+    from .patterns import CASTS, SYNC_METHODS
+    from .values import DEVICE, UNKNOWN_VALUE, Value, Values
+    from .walk import children
+
+    start, end = _span(_line_starts(data), *fn.lines)
+    try:
+        segment = data[start:end].decode("utf-8")
+        indented = segment[:1] in (" ", "\t")  # a method: under an ``if`` its indentation parses
+        module = cst.parse_module("if 1:\n" + segment if indented else segment)
+        node: Any = module.body[0]
+        node = node.body.body[0] if indented else node
+        positions = cst.MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
+    except Exception:  # another encoding, a def sharing its line with other code
+        return None
+
+    def line(n) -> int:  # in the file
+        return fn.lines[0] + positions[n].start.line - 1 - indented
+    params = fn.keywords
+    try:
+        model = Values(node, _prepared, lambda name: Value(DEVICE, name) if name in params else UNKNOWN_VALUE)
+    except (RecursionError, AttributeError):  # (not a def)
+        return None
+
+    def argument(expr) -> tuple:
+        v = model.of(expr)
+        passed = None if is_none(expr) else expr.value if isinstance(expr, cst.Name) and expr.value in params else ""
+        return (v.source if v.device and v.source in params else None, passed)
+
+    direct: dict = {}
+    calls = []
+    stack: list = [(node.body, False, frozenset())]  # (children are pushed reversed: source order)
+    while stack:
+        n, fallback, guard = stack.pop()
+        if isinstance(n, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            continue
+        fallback = fallback or (isinstance(n, cst.If) and _tests_metadata(n.test))
+        if isinstance(n, cst.Call) and not fallback:
+            f, args = n.func, n.args
+            kind, read = None, None
+            if isinstance(f, cst.Attribute) and f.attr.value in SYNC_METHODS and not args:
+                kind, read = f".{f.attr.value}()", f.value
+            elif isinstance(f, cst.Name) and f.value in CASTS and len(args) == 1 and not args[0].star \
+                    and args[0].keyword is None:
+                kind, read = f"{f.value}()", args[0].value
+            source = argument(read)[0] if read is not None else None
+            if source and (source not in direct or (direct[source][1] and not guard)):
+                direct[source] = (kind, guard, line(n))
+            text = dotted(f)
+            if text in fn.calls:
+                positional, keywords, splat, starred = [], {}, False, False
+                for arg in args:
+                    if arg.keyword is not None:
+                        keywords[arg.keyword.value] = argument(arg.value)
+                    elif arg.star == "**":
+                        splat = splat or (isinstance(arg.value, cst.Name) and arg.value.value == fn.kwargs)
+                    elif arg.star or starred:
+                        starred = True
+                    else:
+                        positional.append(argument(arg.value))
+                calls.append((text, guard, positional, keywords, splat, line(n)))
+        stack.extend((child, fallback, guard | extra) for child, extra in reversed(_branches(n, params, children)))
+    return direct, calls
+
+
+def _branches(node, params: frozenset, children) -> list:
+    """``node``'s children, each with the parameters whose being None leads there: the body of ``if p is
+    None``, the else of ``if p is not None`` (and of ``x if p is not None else y``), what follows ``if p is
+    not None: return ...`` in its block, the right of ``p or y``."""
+    import libcst as cst
+
+    if isinstance(node, (cst.If, cst.IfExp)):
+        p, branch = _none_branch(node.test, params)
+        parts = [(node.test, ""), (node.body, "body"), (node.orelse, "orelse")]
+        return [(child, frozenset({p}) if p and branch == which else frozenset()) for child, which in parts
+                if child is not None]
+    if isinstance(node, cst.BooleanOperation) and isinstance(node.operator, cst.Or) \
+            and isinstance(node.left, cst.Name) and node.left.value in params:
+        return [(node.left, frozenset()), (node.right, frozenset({node.left.value}))]
+    if isinstance(node, cst.IndentedBlock):
+        out: list = []
+        after: frozenset = frozenset()
+        for stmt in node.body:
+            out.append((stmt, after))
+            if isinstance(stmt, cst.If) and stmt.orelse is None and _leaves(stmt.body):
+                p, branch = _none_branch(stmt.test, params)
+                after = after | {p} if p and branch == "orelse" else after
+        return out
+    return [(child, frozenset()) for child in children(node)]
+
+
+def _leaves(block) -> bool:
+    """The block ends in a ``return`` or ``raise``."""
+    import libcst as cst
+
+    last = block.body[-1] if getattr(block, "body", None) else None
+    if isinstance(last, cst.SimpleStatementLine):
+        last = last.body[-1]
+    return isinstance(last, (cst.Return, cst.Raise))
+
+
+def _none_branch(test, params: frozenset) -> tuple:
+    """(p, "body") where the body of ``if test`` runs when the parameter p is None (``p is None``, ``not
+    p``), (p, "orelse") where its else does (``p is not None``, ``p``); within ``and``/``or``, the first
+    such part (the path is then one that a missing p leads to, if not the only one)."""
+    import libcst as cst
+
+    if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
+        p, branch = _none_branch(test.expression, params)
+        return (p, "orelse" if branch == "body" else "body") if p else (None, "")
+    if isinstance(test, cst.Name) and test.value in params:
+        return test.value, "orelse"
+    if isinstance(test, cst.Comparison) and len(test.comparisons) == 1 and isinstance(test.left, cst.Name) \
+            and test.left.value in params and isinstance(test.comparisons[0].comparator, cst.Name) \
+            and test.comparisons[0].comparator.value == "None":
+        op = test.comparisons[0].operator
+        if isinstance(op, (cst.Is, cst.IsNot)):
+            return test.left.value, "body" if isinstance(op, cst.Is) else "orelse"
+    if isinstance(test, cst.BooleanOperation):
+        for part in (test.left, test.right):
+            p, branch = _none_branch(part, params)
+            if p:
+                return p, branch
+    return None, ""
+
+
+def _callers(seeds: set, graph: dict) -> set:
+    """``seeds`` and every function with a path of calls to one of them."""
+    callers: dict = {}
+    for key, edges in graph.items():
+        for _, target, _ in edges:
+            callers.setdefault(target, set()).add(key)
+    out, todo = set(seeds), list(seeds)
+    while todo:
+        for caller in callers.get(todo.pop(), ()):
+            if caller not in out:
+                out.add(caller)
+                todo.append(caller)
+    return out
+
+
+def build(facts: list, files, read: Callable[[str], bytes], read_all: Optional[Callable] = None) -> dict:
+    """Per file path (as given): the table GL104 asks at its per-layer calls, and the places of those calls
+    (``Summaries.tables``). ``read``: a file's bytes; ``read_all``: ``read_facts`` over a list (libcst's
+    part, which a run's worker processes may take)."""
+    if not any(f.roots for f in facts):
+        return {}
+    return Summaries(facts, files, read, read_all).tables()

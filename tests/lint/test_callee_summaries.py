@@ -1,0 +1,413 @@
+"""GL104 through callees: a per-layer call of a function of the scanned tree that reads on the host the
+parameter it is handed a device value derived from metadata is a per-layer host read, reported at the call
+with the path to the read (``summaries.py``); host values, unresolved callees and reads a passed argument
+spares are not."""
+from __future__ import annotations
+
+import ast
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from guardlint.lint import runner, summaries
+from guardlint.lint.config import Settings
+from guardlint.lint.runner import lint_paths
+
+BLOCK = """\
+    import torch
+    import torch.nn as nn
+    {imports}
+
+
+    class VisionBlock(nn.Module):
+        def forward(self, x, cu_seqlens):
+    {body}
+            return x
+    """
+
+
+def _tree(root: Path, files: dict) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root
+
+
+def _block(body: str, imports: str = "", helpers: str = "") -> str:
+    body = textwrap.indent(textwrap.dedent(body), " " * 8)
+    return textwrap.dedent(BLOCK).format(imports=imports, body=body) + textwrap.dedent(helpers)
+
+
+def _gl104(root: Path, **options) -> list:
+    """(file relative to ``root``, line, message, note) of each GL104 finding of a run over ``root``."""
+    report = lint_paths([str(root)], Settings(root=root), **options)
+    return [(Path(f.path).relative_to(root).as_posix(), f.line, f.message, f.note) for f in report.findings
+            if f.code == "GL104"]
+
+
+def _line(text: str, needle: str) -> int:
+    return next(i for i, line in enumerate(textwrap.dedent(text).splitlines(), 1) if needle in line)
+
+
+# A block of mylib/ that calls longest() with its offsets.
+CALLER = _block("n = longest(cu_seqlens)", imports="from mylib.seq import longest")
+
+
+@pytest.fixture()
+def package(tmp_path):
+    """mylib/ with a helper module: longest() reads its argument with .item() (line 3)."""
+    return _tree(tmp_path, {
+        "mylib/__init__.py": "",
+        "mylib/seq.py": """\
+            def longest(cu):
+                lengths = cu[1:] - cu[:-1]
+                return lengths.max().item()
+
+
+            def spans(cu):
+                return (cu[1:] - cu[:-1]).tolist()
+            """,
+    })
+
+
+# -- the three shapes of issue 27 ------------------------------------------------------------------------
+def test_callee_summaries_same_class_helper_method(tmp_path):
+    model = _block("spans = self._spans(cu_seqlens)", helpers="""\
+
+        class Other:
+            pass
+        """)
+    model = model.replace("    def forward", "    def _spans(self, cu):\n        return cu.tolist()\n\n    def forward")
+    _tree(tmp_path, {"model.py": model})
+    ((path, line, message, note),) = _gl104(tmp_path)
+    assert (path, line) == ("model.py", _line(model, "self._spans(cu_seqlens)"))
+    assert "self._spans(...) reads cu_seqlens with .tolist()" in message and "inside VisionBlock.forward" in message
+    assert f"`VisionBlock._spans()` in {tmp_path / 'model.py'}:{_line(model, 'return cu.tolist()')}" in note
+
+
+def test_callee_summaries_module_function_of_the_same_file(tmp_path):
+    model = _block("n = longest(cu_seqlens)", helpers="""\
+
+
+        def longest(cu):
+            return int((cu[1:] - cu[:-1]).max())
+        """)
+    _tree(tmp_path, {"model.py": model})
+    ((_, line, message, note),) = _gl104(tmp_path)
+    assert line == _line(model, "n = longest(") and "longest(...) reads cu_seqlens with int()" in message
+    assert f"`longest()` in {tmp_path / 'model.py'}:{_line(model, 'return int(')}" in note  # the read's line
+
+
+@pytest.mark.parametrize("imports, call", [
+    ("from mylib.seq import longest", "longest(cu_seqlens)"),
+    ("from .seq import longest", "longest(cu_seqlens)"),
+    ("import mylib.seq as seq", "seq.longest(cu_seqlens)"),
+    ("from mylib import seq", "seq.longest(cu_seqlens)"),
+    ("import mylib.seq", "mylib.seq.longest(cu_seqlens)"),
+])
+def test_callee_summaries_cross_module_through_imports(package, imports, call):
+    model = _block(f"n = {call}", imports=imports)
+    _tree(package, {"mylib/model.py": model})
+    ((path, line, message, note),) = _gl104(package)
+    assert (path, line) == ("mylib/model.py", _line(model, call))
+    assert f"{call.split('(')[0]}(...) reads cu_seqlens with .item() via `longest()`" in message
+    seq = package / "mylib" / "seq.py"
+    assert note.startswith(f"longest() reads its cu on the host (.item()): `longest()` in {seq}:3")
+
+
+def test_callee_summaries_src_layout_and_a_reexport(tmp_path):
+    _tree(tmp_path, {
+        "src/mylib/__init__.py": "from .ops import longest\n",
+        "src/mylib/ops.py": "def longest(cu):\n    return cu.max().item()\n",
+        "src/mylib/model.py": _block("n = longest(cu_seqlens)", imports="from mylib import longest"),
+    })
+    ((path, _, message, _),) = _gl104(tmp_path)
+    assert path == "src/mylib/model.py" and "via `longest()` in" in message
+
+
+def test_callee_summaries_device_max_handed_to_a_wrapper(tmp_path):
+    """A layer passes a device max to a wrapper that calls .item() on it, two modules and two calls away."""
+    model = _block("""\
+        max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
+        x = flash_wrapper(x, x, x, cu_seqlens, max_seqlen)
+        """, imports="from attn.wrap import flash_wrapper")
+    _tree(tmp_path, {
+        "attn/__init__.py": "",
+        "attn/wrap.py": "from attn.impl import launch\n\n\ndef flash_wrapper(q, k, v, cu_seqlens, max_seqlen):\n"
+                        "    return launch(q, cu_seqlens, max_len=max_seqlen)\n",
+        "attn/impl.py": "def launch(q, cu, *, max_len):\n    grid = (max_len.item(), q.shape[1])\n    return q\n",
+        "attn/model.py": model,
+    })
+    ((_, line, message, note),) = _gl104(tmp_path)
+    assert line == _line(model, "flash_wrapper(")
+    assert message.startswith("host sync per layer: flash_wrapper(...) reads max_seqlen (from cu_seqlens) with .item()")
+    # each step where it happens: the wrapper's call of launch(), launch()'s .item()
+    assert note == (f"flash_wrapper() reads its max_seqlen on the host (.item()): `flash_wrapper()` in "
+                    f"{tmp_path / 'attn' / 'wrap.py'}:5 -> `launch()` in {tmp_path / 'attn' / 'impl.py'}:2.\n"
+                    "host sync in a per-layer forward: read the lengths once per model forward.")
+
+
+def test_callee_summaries_inherited_helper_of_a_base_class_in_another_module(tmp_path):
+    _tree(tmp_path, {
+        "vit/__init__.py": "",
+        "vit/base.py": "class BlockBase:\n    def _lengths(self, cu):\n        return (cu[1:] - cu[:-1]).tolist()\n",
+        "vit/model.py": _block("lengths = self._lengths(cu_seqlens)", imports="from vit.base import BlockBase")
+        .replace("class VisionBlock(nn.Module)", "class VisionBlock(BlockBase)"),
+    })
+    ((_, _, message, _),) = _gl104(tmp_path)
+    assert message.startswith("host sync per layer: self._lengths(...) reads cu_seqlens with .tolist() via "
+                              "`_lengths()`")
+
+
+# -- what is not reported ------------------------------------------------------------------------------
+@pytest.mark.parametrize("body", [
+    "n = longest(cu_seqlens.cpu())",  # copied to the host first
+    "n = longest(cu_seqlens.to('cpu'))",
+    "n = longest([0, 3, 7])",  # a Python list
+    "host = torch.tensor([0, 3, 7]).cumsum(0)\nn = longest(host)",  # made on the host from a host list
+    "n = longest(cu_seqlens_cpu)",  # named as the host copy (sglang's convention)
+    "n = longest(x)",  # not metadata
+    "n = longest(len(cu_seqlens))",
+])
+def test_callee_summaries_host_arguments_are_not_reads(package, body):
+    _tree(package, {"mylib/model.py": _block(body, imports="from mylib.seq import longest")
+                    .replace("def forward(self, x, cu_seqlens)", "def forward(self, x, cu_seqlens, cu_seqlens_cpu)")})
+    assert _gl104(package) == []
+
+
+def test_callee_summaries_a_parameter_declared_to_take_host_data_is_not_a_device_value(package):
+    """``cu_seqlens: torch.Tensor | Sequence[int]``: the callers may pass a host list (lmdeploy's MoonViT
+    encoder does), so nothing shows the value on the device and the call is not a read; the same layer
+    declared ``torch.Tensor`` (or nothing) still is."""
+    both = _block("n = longest(cu_seqlens)", imports="from mylib.seq import longest\nfrom typing import Sequence")
+    _tree(package, {"mylib/model.py": both.replace("def forward(self, x, cu_seqlens)",
+                                                   "def forward(self, x, cu_seqlens: torch.Tensor | Sequence[int])")})
+    assert _gl104(package) == []
+    _tree(package, {"mylib/model.py": both.replace("def forward(self, x, cu_seqlens)",
+                                                   "def forward(self, x, cu_seqlens: Union[torch.Tensor, list])")
+                    .replace("from typing import Sequence", "from typing import Union")})
+    assert _gl104(package) == []
+    _tree(package, {"mylib/model.py": both.replace("def forward(self, x, cu_seqlens)",
+                                                   "def forward(self, x, cu_seqlens: Optional[torch.Tensor])")})
+    assert len(_gl104(package)) == 1
+
+
+def test_callee_summaries_a_read_once_per_loop_is_not_per_layer(package):
+    """Under ``if i == k:`` in ``for i, layer in enumerate(self.layers)`` the call runs once per forward
+    (sglang's MiniCPM-V ``vit_merger`` after one layer); its ``else`` branch runs per layer."""
+    model = """\
+        import torch.nn as nn
+        from mylib.seq import longest
+
+
+        class Encoder(nn.Module):
+            def forward(self, x, cu_seqlens):
+                for i, layer in enumerate(self.layers):
+                    x = layer(x, cu_seqlens)
+                    if i == self.insert_layer_id:
+                        n = longest(cu_seqlens)
+                    else:
+                        m = longest(cu_seqlens)
+                for j in range(len(self.blocks)):
+                    if self.k == j and x is not None:
+                        n = longest(cu_seqlens)
+                return x
+        """
+    _tree(package, {"mylib/model.py": model})
+    assert [line for _, line, _, _ in _gl104(package)] == [_line(model, "m = longest(")]
+
+
+def test_callee_summaries_outside_per_layer_code_is_silent(package):
+    _tree(package, {"mylib/model.py": "from mylib.seq import longest\n\n\ndef prepare(cu_seqlens):\n"
+                                      "    return longest(cu_seqlens)\n"})
+    assert _gl104(package) == []
+
+
+@pytest.mark.parametrize("imports, body", [
+    ("from elsewhere import longest", "n = longest(cu_seqlens)"),  # a module not in the tree
+    ("", "n = longest(cu_seqlens)"),  # a name nothing binds: no guessing from mylib/seq.py's def
+    ("from mylib.seq import longest", "longest = make()\nn = longest(cu_seqlens)"),  # bound again in the def
+    ("from mylib.seq import longest", "n = self.longest(cu_seqlens)"),  # no such method in the class
+    ("from mylib import seq", "n = seq.missing(cu_seqlens)"),
+])
+def test_callee_summaries_unresolved_callee_is_silent(package, imports, body):
+    _tree(package, {"mylib/model.py": _block(body, imports=imports)})
+    assert _gl104(package) == []
+
+
+def test_callee_summaries_recursion_terminates(tmp_path):
+    model = _block("n = walk(cu_seqlens, 3)", helpers="""\
+
+
+        def walk(cu, depth):
+            if depth:
+                return hop(cu, depth - 1)
+            return walk(cu, depth)
+
+
+        def hop(cu, depth):
+            if depth > 1:
+                return walk(cu[1:], depth)
+            return cu[-1].item()
+        """)
+    _tree(tmp_path, {"model.py": model})
+    ((_, _, message, note),) = _gl104(tmp_path)
+    assert "walk(...) reads cu_seqlens with .item() via `hop()`" in message
+    assert "`walk()` in" in note and "-> `hop()` in" in note
+
+
+def test_callee_summaries_forwarded_keywords_through_kwargs(tmp_path):
+    model = _block("""\
+        max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
+        x = run(x, max_seqlen=max_seqlen)
+        y = run(x, max_seqlen=7)
+        """, helpers="""\
+
+
+        def run(q, **kwargs):
+            return backend(q, **kwargs)
+
+
+        def backend(q, max_seqlen=None):
+            return q[: int(max_seqlen)]
+        """)
+    _tree(tmp_path, {"model.py": model})
+    ((_, line, message, _),) = _gl104(tmp_path)
+    assert line == _line(model, "x = run(") and "run(...) reads max_seqlen (from cu_seqlens) with int()" in message
+
+
+def test_callee_summaries_a_read_the_caller_spares_by_passing_host_bounds(tmp_path):
+    """sglang's kimi_k3_vl and minimax_h3: the helper reads the offsets only when no host bounds are given."""
+    model = _block("""\
+        a = attend(x, cu_seqlens, bounds=self.bounds)
+        b = attend(x, cu_seqlens)
+        c = attend(x, cu_seqlens, None)
+        """, helpers="""\
+
+
+        def attend(q, cu, bounds=None):
+            bounds = bounds if bounds is not None else tuple(cu.tolist())
+            return q
+        """)
+    _tree(tmp_path, {"model.py": model})
+    assert [line for _, line, _, _ in _gl104(tmp_path)] == [_line(model, "b = attend("), _line(model, "c = attend(")]
+
+
+def test_callee_summaries_a_parallel_run_finds_the_same(package, monkeypatch):
+    for i in range(20):
+        _tree(package, {f"mylib/model{i}.py": CALLER})
+    serial = _gl104(package, jobs=1)
+    monkeypatch.setattr(runner, "MIN_PARALLEL", 1)
+    assert len(serial) == 20 and _gl104(package, jobs=2) == serial
+
+
+def test_callee_summaries_are_built_once_a_run(package, monkeypatch):
+    """Two files call the same helper: one build, one exact reading of the helper."""
+    for i in range(2):
+        _tree(package, {f"mylib/model{i}.py": CALLER})
+    builds, reads = [], []
+    build, read_facts = summaries.build, summaries.read_facts
+    monkeypatch.setattr(summaries, "build", lambda *a: builds.append(1) or build(*a))
+    monkeypatch.setattr(summaries, "read_facts", lambda data, fn: reads.append(fn.qualname) or read_facts(data, fn))
+    assert len(_gl104(package)) == 2 and builds == [1] and reads == ["longest"]
+
+
+def test_callee_summaries_can_be_turned_off(package, monkeypatch):
+    _tree(package, {"mylib/model.py": CALLER})
+    monkeypatch.setattr(runner, "CALLEE_SUMMARIES", False)
+    assert _gl104(package) == []
+
+
+# -- what a summary says ---------------------------------------------------------------------------------
+def _function(source: str, qualname: str):
+    text = textwrap.dedent(source)
+    data = text.encode()
+    facts = summaries.sketch(ast.parse(data), data, "m.py", "m", False)
+    return summaries._Sketch(ast.parse(data), data, "m.py", "m", False, facts).function(qualname)
+
+
+def test_callee_summaries_required_parameters_raise_or_assert_when_none():
+    fn = _function("""\
+        def attend(q, cu_seqlens, max_seqlen, scale=None, bias=None, flag=None):
+            if cu_seqlens is None or q is None:
+                raise ValueError("cu_seqlens is required")
+            assert max_seqlen is not None and flag, "max_seqlen is required"
+            if scale is None:
+                scale = 1.0
+            return q * scale
+        """, "attend")
+    assert fn.requires == {"cu_seqlens", "q", "max_seqlen", "flag"}
+    assert fn.ignores == {"bias"}
+
+
+def test_callee_summaries_forwards_and_method_binding():
+    fn = _function("""\
+        class Attention:
+            def forward(self, q, max_seqlen=None, **kwargs):
+                return self.impl(q, max_seqlen=max_seqlen, **kwargs)
+
+            @staticmethod
+            def impl(q, max_seqlen=None, **kwargs):
+                return q
+        """, "Attention.forward")
+    assert fn.forwards == {"max_seqlen", "**"} and fn.bound == 1
+    assert fn.calls == {"self.impl": ("self", "Attention", "impl")}
+    assert _function("class A:\n    @staticmethod\n    def impl(q):\n        return q\n", "A.impl").bound == 0
+
+
+def test_callee_summaries_read_facts_follow_values_not_names():
+    """The exact reading: every parameter is taken for a device tensor; what the function copies to the
+    host first is not read; a read on the None-branch of another parameter is spared by passing it."""
+    source = textwrap.dedent("""\
+        def f(cu, host, n: int, bounds=None):
+            host = host.cpu()
+            a = host.tolist()
+            b = int(n)
+            c = bounds if bounds is not None else cu.tolist()
+            return g(cu[1:], other=cu)
+        """)
+    data = source.encode()
+    facts = summaries.sketch(ast.parse(data), data, "m.py", "m", False)
+    fn = summaries._Sketch(ast.parse(data), data, "m.py", "m", False, facts).function("f")
+    direct, calls = summaries.read_facts(data, fn)
+    assert direct == {"cu": (".tolist()", frozenset({"bounds"}), 5)}
+    # per call: (callee, None-branch, positional (parameter carried, what is passed), keywords, **kwargs on, line)
+    assert ("g", frozenset(), [("cu", "")], {"other": ("cu", "cu")}, False, 6) in calls
+
+
+def test_callee_summaries_a_read_spared_by_an_early_return(tmp_path):
+    """transformers' get_max_seqlen: a precomputed max in ``kwargs`` returns before the .item()."""
+    model = _block("""\
+        a = get_max(cu_seqlens, kwargs={"max_seqlen": self.max_seqlen})
+        b = get_max(cu_seqlens)
+        """, helpers="""\
+
+
+        def get_max(cu, kwargs=None):
+            if kwargs is not None and (found := kwargs.pop("max_seqlen", None)) is not None:
+                return found
+            return (cu[1:] - cu[:-1]).max().item()
+        """)
+    _tree(tmp_path, {"model.py": model})
+    assert [line for _, line, _, _ in _gl104(tmp_path)] == [_line(model, "b = get_max(")]
+
+
+@pytest.mark.parametrize("body, unless", [
+    ("return cu.tolist()", frozenset()),
+    ("if bounds is None:\n    return cu.tolist()\nreturn bounds", {"bounds"}),
+    ("if not bounds:\n    return cu.tolist()\nreturn bounds", {"bounds"}),
+    ("if bounds is not None:\n    return bounds\nelse:\n    return cu.tolist()", {"bounds"}),
+    ("if bounds is not None:\n    return bounds\nreturn cu.tolist()", {"bounds"}),
+    ("return bounds or cu.tolist()", {"bounds"}),
+    ("if bounds is not None:\n    x = 1\nreturn cu.tolist()", frozenset()),  # no early return
+    ("if flag:\n    return bounds\nreturn cu.tolist()", frozenset()),  # not a None test of a parameter
+])
+def test_callee_summaries_reads_on_the_path_of_a_missing_parameter(body, unless):
+    source = "def f(cu, bounds=None):\n    flag = bounds\n" + textwrap.indent(body, "    ") + "\n"
+    data = source.encode()
+    facts = summaries.sketch(ast.parse(data), data, "m.py", "m", False)
+    fn = summaries._Sketch(ast.parse(data), data, "m.py", "m", False, facts).function("f")
+    ((kind, spared, _),) = summaries.read_facts(data, fn)[0].values()
+    assert (kind, spared) == (".tolist()", frozenset(unless))
