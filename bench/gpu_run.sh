@@ -48,6 +48,8 @@ for s in "$@"; do
         python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-deps/transformers/*.whl >"$LOGS/transformers-install.log" 2>&1 || cat "$LOGS/transformers-install.log"
       fi
       PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} STEP_TIMEOUT=420 step transformers-train python3 bench/transformers_vision.py --train --write ;;
+    # One pair, six timers (bench/timer_agreement.py): which figures another harness can repeat.
+    timer-agreement) STEP_TIMEOUT=${TIMER_TIMEOUT:-420} step timer-agreement python3 bench/timer_agreement.py --write ;;
     engines) step engines python3 -m pytest -q -m gpu -p no:cacheprovider tests/engines/test_engines_gpu.py ;;
     lora-tests) step lora-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_lora_gpu.py ;;
     eager) step eager python3 bench/lora_eager.py --write ;;
