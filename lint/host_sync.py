@@ -290,9 +290,10 @@ class PerLayerHostSync:
         first and by names where it does not know."""
         func = node.func
         if isinstance(func, cst.Attribute) and func.attr.value in SYNC_METHODS and not node.args:
-            name = _judge(func.value, values, _metadata_name)
+            source, copy = host_copy(func.value)
+            name = _judge(source, values, _metadata_name)
             if name:
-                return f".{func.attr.value}() on {name}"
+                return f"{copy}.{func.attr.value}() on {name}"
         if isinstance(func, cst.Name) and func.value in CASTS and len(node.args) == 1:
             inner = node.args[0].value
             if isinstance(inner, cst.Call):
@@ -308,6 +309,42 @@ class PerLayerHostSync:
             if name:
                 return f"{func.value}() of {name}"
         return None
+
+
+# Calls that copy a tensor to the host (or keep it where it is) on the way to a read: in
+# ``cu_seqlens.cpu().tolist()`` the read copies ``cu_seqlens`` back, wherever the copy's result lives.
+_COPY_METHODS = ("cpu", "numpy", "detach", "contiguous")
+
+
+def host_copy(expr: cst.BaseExpression) -> tuple[cst.BaseExpression, str]:
+    """(the tensor that ``expr`` copies to the host, the copy as written): ``t.cpu()``, ``t.detach().cpu()``,
+    ``t.cpu().numpy()``, ``t.to("cpu")`` and ``t.to(device="cpu")`` give (t, ".cpu()"...); anything else
+    (``expr``, ""). A read of the copy (``.tolist()``, ``.item()``) is a read of ``t``: a device-to-host sync
+    when ``t`` lives on the device, none when it is already host data (the value model says which)."""
+    original, parts, moved = expr, [], False
+    while isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
+        name = expr.func.attr.value
+        if name in _COPY_METHODS and not expr.args:
+            moved = moved or name in ("cpu", "numpy")
+        elif name == "to" and len(expr.args) == 1 and _is_cpu_arg(expr.args[0]):
+            moved = True
+        else:
+            break
+        parts.append(f".{name}()" if name != "to" else '.to("cpu")')
+        expr = expr.func.value
+    if not moved:
+        return original, ""
+    return expr, "".join(reversed(parts))
+
+
+def _is_cpu_arg(arg: cst.Arg) -> bool:
+    """``"cpu"``, ``device="cpu"`` or ``torch.device("cpu")``."""
+    if arg.star or (arg.keyword is not None and arg.keyword.value != "device"):
+        return False
+    value = arg.value
+    if isinstance(value, cst.Call) and dotted(value.func) in ("torch.device", "device") and len(value.args) == 1:
+        value = value.args[0].value
+    return isinstance(value, cst.SimpleString) and value.evaluated_value in ("cpu", "cpu:0")
 
 
 def _build(func: cst.FunctionDef):

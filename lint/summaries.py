@@ -664,7 +664,7 @@ def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
     import libcst as cst
     from libcst.metadata import PositionProvider
 
-    from .host_sync import _prepared, _tests_metadata
+    from .host_sync import _prepared, _tests_metadata, host_copy
     from .names import dotted, is_none
     from .patterns import CASTS, SYNC_METHODS
     from .values import DEVICE, UNKNOWN_VALUE, Value, Values
@@ -706,7 +706,8 @@ def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
             f, args = n.func, n.args
             kind, read = None, None
             if isinstance(f, cst.Attribute) and f.attr.value in SYNC_METHODS and not args:
-                kind, read = f".{f.attr.value}()", f.value
+                read, copy = host_copy(f.value)  # ``t.cpu().tolist()`` reads ``t``
+                kind = f"{copy}.{f.attr.value}()"
             elif isinstance(f, cst.Name) and f.value in CASTS and len(args) == 1 and not args[0].star \
                     and args[0].keyword is None:
                 kind, read = f"{f.value}()", args[0].value

@@ -87,6 +87,25 @@ def test_callee_summaries_same_class_helper_method(tmp_path):
     assert f"`VisionBlock._spans()` in {tmp_path / 'model.py'}:{_line(model, 'return cu.tolist()')}" in note
 
 
+def test_callee_summaries_a_helper_that_reads_a_host_copy(tmp_path):
+    # A helper of the block builds a key from ``cu.cpu().tolist()``: the copy is the sync, per layer.
+    model = _block("mask = self._mask(cu_seqlens)")
+    model = model.replace("    def forward", "    def _mask(self, cu):\n        if cu is None:\n            return None\n"
+                          "        return tuple(cu.cpu().tolist())\n\n    def forward")
+    _tree(tmp_path, {"model.py": model})
+    ((_, line, message, note),) = _gl104(tmp_path)
+    assert line == _line(model, "self._mask(cu_seqlens)") and "self._mask(...) reads cu_seqlens" in message
+    assert "(.cpu().tolist())" in note
+
+
+def test_callee_summaries_a_helper_that_copies_host_data_is_silent(tmp_path):
+    model = _block("mask = self._mask(cu_seqlens.tolist())")
+    model = model.replace("    def forward", "    def _mask(self, cu):\n        return tuple(cu.cpu().tolist())\n\n"
+                          "    def forward")
+    _tree(tmp_path, {"model.py": model})
+    assert [f for f in _gl104(tmp_path) if "_mask" in f[2]] == []
+
+
 def test_callee_summaries_module_function_of_the_same_file(tmp_path):
     model = _block("n = longest(cu_seqlens)", helpers="""\
 

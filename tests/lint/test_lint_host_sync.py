@@ -50,6 +50,19 @@ def test_per_layer_host_sync_leaves_host_values_alone(read):
     assert _gl104(read) == []
 
 
+@pytest.mark.parametrize("read, what", [
+    ("b = tuple(cu_seqlens.cpu().tolist())", ".cpu().tolist() on cu_seqlens"),
+    ("b = cu_seqlens.detach().cpu().numpy().tolist()", ".detach().cpu().numpy().tolist() on cu_seqlens"),
+    ("n = seq_lens.to('cpu').max().item()", ""),  # a reduction between copy and read: not followed (a limit)
+    ("b = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device='cpu').tolist()", '.to("cpu").tolist() on cu_seqlens'),
+    ("b = seq_lens_cpu.cpu().tolist()", ""),  # host data copied to the host: no sync
+    ("b = cu_seqlens.contiguous().tolist()", ".tolist() on cu_seqlens"),  # no copy: as before
+])
+def test_per_layer_host_sync_a_read_of_a_host_copy_reads_the_device_tensor(read, what):
+    # ``t.cpu().tolist()`` copies ``t`` to the host: a sync when t is device metadata, whatever the copy is.
+    assert _gl104(read) == ([(1, what)] if what else [])
+
+
 def test_per_layer_host_sync_int_of_item_is_reported_once_as_item():
     assert _gl104("n = int(seq_lens.max().item())") == [(1, ".item() on seq_lens")]
 
