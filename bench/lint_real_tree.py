@@ -64,9 +64,10 @@ READINGS = {
         "real: VisionTransformerBlock calls VisionAttention with no cu_seqlens and no max_seqlen; the "
         "triton/fa3/fa4 backends then run resolve_precomputed_max_seqlen's `.item()` in every block "
         "(the engine's own docstring calls this a stream sync); max_seqlen = seq_len is free here",
-    ("sglang/srt/models/midashenglm.py", 189, "GL109"):
-        "real: DashengAttention calls VisionAttention with only attn_mask: per-block `.item()` on the "
-        "varlen backends, as above",
+    ("sglang/srt/layers/attention/vision.py", 403, "GL104"):
+        "real under the sdpa backend: VisionSdpaAttention.forward, given no attention_mask, builds its mask "
+        "cache key from `tuple(cu_seqlens.cpu().tolist())` (generate_patch_attention_mask) in every block; "
+        "Qwen2.5-VL and others build cu_seqlens on the GPU before the block loop, so each layer copies it back",
     ("sglang/srt/models/mllama.py", 244, "GL109"):
         "real: MllamaVisionEncoderLayer calls self_attn without max_seqlen: per-layer `.item()` on the "
         "varlen backends",
@@ -200,6 +201,17 @@ def measure_one_file(label: str, path: Path, repeat: int) -> dict:
             "ruff_ms": statistics.median(times["ruff"]) * 1e3 if "ruff" in times else None}
 
 
+# What changed in the findings since the previous committed reading, and why.
+CHANGES = (
+    "Changes from the reading of 2026-12-02 16:46 UTC: sglang-0.5.23 `midashenglm.py:189` GL109 is no longer "
+    "reported: DashengAttention builds its VisionAttention with the constant `qkv_backend=\"sdpa\"`, whose "
+    "forward does no host read when handed a padding mask (sglang's `--mm-attention-backend` can override that "
+    "constant at run time, and under a varlen backend the per-block `.item()` would be real; the linter judges "
+    "the backend the code names). `vision.py:403` GL104 is new: a read written on a host copy "
+    "(`cu_seqlens.cpu().tolist()`) is now followed into the callee that does it. vLLM 0.33.0 is unchanged."
+)
+
+
 def findings_markdown(tree: str, findings: list) -> str:
     lines = [f"### {tree}: {len(findings)} finding{'s' if len(findings) != 1 else ''}", ""]
     for f in findings:
@@ -259,7 +271,7 @@ def main() -> None:
                 "median of each round's own ratio. One-file rows: `guardlint check FILE` with start-up. "
                 "Command: `.venv/bin/python bench/lint_real_tree.py --write`."
                 + (f" Trees not unpacked here: {', '.join(missing)}." if missing else ""),
-                "## Findings, each read at its call site in the pinned release",
+                "## Findings, each read at its call site in the pinned release", CHANGES,
                 *(findings_markdown(t, fs) for t, fs in found.items())]
         md.write_text("\n\n".join(body).rstrip() + "\n")
     print(tables)

@@ -90,8 +90,9 @@ def test_callee_summaries_same_class_helper_method(tmp_path):
 def test_callee_summaries_a_helper_that_reads_a_host_copy(tmp_path):
     # A helper of the block builds a key from ``cu.cpu().tolist()``: the copy is the sync, per layer.
     model = _block("mask = self._mask(cu_seqlens)")
-    model = model.replace("    def forward", "    def _mask(self, cu):\n        if cu is None:\n            return None\n"
-                          "        return tuple(cu.cpu().tolist())\n\n    def forward")
+    helper = ("    def _mask(self, cu):\n        if cu is None:\n            return None\n"
+              "        return tuple(cu.cpu().tolist())\n\n    def forward")
+    model = model.replace("    def forward", helper)
     _tree(tmp_path, {"model.py": model})
     ((_, line, message, note),) = _gl104(tmp_path)
     assert line == _line(model, "self._mask(cu_seqlens)") and "self._mask(...) reads cu_seqlens" in message
