@@ -5,7 +5,9 @@ Every public LoRA function is called with prefill-sized (4096 tokens, 8 segments
 one-token segments) batches, rank 16. Tensors live on the CPU but report ``is_cuda`` so that the GPU path
 runs; ``JITFunction.run`` is a counter, so "launches" counts kernel launches per call, and host reads
 (``item``, ``tolist``, ``int()``, ``float()``, ``bool()`` of a tensor: each a device sync on a GPU) are
-counted too. Time per call: the median of each round, the lowest round reported (other processes on a
+counted too (the batch infos' small offsets here are real host tensors, which the guard's cache compares by
+contents with ``tolist()``: counted, though on a GPU they are device tensors compared by version).
+Time per call: the median of each round, the lowest round reported (other processes on a
 shared CPU only ever add time); ``us_ex_launch`` leaves out the stub's own call (Triton's launcher on a GPU).
 
     python bench/lora_overhead.py [--rounds 30] [--calls 200] [--out lora_overhead]
@@ -44,6 +46,9 @@ def install_stubs(torch) -> None:
         Counters.launches += 1
 
     JITFunction.run = launch
+    # Through Triton's own launch path (the stub above), and no CUDA query on a build without CUDA.
+    os.environ["GUARDLINT_DIRECT_LAUNCH"] = "0"
+    torch.cuda.is_current_stream_capturing = lambda: False
     Autotuner._bench = lambda self, *args, config, **meta: [1.0, 1.0, 1.0]
     torch.Tensor.is_cuda = property(lambda self: True)
     for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):

@@ -715,11 +715,17 @@ def _build_cudnn(fn: Callable, **rename: str) -> Callable:
                 "or ({forward_metadata} is None and {sequence_lengths} is not None and {max_seqlen} is not None "
                 "and not _guardlint_host({cu_seqlens}))")
     # cuDNN metadata prepared from this very cu_seqlens, unchanged: passed on as it is, with no hook call.
+    access = accesses(fn, p)
+    absent = "{sequence_lengths} is None and {max_seqlen} is None"
+    varkw = {access[n].varkw for n in ("sequence_lengths", "max_seqlen")}
+    if len(varkw) == 1 and None not in varkw:
+        # Both arrive through **kwargs (the engine's signature): an empty dict holds neither, with no lookup.
+        absent = f"(not {varkw.pop()} or ({absent}))"
     prepared_path = None if as_kwargs else (
-        "{forward_metadata}.__class__ is _guardlint_VM and {sequence_lengths} is None and {max_seqlen} is None "
-        "and {forward_metadata}.layout == 'cudnn' and _guardlint_fresh({forward_metadata}, {cu_seqlens}, {q})",
+        "{forward_metadata}.__class__ is _guardlint_VM and " + absent + " and {forward_metadata}.layout == 'cudnn' "
+        "and _guardlint_fresh({forward_metadata}, {cu_seqlens}, {q})",
         {flag: "True"} if flag else {})
-    wrapper = make_wrapper(fn, accesses(fn, p), names, hook, fast=fast,
+    wrapper = make_wrapper(fn, access, names, hook, fast=fast,
                            env={"VM": VarlenMetadata, "host": host, "fresh": _fresh},
                            reset=(flag,) if flag else (), prepared=prepared_path)
     wrapper.__guardlint__ = ("cudnn_vision", p)
