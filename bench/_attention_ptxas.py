@@ -28,15 +28,16 @@ from guardlint.kernels._ptxas import sm90_resources  # noqa: E402
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 228 * 1024
 INT_ARGS = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot", "stride_oh",
-            "total_tokens", "length_class")
-ALIGNED = ("Q", "K", "V", "O", "cu_seqlens", "seq_order") + INT_ARGS[:-2]
+            "stride_lt", "total_tokens", "length_class", "tile_base")
+ALIGNED = ("Q", "K", "V", "O", "cu_seqlens", "seq_order") + INT_ARGS[:8]  # the strides
 
 
 def resources(head_dim: int, dtype: str, cfg) -> dict:
     fn = kernel._varlen_attention_fwd
     signature = {name: "constexpr" for name in fn.arg_names}
-    signature.update({name: "*" + dtype for name in "QKVO"}, cu_seqlens="*i32", seq_order="*i32", qk_scale="fp32")
-    signature.update({name: "i32" for name in INT_ARGS})
+    signature.update({name: "*" + dtype for name in "QKVO"}, cu_seqlens="*i32", seq_order="*i32", qk_scale="fp32",
+                     LSE="*fp32")
+    signature.update({name: "i32" for name in INT_ARGS if name in fn.arg_names})
     d0, d1, d2, d3 = kernel.head_dim_parts(head_dim)
     # SORTED: the mixed-length variant (one more load per program; the same loop).
     constants = dict(HEAD_DIM=head_dim, GROUP=1, D0=d0, D1=d1, D2=d2, D3=d3, CAUSAL=False, SORTED=True, UPCAST=False,

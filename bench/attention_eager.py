@@ -63,7 +63,8 @@ def one_round(call) -> tuple:
 def direct_launches(on: bool):
     """The attention kernels' direct launches (Triton and Gluon) on or off (off: every launch through
     JITFunction.run)."""
-    entries = [entry[2] for entry in triton_path._launches.values()] + list(gluon_path._direct.values())
+    entries = [entry[2] for entry in triton_path._launches.values()] + list(triton_path._rests.values()) \
+        + list(gluon_path._direct.values())
     for entry in entries:
         entry.enabled = on
     try:

@@ -30,8 +30,8 @@ from guardlint.kernels.attention import triton as current  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 INT_ARGS = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot", "stride_oh",
-            "total_tokens", "length_class")
-ALIGNED = ("Q", "K", "V", "O", "cu_seqlens", "seq_order") + INT_ARGS[:-2]
+            "stride_lt", "total_tokens", "length_class", "tile_base")
+ALIGNED = ("Q", "K", "V", "O", "cu_seqlens", "seq_order") + INT_ARGS[:8]  # the strides
 GRID = (("bf16", 2, (64, 80, 128, 256)), ("fp16", 2, (96,)), ("fp32", 4, (80, 128)))
 
 
@@ -50,8 +50,9 @@ def earlier(rev: str):
 def ptx(module, head_dim: int, dtype: str, cfg, causal: bool, tile_loop: bool, group: int) -> str:
     fn = module._varlen_attention_fwd
     signature = {name: "constexpr" for name in fn.arg_names}
-    signature.update({name: "*" + dtype for name in "QKVO"}, cu_seqlens="*i32", seq_order="*i32", qk_scale="fp32")
-    signature.update({name: "i32" for name in INT_ARGS})
+    signature.update({name: "*" + dtype for name in "QKVO"}, cu_seqlens="*i32", seq_order="*i32", qk_scale="fp32",
+                     LSE="*fp32")
+    signature.update({name: "i32" for name in INT_ARGS if name in fn.arg_names})
     d0, d1, d2, d3 = module.head_dim_parts(head_dim)
     constants = dict(HEAD_DIM=head_dim, GROUP=group, D0=d0, D1=d1, D2=d2, D3=d3, CAUSAL=causal, SORTED=True,
                      UPCAST=False, PRECISION="ieee" if dtype == "fp32" else "tf32", TILE_LOOP=tile_loop, **cfg.kwargs)

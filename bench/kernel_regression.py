@@ -265,6 +265,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--lora-only", action="store_true", help="skip the attention kernels")
+    ap.add_argument("--attention-only", action="store_true", help="skip the LoRA kernels")
+    ap.add_argument("--name", default="kernel_regression", help="results file name (bench/results/NAME.*)")
     args = ap.parse_args()
     if args.extract:
         extract(args.extract, args.base)
@@ -306,6 +308,13 @@ def main() -> None:
             rows.append({"kernel": f"attention {label}", "case": name, "bitwise_equal": same, **t})
             print(rows[-1], flush=True)
 
+    if not args.attention_only:
+        rows += lora_rows(torch, args)
+    write(torch, args, rows)
+
+
+def lora_rows(torch, args) -> list:
+    rows: list = []
     from guardlint.kernels import lora
     lapi = importlib.import_module("guardlint.kernels.lora.api")
     new_k, old_k = lapi._k, load_base(args.base, "lora_triton.py")
@@ -358,12 +367,16 @@ def main() -> None:
             rows += gluon_direct_rows(torch, old_lora_gluon, args.rounds)
         except Exception as e:  # noqa: BLE001 - a changed launch signature: said, the table still written
             print(f"gluon direct: {type(e).__name__}: {e}", flush=True)
+    return rows
 
+
+def write(torch, args, rows: list) -> None:
     rev = (args.base / "REV").read_text().strip() if (args.base / "REV").exists() else "?"
     md = [f"# Kernels before ({rev[:10]}) and after, side by side",
           "", f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {args.rounds} rounds in shuffled "
           "order; the ratio is the median of the rounds' new/old ratios (the expand times include a clone of its "
-          "base output in both). Command: `python3 bench/kernel_regression.py --base .base --write`.", "",
+          "base output in both). Command: `python3 bench/kernel_regression.py --base .base --write"
+          + (" --attention-only" if args.attention_only else "") + "`.", "",
           "Graph rows also give the profiler's kernel time per call (old / new) and the kernels each side ran.", "",
           "| kernel | case | old µs | new µs | new/old (min-max) | profiler old / new µs | kernels (new) "
           "| same output |",
@@ -380,9 +393,8 @@ def main() -> None:
     text = "\n".join(md) + "\n"
     print(text)
     if args.write:
-        (HERE / "results" / "kernel_regression.json").write_text(json.dumps({"base": rev, "rows": rows}, indent=2)
-                                                                 + "\n")
-        (HERE / "results" / "kernel_regression.md").write_text(text)
+        (HERE / "results" / f"{args.name}.json").write_text(json.dumps({"base": rev, "rows": rows}, indent=2) + "\n")
+        (HERE / "results" / f"{args.name}.md").write_text(text)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,16 @@ so q/k/v are read in place and never copied into padded buffers. Kernel, launche
 # exit at once. Sequences of unequal lengths are visited longest first (a device-side argsort, kept per
 # cu_seqlens version), and causal query tiles last-first, so the longest programs start first and short ones
 # fill the last wave.
-# max_seqlen only sizes the launch; no row depends on it. Each program loops over query tiles pid_m, pid_m + G,
-# pid_m + 2G, ... of its sequence (each in the causal order above): one iteration when the grid covers the
-# sequence, more when the hint fell short of it, so a short hint costs time, never a row. The loop is a
-# constexpr, TILE_LOOP, off where the launcher knows the hint covers every sequence (verified against the
-# offsets, or at least the token count): the kernel then compiles instruction for instruction to the
-# one-tile-per-program kernel (same PTX). With the loop it is 1.04-1.28x slower (H200, bf16, right hints):
-# LLVM hoists the pipelined key loops' prologue addresses out of the tile loop and keeps them in registers
-# (D=64, BLOCK_M=64: 122 -> 225 registers; spills at D=80/128 with 128x128 tiles, ptxas sm_90a).
+# max_seqlen only sizes the launch; no row depends on it. The grid covers query tiles 0 .. G-1 of each sequence,
+# one per program (in the causal order above). Where the launcher cannot know that the hint covers every
+# sequence (not verified against the offsets, and below the token count), a second launch follows on the same
+# stream: the same kernel with TILE_LOOP, one program per (head, sequence), looping over that sequence's tiles
+# G, G + 1, ... with the first launch's BLOCK_M, so both launches split one set of tiles. With a right hint each
+# of those programs reads its sequence's two offsets and exits; with a short one it computes the tiles the
+# first launch left, so a short hint costs time, never a row. The tile loop lives only in that second kernel:
+# in a loop LLVM hoists the pipelined key loops' prologue addresses and keeps them in registers (D=64,
+# BLOCK_M=64: 122 -> 225 registers; spills at D=80/128 with 128x128 tiles, ptxas sm_90a), which made a
+# looping first launch 1.04-1.28x slower on right hints (H200, bf16).
 # Head-dim split: 80 = 64 + 16, 96 = 64 + 32, 240 = 128 + 64 + 32 + 16: QK^T is the sum of one tl.dot
 # per part, and PV keeps one accumulator per part.
 from __future__ import annotations
@@ -231,21 +233,24 @@ def _attend_query_tile(
         tl.store(lse_base + offs_m * stride_lt, lse.to(lse_base.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["length_class"])
+@triton.jit(do_not_specialize=["length_class", "tile_base"])
 def _varlen_attention_fwd(
     Q, K, V, O, LSE, cu_seqlens, seq_order,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
     total_tokens, qk_scale,
     length_class,  # autotune key only (short / long batches tune apart); unused by the kernel
+    tile_base,  # TILE_LOOP only: the first query tile of each sequence this launch computes
     HEAD_DIM: tl.constexpr,  # autotune key only: the parts below carry the shape
     GROUP: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
     CAUSAL: tl.constexpr, SORTED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    TILE_LOOP: tl.constexpr = False,  # programs loop over their sequence's query tiles (an unverified hint)
+    TILE_LOOP: tl.constexpr = False,  # programs loop over tiles tile_base + pid_m, + G, ... (an unverified hint)
     STORE_LSE: tl.constexpr = False,  # also write each row's log-sum-exp to LSE (T, H): the training forward
 ):
     pid_m = tl.program_id(0)
+    if TILE_LOOP:
+        pid_m += tile_base
     head = tl.program_id(1)
     seq = tl.program_id(2)
     if SORTED:
@@ -274,8 +279,7 @@ def _varlen_attention_fwd(
     lse_base = LSE + seq_start * stride_lt + head
 
     if TILE_LOOP:
-        # Tiles pid_m, pid_m + G, ...: one iteration where the grid covers the sequence, more where max_seqlen
-        # fell short of it.
+        # Tiles tile_base + pid_m, + G, ...: the ones a first launch sized by a short max_seqlen left out.
         for tile in range(pid_m, n_tiles, tl.num_programs(0)):
             _attend_query_tile(q_base, k_base, v_base, o_base, lse_base, stride_qt, stride_kt, stride_vt, stride_ot,
                                stride_lt, _heavy_first(tile, n_tiles, CAUSAL), seq_len, qk_scale, D0, D1, D2, D3,
@@ -413,6 +417,18 @@ def _settings(block_m: int, kwargs: dict) -> tuple:
     return block_m, kwargs, DirectLaunch(_varlen_attention_fwd, kwargs, INTERPRET)
 
 
+# Per key of ``_launches``: the second launch that follows an unverified hint (the kernel with the tile loop,
+# one program per head and sequence, with the first launch's tiles and options).
+_rests: dict = {}
+
+
+def _rest(key: tuple, kwargs: dict) -> DirectLaunch:
+    got = _rests.get(key)
+    if got is None:
+        got = _rests[key] = DirectLaunch(_varlen_attention_fwd, dict(kwargs, TILE_LOOP=True), INTERPRET)
+    return got
+
+
 def launch_rows(max_seqlen: int, total_tokens: int) -> int:
     """The query rows per sequence a launch is sized for: the hint, clamped to [1, total_tokens] (no sequence
     is longer than q, and a hint of 0 or less still launches one tile per sequence and head)."""
@@ -432,15 +448,14 @@ def longest_first(batch: int, total_tokens: int, max_seqlen: int) -> bool:
 
 
 def _launch_key(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool,
-                tile_loop: bool, store_lse: bool = False) -> tuple:
+                store_lse: bool = False) -> tuple:
     """(key of ``_launches``, length class, whether sequences are visited longest first); ``max_seqlen`` as
     ``launch_rows`` gives it; ``store_lse``: the kernel that also writes the log-sum-exp."""
     total_tokens, num_heads, head_dim = q.shape
     batch = cu_seqlens.shape[0] - 1
     size_class = 0 if max_seqlen <= SHORT_SEQLEN else 1
     by_length = longest_first(batch, total_tokens, max_seqlen)
-    key = (head_dim, num_heads // k.shape[1], causal, size_class, q.dtype, cu_seqlens.dtype, by_length, tile_loop,
-           store_lse)
+    key = (head_dim, num_heads // k.shape[1], causal, size_class, q.dtype, cu_seqlens.dtype, by_length, store_lse)
     return key, size_class, by_length
 
 
@@ -466,30 +481,33 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         out = new_output(q)
     if total_tokens == 0 or batch <= 0:
         return out
-    tile_loop = not covers(max_seqlen, total_tokens, max_seqlen_verified)
+    unverified = not covers(max_seqlen, total_tokens, max_seqlen_verified)
     max_seqlen = launch_rows(max_seqlen, total_tokens)
     q, k, v, cu_seqlens, softmax_scale = _unit_strides(q, k, v, cu_seqlens, softmax_scale)
     sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
-    key, size_class, by_length = _launch_key(q, k, cu_seqlens, max_seqlen, causal, tile_loop, lse is not None)
+    key, size_class, by_length = _launch_key(q, k, cu_seqlens, max_seqlen, causal, lse is not None)
     order = sequence_order(cu_seqlens) if by_length else cu_seqlens
     # Without lse the kernel never touches its LSE argument (the output stands in for it).
     args = (q, k, v, out, out if lse is None else lse, cu_seqlens, order, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1],
-            so[0], so[1], 0 if lse is None else lse.stride(0), total_tokens, softmax_scale * LOG2E, size_class)
+            so[0], so[1], 0 if lse is None else lse.stride(0), total_tokens, softmax_scale * LOG2E, size_class, 0)
     launch = _launches.get(key) if config is None else None
     if launch is not None:
-        block_m, _, direct = launch
-        direct(args, (-(-max_seqlen // block_m), num_heads, batch))
+        block_m, kwargs, direct = launch
+        tiles = -(-max_seqlen // block_m)
+        direct(args, (tiles, num_heads, batch))
+        if unverified:  # the tiles past the hint, if a sequence has any (see the header)
+            _rest(key, kwargs)(args[:-1] + (tiles,), (1, num_heads, batch))
         return out
     d0, d1, d2, d3 = head_dim_parts(head_dim)
     meta = dict(HEAD_DIM=head_dim, GROUP=key[1], D0=d0, D1=d1, D2=d2, D3=d3, CAUSAL=bool(causal),
                 SORTED=by_length, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-                PRECISION="ieee" if q.dtype in (torch.float32, torch.float64) else "tf32", TILE_LOOP=tile_loop,
+                PRECISION="ieee" if q.dtype in (torch.float32, torch.float64) else "tf32", TILE_LOOP=False,
                 STORE_LSE=lse is not None)
     if config is None and INTERPRET:
         block_m, block_n = INTERPRET_BLOCKS
         _launches[key] = _settings(block_m, dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1))
         return varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, out=out,
-                                       max_seqlen_verified=not tile_loop, lse=lse)
+                                       max_seqlen_verified=not unverified, lse=lse)
     if config is None:
         grid = lambda cfg: (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), num_heads, batch)  # noqa: E731
         _varlen_attention_fwd_tuned[grid](*args, **meta)
@@ -497,11 +515,20 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         best = getattr(_varlen_attention_fwd_tuned, "best_config", None)
         if best is not None:
             _launches[key] = _settings(best.kwargs["BLOCK_M"], dict(meta, **best.all_kwargs()))
+            if unverified:
+                tiles = triton.cdiv(max_seqlen, best.kwargs["BLOCK_M"])
+                _rest(key, _launches[key][1])(args[:-1] + (tiles,), (1, num_heads, batch))
+        elif unverified:
+            # No record of the tiles the tuned launch used: every tile again, each program looping over its
+            # sequence's tiles from its own (right, if slower).
+            _varlen_attention_fwd_tuned[grid](*args, **dict(meta, TILE_LOOP=True))
     else:
         block_m, block_n, num_warps, num_stages = config
-        grid = (triton.cdiv(max_seqlen, block_m), num_heads, batch)
-        _varlen_attention_fwd[grid](*args, **meta, BLOCK_M=block_m, BLOCK_N=block_n,
-                                    num_warps=num_warps, num_stages=num_stages)
+        tiles = triton.cdiv(max_seqlen, block_m)
+        options = dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+        _varlen_attention_fwd[(tiles, num_heads, batch)](*args, **options)
+        if unverified:
+            _varlen_attention_fwd[(1, num_heads, batch)](*args[:-1], tiles, **dict(options, TILE_LOOP=True))
     return out
 
 
@@ -516,9 +543,9 @@ def plan_launch(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_
     batch = cu_seqlens.shape[0] - 1
     verified = covers(max_seqlen, total_tokens, max_seqlen_verified)
     max_seqlen = launch_rows(max_seqlen, total_tokens) if total_tokens else max_seqlen
-    key, size_class, by_length = _launch_key(q, k, cu_seqlens, max_seqlen, causal, not verified)
+    key, size_class, by_length = _launch_key(q, k, cu_seqlens, max_seqlen, causal)
     qk_scale = softmax_scale * LOG2E
-    ready = []  # [(grid, kwargs)] once the key's launch settings exist
+    ready = []  # [(tiles, direct launch, the launch of the tiles past an unverified hint or None)]
 
     def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         if not ready:
@@ -526,7 +553,8 @@ def plan_launch(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_
                                           max_seqlen_verified=verified)
             settings = _launches.get(key)
             if settings is not None and total_tokens > 0 and batch > 0:
-                ready.append(((-(-max_seqlen // settings[0]), num_heads, batch), settings[2]))
+                ready.append((-(-max_seqlen // settings[0]), settings[2],
+                              None if verified else _rest(key, settings[1])))
             return out
         out = new_output(q)
         sq, sk, sv = q.stride(), k.stride(), v.stride()
@@ -534,10 +562,13 @@ def plan_launch(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_
             return varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, out=out,
                                            max_seqlen_verified=verified)
         so = out.stride()
-        grid, direct = ready[0]
+        tiles, direct, rest = ready[0]
         order = sequence_order(cu_seqlens) if by_length else cu_seqlens
-        direct((q, k, v, out, out, cu_seqlens, order, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1], 0,
-                total_tokens, qk_scale, size_class), grid)
+        args = (q, k, v, out, out, cu_seqlens, order, sq[0], sq[1], sk[0], sk[1], sv[0], sv[1], so[0], so[1], 0,
+                total_tokens, qk_scale, size_class)
+        direct(args + (0,), (tiles, num_heads, batch))
+        if rest is not None:
+            rest(args + (tiles,), (1, num_heads, batch))
         return out
 
     return launch
@@ -546,7 +577,7 @@ def plan_launch(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_
 def tuned_config(head_dim: int, causal: bool, max_seqlen: int, group: int = 1,
                  tile_loop: bool = False) -> Optional[str]:
     """The autotuner's pick for this key as text, once it has run on the GPU (None before); ``tile_loop``: the
-    pick of the kernel with the tile loop (an unverified max_seqlen)."""
+    pick of the kernel with the tile loop (tuned only where a tuned launch left no record of its tiles)."""
     for key, cfg in _varlen_attention_fwd_tuned.cache.items():
         if tuple(key[:5]) == (head_dim, causal, group, length_class(max_seqlen), tile_loop):
             kw = cfg.kwargs

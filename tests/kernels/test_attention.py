@@ -468,11 +468,12 @@ def test_varlen_attention_triton_eager_calls_skip_the_custom_op(monkeypatch):
 def test_triton_launcher_reuses_launch_settings_per_key(monkeypatch):
     q, k, v, cu, offsets = make_batch([21, 3], heads=2, kv_heads=2, head_dim=96)
     monkeypatch.setattr(triton_path, "_launches", {})
+    monkeypatch.setattr(triton_path, "_rests", {})
     first = triton_path.varlen_attention_triton(q, k, v, cu, 21, 0.1, False)
-    # Unequal lengths: visited longest first; a hint nothing verified (21 of 24 tokens): programs loop; no
-    # log-sum-exp output.
-    key = (96, 1, False, 0, torch.float32, torch.int32, True, True, False)
-    assert list(triton_path._launches) == [key]
+    # Unequal lengths: visited longest first; no log-sum-exp output; a hint nothing verified (21 of 24 tokens):
+    # a second launch for the tiles past it, with the first one's settings.
+    key = (96, 1, False, 0, torch.float32, torch.int32, True, False)
+    assert list(triton_path._launches) == [key] and list(triton_path._rests) == [key]
     block_m, kwargs, _ = triton_path._launches[key]
     assert (block_m, kwargs["BLOCK_N"], kwargs["D0"], kwargs["D1"]) == (16, 16, 64, 32)
     again = triton_path.varlen_attention_triton(q, k, v, cu, 21, 0.1, False)

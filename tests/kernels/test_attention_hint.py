@@ -1,6 +1,6 @@
 """max_seqlen is a launch size, never a correctness input: the Triton kernel (through the interpreter) writes every
 row for hints below, at and above the longest sequence, against float64 on a NaN-filled output; launches are
-clamped to the token count; a verified hint runs the kernel without the tile loop; and the Gluon backend runs
+clamped to the token count; an unverified hint adds a second launch for the tiles past it; and the Gluon backend runs
 only with a verified hint (a stand-in Gluon module here: the real one needs a Hopper GPU).
 """
 from __future__ import annotations
@@ -94,19 +94,36 @@ def test_launch_rows_are_the_hint_clamped_to_the_token_count():
     assert not triton_path.covers(39, 40, False) and not triton_path.covers(0, 40, True)
 
 
-def test_only_a_verified_hint_runs_the_kernel_without_the_tile_loop(monkeypatch):
+def test_only_an_unverified_hint_adds_the_launch_of_the_tiles_past_it(monkeypatch):
     q, k, v, cu, offsets = make_batch([21, 3], head_dim=32)
-    kept = []
-    settings = triton_path._settings
+    rests = []
+    rest = triton_path._rest
     monkeypatch.setattr(triton_path, "_launches", {})
-    monkeypatch.setattr(triton_path, "_settings", lambda block_m, kwargs: kept.append(kwargs["TILE_LOOP"])
-                        or settings(block_m, kwargs))
-    for hint, verified in ((21, False), (21, True), (24, False), (10 ** 9, False)):
+    monkeypatch.setattr(triton_path, "_rests", {})
+
+    def recorded(key, kwargs):
+        launch = rest(key, kwargs)
+        return lambda args, grid: rests.append((args[-1], grid, launch.options["TILE_LOOP"])) or launch(args, grid)
+
+    monkeypatch.setattr(triton_path, "_rest", recorded)
+    for hint, verified in ((21, False), (21, True), (24, False), (10 ** 9, False), (1, False)):
         out = triton_path.varlen_attention_triton(q, k, v, cu, hint, 0.1, False, max_seqlen_verified=verified)
         assert_matches(out, q, k, v, offsets, False, 0.1)
-    # Two kernels: looping (21 unverified), one tile per program (21 verified; 24 and 10**9 reach the token count).
-    assert kept == [True, False]
-    assert sorted(key[-2] for key in triton_path._launches) == [False, True]  # the key's TILE_LOOP
+    # One first-launch kernel (one tile per program, no loop) for every hint; the looping kernel runs after it
+    # only for the hints nothing verified below the token count (21 and 1): one program per head and sequence,
+    # from the first tile the first launch left (16-row tiles: 2 of them for 21 rows, 1 for 1).
+    assert [key[-2] for key in triton_path._launches] == [True]  # visited longest first
+    assert all(kwargs["TILE_LOOP"] is False for _, kwargs, _ in triton_path._launches.values())
+    assert rests == [(2, (1, 4, 2), True), (1, (1, 4, 2), True)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_a_right_unverified_hint_gives_what_a_verified_one_gives(causal):
+    # The second launch finds no tile past a right hint: the output is the first launch's, bit for bit.
+    q, k, v, cu, _ = make_batch(LENGTHS, head_dim=32, seed=3)
+    unverified = triton_path.varlen_attention_triton(q, k, v, cu, max(LENGTHS), 0.2, causal)
+    verified = triton_path.varlen_attention_triton(q, k, v, cu, max(LENGTHS), 0.2, causal, max_seqlen_verified=True)
+    assert torch.equal(unverified, verified)
 
 
 # -- the Gluon backend: only with a verified max_seqlen -----------------------------------------------
