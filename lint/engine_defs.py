@@ -155,6 +155,7 @@ class _Module:
         self.tables: dict[str, dict[str, str]] = {}
         self.open = False  # a star import or a module __getattr__: any name may be defined
         self.memo: dict = {}  # (class, keyword) -> whether the keyword spares its forward a host read
+        self.imports = imports_of(tree.body)
         for stmt in _top_level(tree.body):
             if isinstance(stmt, ast.ClassDef):
                 self.classes[stmt.name] = stmt
@@ -632,6 +633,7 @@ def clear() -> None:
     _PARSED.clear()
     _JUDGED.clear()
     _INSTALLED.clear()
+    _TARGETS.clear()
 
 
 def parameters(qualname: str, method: str, near: Optional[str]) -> Optional[tuple]:
@@ -641,3 +643,167 @@ def parameters(qualname: str, method: str, near: Optional[str]) -> Optional[tupl
     parsed, _ = _load(module_name, near)
     fn = parsed.method(name, method) if parsed is not None else None
     return _positional(fn) if fn is not None else None
+
+
+# -- which methods a layer's forward runs ----------------------------------------------------------------
+# vLLM's CustomOp (``vllm/model_executor/custom_op.py`` of 0.33.0): ``forward`` calls ``self._forward_method``,
+# which ``__init__`` sets from ``dispatch_forward``, one of these by platform. The pinned picture, used where
+# no source of the class is found (vllm-ascend scanned without vLLM installed); a source found is read instead.
+PINNED_DISPATCH = {
+    "vllm.model_executor.custom_op.CustomOp": frozenset({
+        "forward_native", "forward_cuda", "forward_hip", "forward_xpu", "forward_cpu", "forward_tpu", "forward_oot"}),
+}
+_BASES_DEPTH = 12  # classes followed up a hierarchy
+
+
+def imports_of(body: list) -> dict:
+    """The names a module's top-level imports bind -> (module, level, attribute or None): ``import a.b as c``
+    binds c to ("a.b", 0, None), ``import a.b`` a to ("a", 0, None), ``from ..x import y as z`` z to ("x", 2, "y")."""
+    out: dict = {}
+    for stmt in _top_level(body):
+        if isinstance(stmt, ast.Import):
+            for a in stmt.names:
+                out[a.asname or a.name.split(".")[0]] = (a.name if a.asname else a.name.split(".")[0], 0, None)
+        elif isinstance(stmt, ast.ImportFrom):
+            for a in stmt.names:
+                if a.name != "*":
+                    out[a.asname or a.name] = (stmt.module or "", stmt.level, a.name)
+    return out
+
+
+def qualify(dotted: str, imports: dict, module: Optional[str], is_package: bool = False) -> Optional[str]:
+    """The qualified name ``dotted`` (a base class as written) stands for through the module's imports;
+    None where its first name is not imported (or a relative import cannot be placed: ``module`` unknown)."""
+    first, _, rest = dotted.partition(".")
+    binding = imports.get(first)
+    if binding is None:
+        return None
+    base, level, attr = binding
+    if level:
+        if not module:
+            return None
+        package = module if is_package else module.rpartition(".")[0]
+        for _ in range(level - 1):
+            package = package.rpartition(".")[0]
+        if not package:
+            return None
+        base = f"{package}.{base}" if base else package
+    name = f"{base}.{attr}" if attr else base
+    return f"{name}.{rest}" if rest else name
+
+
+def _dotted(node: ast.AST) -> Optional[str]:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def _own_methods(cls: ast.ClassDef) -> dict:
+    return {s.name: s for s in cls.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def _dispatch(cls: ast.ClassDef, methods: dict) -> frozenset:
+    """The methods a ``forward`` of ``cls`` that only calls an instance attribute (``return
+    self._forward_method(*args, **kwargs)``) runs: the attributes of ``self`` named (not called) where that
+    attribute is set, directly or in what the method called there returns (``self._forward_method =
+    self.dispatch_forward()``, which returns ``self.forward_cuda``, ``self.maybe_compile(self.forward_native)``...).
+    Empty for any other forward."""
+    forward = methods["forward"]
+    body = [s for s in forward.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    params = forward.args.posonlyargs + forward.args.args
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or not isinstance(body[0].value, ast.Call) \
+            or not params:
+        return frozenset()
+    this, func = params[0].arg, body[0].value.func
+    if not (isinstance(func, ast.Attribute) and _is_name(func.value, this)) or func.attr in methods:
+        return frozenset()
+    attr, found = func.attr, set()
+    for method in methods.values():
+        this = _first(method)
+        for node in ast.walk(method):
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == attr
+                                                    and _is_name(t.value, this) for t in node.targets):
+                found |= _named_methods(node.value, this)
+                if isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute) \
+                        and _is_name(node.value.func.value, this) and node.value.func.attr in methods:
+                    picker = methods[node.value.func.attr]  # set from what a method returns
+                    for ret in ast.walk(picker):
+                        if isinstance(ret, ast.Return) and ret.value is not None:
+                            found |= _named_methods(ret.value, _first(picker))
+    return frozenset(found - {"forward"})
+
+
+def _first(fn: _Function) -> str:
+    params = fn.args.posonlyargs + fn.args.args
+    return params[0].arg if params else ""
+
+
+def _named_methods(expr: ast.AST, this: str) -> set:
+    """Attributes of the instance (``this``) named in ``expr`` without being called there: the methods a
+    subclass may define (``forward_oot``) as well as the class's own."""
+    called = {id(n.func) for n in ast.walk(expr) if isinstance(n, ast.Call)}
+    return {n.attr for n in ast.walk(expr) if isinstance(n, ast.Attribute) and _is_name(n.value, this)
+            and id(n) not in called}
+
+
+def forward_targets(cls: ast.ClassDef, classes: dict, imports: dict, module: Optional[str], is_package: bool,
+                    near: Optional[str], depth: int = 0) -> Optional[frozenset]:
+    """The methods that an instance call of ``cls`` runs in place of ``forward``, where the ``forward`` it runs
+    (its own, or the first one up its bases) dispatches to one of them (vLLM's CustomOp): empty where that
+    forward is an ordinary one, None where it cannot be told (a base not found). ``classes``: the module's
+    top-level classes by name; ``imports``: ``imports_of`` its body; ``near``: its file."""
+    methods = _own_methods(cls)
+    if "forward" in methods:
+        return _dispatch(cls, methods)
+    if depth >= _BASES_DEPTH:
+        return None
+    for base in cls.bases:
+        name = _dotted(base)
+        if name is None:
+            continue
+        if name in classes and classes[name] is not cls:
+            got = forward_targets(classes[name], classes, imports, module, is_package, near, depth + 1)
+        else:
+            qual = qualify(name, imports, module, is_package)
+            got = class_forward_targets(qual, near, depth + 1) if qual else None
+        if got is not None:
+            return got
+    return None
+
+
+_TARGETS: dict = {}
+
+
+def class_forward_targets(qualname: str, near: Optional[str], depth: int = 0) -> Optional[frozenset]:
+    """``forward_targets`` of the class ``qualname`` as the file ``near`` reaches it (a copy in the tree, the
+    installed package, then the pinned picture: ``PINNED_DISPATCH``, and the catalog's classes whose calls run
+    the platform's method, ``catalog.CALLED_METHODS``)."""
+    key = (qualname, os.path.dirname(near) if near else None)
+    if key in _TARGETS:
+        return _TARGETS[key]
+    _TARGETS[key] = None  # (a cycle of imports: not known)
+    module, _, name = qualname.rpartition(".")
+    got = None
+    parsed, source = _load(module, near) if module and depth < _BASES_DEPTH else (None, None)
+    if parsed is not None and source is not None:
+        package = os.path.basename(source.path) == "__init__.py"
+        if name in parsed.classes:
+            got = forward_targets(parsed.classes[name], parsed.classes, parsed.imports, module, package,
+                                  source.path, depth)
+        elif name in parsed.imports:  # re-exported
+            qual = qualify(name, parsed.imports, module, package)
+            got = class_forward_targets(qual, source.path, depth + 1) if qual else None
+    if got is None:
+        pinned = catalog.REEXPORTS.get(qualname, qualname)
+        got = PINNED_DISPATCH.get(pinned)
+        if got is None and pinned in catalog.CALLED_METHODS:
+            got = PINNED_DISPATCH["vllm.model_executor.custom_op.CustomOp"]
+    if len(_TARGETS) > 4096:
+        _TARGETS.clear()
+    _TARGETS[key] = got
+    return got

@@ -4,13 +4,18 @@ The vocabulary (which names hold metadata, which calls read back) lives in ``pat
 pre-filter's needles; where a read's receiver lives (host or device, derived from which metadata) is the
 value model's answer (``values.py``), names the fallback where it does not know.
 """
-# Per layer means the ``forward`` of a class named ``*Block``, ``*Layer`` or ``*Attention`` (any case), or the
-# body of a ``for`` loop over something named like layers or blocks. Reads are ``.item()``, ``.tolist()`` and
-# ``int(t.max())`` of sequence-length metadata, ``.any()``/``.all()`` of a tensor tested by ``if``/``while``,
-# and calls of a same-module helper that does one of those. A class whose ``__init__`` refuses to run off the
-# CPU holds host tensors only: nothing there is a device sync. A helper called in the fallback branch of a
-# prepared-metadata test (``if forward_metadata is not None: ... else: helper(...)``) is reported at the
-# callers that pass no metadata instead (GL109).
+# Per layer means the ``forward`` of a class named ``*Block``, ``*Layer`` or ``*Attention`` (any case) or derived
+# from a class named so, the methods such a forward dispatches to where it only calls the one its instance picked
+# (vLLM's CustomOp: ``forward_oot``, ``forward_cuda``...; read from the definition the class reaches,
+# ``engine_defs.forward_targets``), or the body of a ``for`` loop over something named like layers or blocks.
+# Reads are ``.item()``, ``.tolist()`` and ``int(t.max())`` of sequence-length metadata, a bare copy of it to
+# the host (``t.cpu()``, ``t.to("cpu")``: the copy waits for the device, whether or not the copy is read; a
+# ``non_blocking=True`` one does not), ``.any()``/``.all()`` of a tensor tested by ``if``/``while``,
+# and calls of a same-module helper that does one of those but a copy (whether a copy in a helper copies device
+# data depends on what the call passes: the callee summaries below judge it). A class whose ``__init__``
+# refuses to run off the CPU holds host tensors only: nothing there is a device sync. A helper called in the
+# fallback branch of a prepared-metadata test (``if forward_metadata is not None: ... else: helper(...)``) is
+# reported at the callers that pass no metadata instead (GL109).
 # A receiver the value model shows to be a device value derived from metadata is reported under its own
 # name (``spans (from cu_seqlens)``), one it shows to be on the host is not, whatever its name; the value
 # map of a function is built the first time one of its reads needs it.
@@ -19,6 +24,7 @@ value model's answer (``values.py``), names the fallback where it does not know.
 # at the call; the finding names the path to the read.
 from __future__ import annotations
 
+import ast
 import os
 import re
 from typing import Callable, Optional
@@ -29,7 +35,7 @@ from guardlint.contracts import Contract
 
 from .findings import MESSAGE_WIDTH, message, per_layer_place
 from .names import dotted, is_none
-from .patterns import CASTS, LAYER_LOOP_NAME, PER_LAYER_CLASS_SUFFIXES, SYNC_METHODS, is_seqlen_name
+from .patterns import CASTS, LAYER_LOOP_NAME, SYNC_METHODS, is_layer_class, is_seqlen_name
 from .values import Values
 from .walk import children
 
@@ -98,7 +104,7 @@ class PerLayerHostSync:
     def __init__(self, contract: Contract, report: Callable[..., None]):
         self.contract = contract
         self.report = report
-        self._classes: list[Optional[str]] = []  # enclosing class names; None for a def in between
+        self._classes: list[Optional[cst.ClassDef]] = []  # enclosing classes; None for a def in between
         self._contexts: list[Optional[str]] = []  # why the code here runs per layer
         self._inside_report = 0  # depth of calls nested in an already reported one
         self._funcs: list[list] = []  # enclosing defs, innermost last: [def, its value map once built]
@@ -115,6 +121,7 @@ class PerLayerHostSync:
         return message(f"{what} inside {per_layer_place(context)}", self.contract.diagnosis.headline)
 
     def visit_Module(self, node: cst.Module) -> None:
+        self._module = node
         self.begin_chunk(module_helpers(node.body, {}))
 
     def begin_chunk(self, helpers: dict[str, str]) -> None:
@@ -160,7 +167,7 @@ class PerLayerHostSync:
             self._contexts.append(None)
             self._host_class = getattr(self, "_host_class", 0) + 1
             return
-        self._classes.append(node.name.value)
+        self._classes.append(node)
 
     def leave_ClassDef(self, node: cst.ClassDef) -> None:
         self._scope.pop()
@@ -172,9 +179,12 @@ class PerLayerHostSync:
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         owner = self._classes[-1] if self._classes else None
         context = None
-        if node.name.value == "forward" and owner and owner.lower().endswith(PER_LAYER_CLASS_SUFFIXES) \
-                and not getattr(self, "_host_class", 0):
-            context = f"{owner}.forward, which runs once per layer"
+        name = node.name.value
+        if owner is not None and (name == "forward" or name.startswith("forward_")) \
+                and not getattr(self, "_host_class", 0) \
+                and is_layer_class(owner.name.value, [b for b in map(_base_name, owner.bases) if b]) \
+                and (name == "forward" or name in self._dispatched(owner)):
+            context = f"{owner.name.value}.{name}, which runs once per layer"
         self._contexts.append(context)
         self._classes.append(None)
         self._funcs.append([node, None])
@@ -185,6 +195,16 @@ class PerLayerHostSync:
         self._contexts.pop()
         self._classes.pop()
         self._funcs.pop()
+
+    def _dispatched(self, owner: cst.ClassDef) -> frozenset:
+        """The methods a call of an instance of ``owner`` (a top-level class) runs in place of its forward,
+        when that forward dispatches to one (``engine_defs.forward_targets``: its own, the tree's or the
+        installed engine's definition, the pinned picture)."""
+        cache = self.__dict__.setdefault("_dispatch", {})
+        if id(owner) not in cache:
+            cache[id(owner)] = _forward_targets(getattr(self, "_module", None), owner, self.path or None,
+                                                self.__dict__.setdefault("_ast", []))
+        return cache[id(owner)]
 
     def _values(self) -> Optional[Values]:
         """The value map of the innermost enclosing def (None at module level)."""
@@ -257,11 +277,20 @@ class PerLayerHostSync:
         """(message, note) of a call whose definition reads on the host the parameter that a device value
         derived from metadata fills here (the callee's summary, ``summaries.py``): the message names the
         function that reads, as precisely as the line has room for; the note, the whole path. A read the
-        callee skips when another argument is passed (not None) is not this call's."""
-        callee = self.callees.get((".".join(self._scope), dotted(node.func)))
-        model = self._values() if callee is not None else None
-        if callee is None or model is None:
+        callee skips when another argument is passed (not None) is not this call's. A call of a table's
+        entry (``T[key](...)``) may reach each function entry of it: the first that reads is named."""
+        text = callee_text(node.func)
+        callees = self.callees.get((".".join(self._scope), text))
+        model = self._values() if callees is not None else None
+        if callees is None or model is None:
             return None
+        for callee in callees:
+            found = self._reads_through(node, context, callee, model, text)
+            if found is not None:
+                return found
+        return None
+
+    def _reads_through(self, node: cst.Call, context: str, callee, model: Values, text) -> Optional[tuple[str, str]]:
         passed = callee.bind(node.args)
         for param, arg in passed.items():
             read = callee.summary.reads.get(param)
@@ -270,8 +299,9 @@ class PerLayerHostSync:
             v = model.of(arg)
             if not (v.device and v.source):
                 continue
-            short = f"{dotted(node.func)}(...) reads {_metadata_name(arg) or _derived(model, arg) or v.source}"
-            name, path, line = read.path[-1]
+            written = f"{text[:-2]}[...]" if text and text.endswith("[]") else text
+            short = f"{written}(...) reads {_metadata_name(arg) or _derived(model, arg) or v.source}"
+            name, path, line, _ = read.path[-1]
             name = name.rsplit(".", 1)[-1]
             here = os.path.dirname(self.path)
             places = (path, os.path.relpath(path, here) if here else path, os.path.basename(path))
@@ -280,20 +310,26 @@ class PerLayerHostSync:
                 message = self._message(what, context)
                 if len(message) <= MESSAGE_WIDTH:
                     break
-            note = f"{callee.summary.name}() reads its {param} on the host ({read.kind}): {read.via()}."
+            entry = f" (as {callee.entry})" if callee.entry else ""
+            note = f"{callee.summary.name}(){entry} reads its {param} on the host ({read.kind}): {read.via()}."
             return message, note
         return None
 
     @staticmethod
-    def _host_read(node: cst.Call, values: Optional[ValuesOf] = None) -> Optional[str]:
+    def _host_read(node: cst.Call, values: Optional[ValuesOf] = None, copies: bool = True) -> Optional[str]:
         """What ``node`` reads back to the host, judged by ``values`` (the enclosing def's value map)
-        first and by names where it does not know."""
+        first and by names where it does not know; with ``copies``, a bare copy to the host too."""
         func = node.func
         if isinstance(func, cst.Attribute) and func.attr.value in SYNC_METHODS and not node.args:
             source, copy = host_copy(func.value)
             name = _judge(source, values, _metadata_name)
             if name:
                 return f"{copy}.{func.attr.value}() on {name}"
+        copied = bare_copy(node) if copies else None
+        if copied is not None:
+            name = _judge(copied[0], values, _metadata_name)
+            if name:
+                return f"{copied[1]} on {name}"
         if isinstance(func, cst.Name) and func.value in CASTS and len(node.args) == 1:
             inner = node.args[0].value
             if isinstance(inner, cst.Call):
@@ -320,13 +356,14 @@ def host_copy(expr: cst.BaseExpression) -> tuple[cst.BaseExpression, str]:
     """(the tensor that ``expr`` copies to the host, the copy as written): ``t.cpu()``, ``t.detach().cpu()``,
     ``t.cpu().numpy()``, ``t.to("cpu")`` and ``t.to(device="cpu")`` give (t, ".cpu()"...); anything else
     (``expr``, ""). A read of the copy (``.tolist()``, ``.item()``) is a read of ``t``: a device-to-host sync
-    when ``t`` lives on the device, none when it is already host data (the value model says which)."""
+    when ``t`` lives on the device, none when it is already host data (the value model says which). A
+    ``non_blocking=True`` copy is not followed: what reads it is the code's own business."""
     original, parts, moved = expr, [], False
     while isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
         name = expr.func.attr.value
         if name in _COPY_METHODS and not expr.args:
             moved = moved or name in ("cpu", "numpy")
-        elif name == "to" and len(expr.args) == 1 and _is_cpu_arg(expr.args[0]):
+        elif name == "to" and _to_host(expr):
             moved = True
         else:
             break
@@ -337,14 +374,93 @@ def host_copy(expr: cst.BaseExpression) -> tuple[cst.BaseExpression, str]:
     return expr, "".join(reversed(parts))
 
 
-def _is_cpu_arg(arg: cst.Arg) -> bool:
-    """``"cpu"``, ``device="cpu"`` or ``torch.device("cpu")``."""
-    if arg.star or (arg.keyword is not None and arg.keyword.value != "device"):
-        return False
-    value = arg.value
+def bare_copy(node: cst.Call) -> Optional[tuple[cst.BaseExpression, str]]:
+    """(the tensor copied, the copy as written) where ``node`` copies a tensor to the host and waits for it:
+    ``t.cpu()``, ``t.to("cpu")``, ``t.to(device="cpu")``, ``t.to(torch.device("cpu"), torch.int32)``; None
+    for anything else, a ``non_blocking=True`` copy among them. (``t.numpy()`` copies nothing: of a device
+    tensor it raises.)"""
+    func = node.func
+    if not isinstance(func, cst.Attribute):
+        return None
+    if func.attr.value == "cpu" and not any(a.keyword is None for a in node.args):
+        return func.value, ".cpu()"
+    if func.attr.value == "to" and _to_host(node):
+        return func.value, '.to("cpu")'
+    return None
+
+
+def _to_host(call: cst.Call) -> bool:
+    """``x.to(...)`` moves ``x`` to the CPU (its device, positional or ``device=``, is the CPU) and waits: no
+    ``non_blocking`` other than False, no ``copy``/``memory_format`` argument past the third position."""
+    device, positional = None, 0
+    for arg in call.args:
+        if arg.star:
+            return False
+        if arg.keyword is None:
+            positional += 1
+            if positional == 1:
+                device = arg.value
+            elif positional > 2:  # .to(device, dtype, non_blocking)
+                return False
+        elif arg.keyword.value == "device":
+            device = arg.value
+        elif arg.keyword.value == "non_blocking" and not (isinstance(arg.value, cst.Name)
+                                                          and arg.value.value == "False"):
+            return False
+    return device is not None and _is_cpu(device)
+
+
+def _is_cpu(value: cst.BaseExpression) -> bool:
+    """``"cpu"``, ``"cpu:0"`` or ``torch.device("cpu")``."""
     if isinstance(value, cst.Call) and dotted(value.func) in ("torch.device", "device") and len(value.args) == 1:
         value = value.args[0].value
     return isinstance(value, cst.SimpleString) and value.evaluated_value in ("cpu", "cpu:0")
+
+
+def _table_lookup(func: cst.BaseExpression) -> Optional[str]:
+    """``T`` of a callee ``T[key]`` or ``T.get(key, ...)`` where T is a plain name."""
+    if isinstance(func, cst.Subscript) and isinstance(func.value, cst.Name):
+        return func.value.value
+    if isinstance(func, cst.Call) and isinstance(func.func, cst.Attribute) and func.func.attr.value == "get" \
+            and isinstance(func.func.value, cst.Name) and func.args:
+        return func.func.value.value
+    return None
+
+
+def callee_text(func: cst.BaseExpression) -> Optional[str]:
+    """A callee as written, as the summaries' tables key it (``summaries.callee_text``): ``f``, ``self.m``,
+    ``T[]`` for ``T[key]`` and ``T.get(key)``."""
+    table = _table_lookup(func)
+    return f"{table}[]" if table is not None else dotted(func)
+
+
+def _base_name(base: cst.Arg) -> Optional[str]:
+    """A base class as written (``MMEncoderAttention``, ``layers.Attention``); None for a keyword (metaclass=)."""
+    return dotted(base.value) if base.keyword is None and not base.star else None
+
+
+def _forward_targets(module: Optional[cst.Module], owner: cst.ClassDef, near: Optional[str], parsed: list) -> frozenset:
+    """``engine_defs.forward_targets`` of ``owner``, a top-level class of ``module`` (its CPython tree is made
+    once, into ``parsed``, for the first class that asks); empty for a nested class or without the module
+    (a chunk of a large file)."""
+    if module is None or not any(s is owner for s in module.body):
+        return frozenset()
+    from . import engine_defs
+
+    if not parsed:
+        try:
+            parsed.append(ast.parse(module.code))
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            parsed.append(None)
+    tree = parsed[0]
+    if tree is None:
+        return frozenset()
+    classes = {s.name: s for s in tree.body if isinstance(s, ast.ClassDef)}
+    node = classes.get(owner.name.value)
+    if node is None:
+        return frozenset()
+    got = engine_defs.forward_targets(node, classes, engine_defs.imports_of(tree.body), None, False, near)
+    return got or frozenset()
 
 
 def _build(func: cst.FunctionDef):
@@ -423,8 +539,8 @@ def module_helpers(body, helpers: dict[str, str], may_read: Optional[list[bool]]
     return helpers
 
 
-# A host read (``_host_read``) is a call of one of these names: a function whose text has none of them as a
-# word reads nothing.
+# A helper's host read (``_host_read`` without copies) is a call of one of these names: a function whose text
+# has none of them as a word reads nothing.
 READ_WORDS = re.compile(r"\b(?:" + "|".join((*SYNC_METHODS, *CASTS)) + r")\b")
 
 
@@ -443,7 +559,9 @@ def _first_read(func: cst.FunctionDef) -> Optional[str]:
     while stack:
         node, owner = stack.pop()
         if isinstance(node, cst.Call):
-            what = PerLayerHostSync._host_read(node, values_of(owner))
+            # (A bare copy makes no helper: whether the call hands it device data is the callee summaries'
+            # question, ``summaries.py``, which a helper's callers are not asked.)
+            what = PerLayerHostSync._host_read(node, values_of(owner), copies=False)
             if what:
                 return what
         inner = node if isinstance(node, cst.FunctionDef) else owner

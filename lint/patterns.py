@@ -155,6 +155,30 @@ def _headers(data: bytes) -> tuple:
     return _LAST_HEADERS[1]
 
 
+def is_layer_class(name: str, bases=()) -> bool:
+    """A class whose ``forward`` runs once per layer: named ``*Block``/``*Layer``/``*Attention`` (any case), or
+    derived from a class named so (``bases`` as written, dotted or not)."""
+    return any(n.rsplit(".", 1)[-1].lower().endswith(PER_LAYER_CLASS_SUFFIXES) for n in (name, *bases) if n)
+
+
+def _forward_name(name: bytes) -> bool:
+    """``forward``, or a method a dispatching forward may run (``forward_oot``): the visitor decides which."""
+    return name == b"forward" or name.startswith(b"forward_")
+
+
+# A class header's bases, up to its closing parenthesis (matched at the ``class`` keyword).
+_CLASS_BASES = re.compile(rb"class[ \t]+\w+[ \t]*\(([^):]{0,400})")
+_WORD = re.compile(rb"[\w.]+")
+
+
+def _layer_header(data: bytes, header: tuple) -> bool:
+    """``is_layer_class`` of the class whose header is ``header`` (as ``_headers`` gives it)."""
+    if header[3].decode().lower().endswith(PER_LAYER_CLASS_SUFFIXES):
+        return True
+    m = _CLASS_BASES.match(data, header[4])
+    return m is not None and is_layer_class("", [w.decode() for w in _WORD.findall(m.group(1))])
+
+
 def in_per_layer_code(data: bytes, offsets: list[int], derived: Optional[re.Pattern] = None) -> bool:
     """Whether one of ``offsets`` (host reads) can be in code run per layer, read from indentation
     alone: the statements above each offset that open a block at a smaller indentation are its
@@ -202,9 +226,9 @@ def in_per_layer_code(data: bytes, offsets: list[int], derived: Optional[re.Patt
             elif word == b"def":
                 # Any forward below counts (not only one right in the class): with statements left
                 # out, the def found next may not be the one around.
-                forward = forward or name == b"forward"
+                forward = forward or _forward_name(name)
                 outer = name if level == 0 else None
-            elif word == b"class" and forward and name.decode().lower().endswith(PER_LAYER_CLASS_SUFFIXES):
+            elif word == b"class" and forward and _layer_header(data, headers[k]):
                 return True
         if helper and outer:
             helpers.add(outer.decode())
@@ -270,15 +294,16 @@ def names_metadata_per_layer(data: bytes) -> bool:
         text = data[line:m.start()]
         i, limit, forward = bisect.bisect_right(starts, line) - 1, len(text) - len(text.lstrip(b" \t")) + 1, False
         while i >= 0 and limit > 0:
-            _, level, word, name, keyword = headers[i]
+            header = headers[i]
+            _, level, word, name, keyword = header
             i = parents[i]
             if level >= limit:
                 continue
             limit = level
             if word == b"for" and _FOR_LAYERS.match(data, keyword):
                 return True
-            forward = forward or (word == b"def" and name == b"forward")
-            if word == b"class" and forward and name.decode().lower().endswith(PER_LAYER_CLASS_SUFFIXES):
+            forward = forward or (word == b"def" and _forward_name(name))
+            if word == b"class" and forward and _layer_header(data, header):
                 return True
     return False
 
@@ -297,6 +322,9 @@ PER_LAYER_CLASS_SUFFIXES = ("block", "layer", "attention")
 # enumerate(self.blocks), range(num_layers), self.vision_blocks ...
 LAYER_LOOP_NAME = re.compile(r"(?:^|_)(?:layers?|blocks?)$", re.IGNORECASE)
 
+# A bare copy of a tensor to the host, read or not: ``t.cpu()``, ``t.to("cpu")``, ``t.to(device="cpu")``,
+# ``t.to(torch.device("cpu"), dtype)`` (a ``non_blocking=True`` copy is told apart by the visitor).
+_COPY = rb"\.cpu\(\s*\)|\.to\((?:[^()]|\([^()]*\))*?[\"']cpu\b"
 _STEM = rb"(?:" + b"|".join(stem.encode() for stem in SEQLEN_STEMS if stem != "cu_seqlens") + rb")"
 
 PATTERNS: dict[str, PatternSpec] = {
@@ -312,32 +340,36 @@ PATTERNS: dict[str, PatternSpec] = {
         also=((b".any():",), (b".all():",), (b".any()):",), (b".all()):",)),
         # A per-layer place: a forward in a class *Block/*Layer/*Attention (any case), or a for loop
         # whose header names layers or blocks (up to its colon: headers over several lines count).
+        # (``forward_*``: the methods a dispatching forward runs, vLLM's CustomOp ``forward_oot``...; a class
+        # whose base is named so is a layer too: ``class AscendMMEncoderAttention310(MMEncoderAttention)``.)
         context=(
-            (re.compile(rb"def\s+forward\b"), re.compile(rb"class\s+\w*(?i:block|layer|attention)\b")),
+            (re.compile(rb"def\s+forward(?:_\w+)?\b"),
+             re.compile(rb"class\s+\w*(?:(?i:block|layer|attention)\b|\([^):]*?(?i:block|layer|attention)\b)")),
             (_FOR_LAYERS,),
         ),
         # Then only reads that can be in such a place: ``in_per_layer_code`` reads the nesting from the
         # indentation (52 of vLLM 0.33's files passed on GL104's words alone, and CPython parsed them
         # for no finding; 1 did with the reads of lengths below, 34 do with the derived reads too, and
         # the tree pre-filter sends none of those to libcst).
-        # .item()/.tolist() without arguments (of a receiver naming lengths, on the line of the read or up
-        # to three lines before it), int(t)/bool(t)/float(t) of lengths, with the lengths on the line of
+        # .item()/.tolist() without arguments and bare copies to the host (.cpu(), .to("cpu"): ``_COPY``) (of
+        # a receiver naming lengths, on the line of the read or up to three lines before it), int(t)/bool(t)/
+        # float(t) of lengths, with the lengths on the line of
         # the cast (or the next one: ``int(`` and its argument below it), and ``if``/``while`` tests of
         # lengths (``if seq_lens:``, ``if not cu_seqlens[0]``, ``while x and seg_lens[i] < n``): ``.item(``,
         # ``int`` and ``if`` alone are in most files, and ``if seq_lens is None`` is no read.
         also_pattern=re.compile(
-            rb"\.(?:item|tolist)\(\s*\)"
+            rb"\.(?:item|tolist)\(\s*\)|" + _COPY
             + rb"|(?:int|bool|float)\(\s*[^\n]*?" + _STEM
             + rb"|(?:if|elif|while|and|or)\s+(?:not\s+)?\(?\s*[\w.]*" + _STEM
             + rb"\w*(?:\[[^\]\n]*\])?\s*(?::|and\b|or\b|[<>]=?|==|!=|\))"),
         also_after=3,
         where=in_per_layer_code,
-        # Reads of a value derived from metadata under another name (``spans.tolist()``, ``int(m)``,
-        # ``if spans[0] > 0:``): in a function that names metadata (``in_per_layer_code``'s ``derived``).
+        # Reads of a value derived from metadata under another name (``spans.tolist()``, ``spans.cpu()``,
+        # ``int(m)``, ``if spans[0] > 0:``): in a function that names metadata (``in_per_layer_code``'s ``derived``).
         # An if/elif/while statement starts its line; ``if x is None:`` alone is no read (the visitor
         # leaves ``is`` tests alone).
         # (The read is where group 1 starts, when it matched.)
-        derived=re.compile(rb"\.(?:item|tolist)\(\s*\)|(?<![\w.])(?:int|bool|float)\("
+        derived=re.compile(rb"\.(?:item|tolist)\(\s*\)|" + _COPY + rb"|(?<![\w.])(?:int|bool|float)\("
                            rb"|^[ \t]*(if|elif|while)[ \t(]+(?![\w.]+[ \t]+is[ \t]+(?:not[ \t]+)?None[ \t]*:)", re.M),
     ),
 }

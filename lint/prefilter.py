@@ -32,8 +32,8 @@ from typing import Callable, Iterable, Optional
 from guardlint.contracts.catalog import HOST_SUFFIXES
 
 from .patterns import (CASTS, CONTAINER_METHODS, DECLARED_CONTAINERS, DECLARED_HOST_TYPES, KEEP_BUILTINS, KEEP_METHODS,
-                       LAYER_LOOP_NAME, MOVE_METHODS, PATTERNS, PER_LAYER_CLASS_SUFFIXES, SAME_TENSOR_ATTRS,
-                       SYNC_METHODS, TORCH_COPIES, TORCH_JOIN, TORCH_KEEP, is_seqlen_name)
+                       LAYER_LOOP_NAME, MOVE_METHODS, PATTERNS, SAME_TENSOR_ATTRS, SYNC_METHODS, TORCH_COPIES,
+                       TORCH_JOIN, TORCH_KEEP, is_layer_class, is_seqlen_name)
 from .rules import RuleSet
 
 HOST_SYNC = "GL104"
@@ -130,7 +130,7 @@ class TreeFilter:
 
 # Attribute and function names of the calls GL104's visitor looks at (``_host_read``), and the keywords
 # of the tests it looks at (an ``if`` statement spans the line of its keyword).
-_READ_WORDS = ("item", "tolist", "any", "all", "int", "bool", "float", "if", "elif", "while")
+_READ_WORDS = ("item", "tolist", "cpu", "any", "all", "int", "bool", "float", "if", "elif", "while")
 _LINE_BREAK = re.compile(rb"\r\n|\r|\n")
 
 
@@ -219,7 +219,7 @@ class _Scan:
 
     def block(self, stmts, context: bool, owner, suspects: Optional[list] = None, reads: bool = False,
               func=None) -> bool:
-        """Any reportable node in ``stmts``; ``context``: they run per layer; ``owner``: the class whose
+        """Any reportable node in ``stmts``; ``context``: they run per layer; ``owner``: the class (node) whose
         body they are directly in; ``suspects``: a host read was seen (None: module level, where each
         function is a possible helper); ``reads``: a host read here matters (inside a module-level
         function, which may be a helper); ``func``: the innermost def around them."""
@@ -231,11 +231,13 @@ class _Scan:
             t = type(node)
             inner_context, inner_owner, inner_reads, inner_func = context, owner, reads, func
             if t is ast.ClassDef:
-                inner_owner = node.name
+                inner_owner = node
             elif t is ast.FunctionDef or t is ast.AsyncFunctionDef:
                 inner_owner, inner_func = None, node
                 inner_reads = reads or (suspects is None and t is ast.FunctionDef)
-                if node.name == "forward" and owner and owner.lower().endswith(PER_LAYER_CLASS_SUFFIXES):
+                if owner is not None and (node.name == "forward" or node.name.startswith("forward_")) \
+                        and is_layer_class(owner.name, [b for b in map(_dotted, owner.bases) if b]):
+                    # (``forward_*``: what a dispatching forward may run; the visitor reads which it does)
                     inner_context = True
             elif (t is ast.For or t is ast.AsyncFor) and _loops_over_layers(node.iter):
                 inner_context = True
@@ -383,10 +385,27 @@ def _host_read(call: ast.Call, tainted: Optional[Callable[[], Taint]] = None) ->
     binds from sequence-length metadata (``_tainted``), where derived values count."""
     func = call.func
     if type(func) is ast.Attribute:
-        return func.attr in SYNC_METHODS and not call.args and not call.keywords \
-            and (_reads_seqlen(func.value) or (tainted is not None and _derives(func.value, tainted)))
+        if func.attr in SYNC_METHODS and not call.args and not call.keywords or _copies_to_host(call):
+            return _reads_seqlen(func.value) or (tainted is not None and _derives(func.value, tainted))
+        return False
     if type(func) is ast.Name and func.id in CASTS and len(call.args) + len(call.keywords) == 1:
         return _reads_seqlen(call) or (tainted is not None and bool(call.args) and _derives(call.args[0], tainted))
+    return False
+
+
+def _copies_to_host(call: ast.Call) -> bool:
+    """``t.cpu()``, ``t.to("cpu")``, ``t.to(device=torch.device("cpu"))``: host_sync's ``bare_copy``, taken
+    wider (any ``non_blocking``)."""
+    func = call.func
+    if func.attr == "cpu":
+        return not call.args
+    if func.attr != "to":
+        return False
+    for value in (*call.args[:1], *(k.value for k in call.keywords if k.arg == "device")):
+        if type(value) is ast.Call and value.args:
+            value = value.args[0]  # torch.device("cpu")
+        if type(value) is ast.Constant and isinstance(value.value, str) and value.value.startswith("cpu"):
+            return True
     return False
 
 

@@ -15,8 +15,10 @@ or asserts when None) and those it never reads. ``sketch`` takes a file's facts 
 # Resolution is by facts, never by a name alone: ``self.m()`` is the method of the enclosing class or of
 # its bases defined in the tree, ``f()`` a module-level def of the file or what an import of it names,
 # ``m.f()`` the def in the module ``m`` is bound to (absolute and relative imports; a module is a file
-# under the package root of the file that imports it, so a src/ layout works). A name bound in the
-# calling function, a class (a constructor), anything else: no summary, no finding.
+# under the package root of the file that imports it, so a src/ layout works). ``T[key]()``, ``T.get(key)()``
+# and ``fn()`` after ``fn = T[key]`` reach every function entry of ``T``, a module-level dict display (in the
+# file or imported), each named in the path. Any other name bound in the calling function, a class (a
+# constructor), anything else: no summary, no finding.
 # A read on a path taken only when another parameter is None (``bounds if bounds is not None else
 # cu.tolist()``) is the callee's fallback: a call that passes that parameter is not reported.
 from __future__ import annotations
@@ -28,12 +30,14 @@ from dataclasses import dataclass, field
 from itertools import accumulate, takewhile
 from typing import Any, Callable, Optional
 
-from .patterns import PATTERNS, PER_LAYER_CLASS_SUFFIXES, names_metadata_per_layer, reached_places
+from .patterns import PATTERNS, is_layer_class, names_metadata_per_layer, reached_places
 from .prefilter import HOST_SYNC, _NO_TAINT, _derives, _dotted, _loops_over_layers, _tainted
 
 # A host read in a function's text: what GL104 reads (``host_sync._host_read``) and no more (``x.float()``
 # is not one).
-_READ = re.compile(rb"\.(?:item|tolist)\(\s*\)|(?<![\w.])(?:int|float|bool)\(")
+# (and a bare copy to the host, ``.cpu()``, ``.to("cpu")``: it waits for the device as a read does).
+_READ = re.compile(rb"\.(?:item|tolist|cpu)\(\s*\)|\.to\((?:[^()]|\([^()]*\))*?[\"']cpu\b"
+                   rb"|(?<![\w.])(?:int|float|bool)\(")
 # Functions followed from the roots in one run at most: a bound, not a budget (a tree's per-layer code
 # reaches a few hundred).
 MAX_FUNCTIONS = 5000
@@ -42,7 +46,9 @@ _MAX_HOPS = 8
 # Files from this size on are checked in chunks (``chunks.MIN_BYTES``), without a sketch.
 _LARGE = 512 * 1024
 
-Ref = tuple  # ("self", class qualname, method) | ("name", name) | ("attr", dotted base, name)
+# ("self", class qualname, method) | ("name", name) | ("attr", dotted base, name) | ("table", name): every
+# function entry of the module-level dict ``name`` (``TABLE[key](...)``, ``TABLE.get(key)(...)``, ``fn = TABLE[key]``)
+Ref = tuple
 
 
 def may_call(data: bytes) -> bool:
@@ -120,6 +126,9 @@ class _Sketch:
                  facts: Optional[FileFacts] = None):
         package = module if is_package else (module.rpartition(".")[0] or None) if module else None
         self.data = data
+        self._body = tree.body
+        self._targets: dict = {}  # id(class) -> the methods its forward dispatches to
+        self._tables: dict = {}  # (id(def), name) -> the table the name is bound to from there
         self.defs: dict = {}  # qualname -> (def, its class's qualname or None)
         self._bindings: dict = {}
         self._taints: dict = {}
@@ -151,6 +160,17 @@ class _Sketch:
                 for sub in ast.walk(node):
                     if type(sub) is ast.Name and type(sub.ctx) is ast.Store:
                         names[sub.id] = ("other",)
+                target = node.targets[0] if t is ast.Assign and len(node.targets) == 1 else \
+                    node.target if t is ast.AnnAssign else None
+                if type(target) is ast.Name and type(node.value) is ast.Dict:
+                    entries = _entries(node.value.keys, node.value.values)
+                    if entries:
+                        names[target.id] = ("table", entries)
+                elif type(target) is ast.Subscript and type(target.value) is ast.Name \
+                        and names.get(target.value.id, ("",))[0] == "table":  # TABLE["key"] = f
+                    added = _entries([target.slice], [node.value])
+                    if added:
+                        names[target.value.id] = ("table", names[target.value.id][1] + added)
 
     def _absolute(self, module: Optional[str], level: int) -> Optional[str]:
         if not level:
@@ -176,14 +196,14 @@ class _Sketch:
 
     # -- the roots -------------------------------------------------------------------------------------
     def roots(self, body, scope: list, owner, funcs: list, method, context: bool) -> None:
-        """``owner``: (name, qualname or None) of the class whose body this is; ``funcs``: enclosing defs,
+        """``owner``: (name, qualname or None, node) of the class whose body this is; ``funcs``: enclosing defs,
         innermost last; ``method``: (name of self, class qualname) of the innermost enclosing method;
         ``context``: this runs per layer (as GL104's visitor decides)."""
         for node in body:
             t = type(node)
             if t is ast.ClassDef:
                 qual = ".".join([*scope, node.name]) if not funcs else None
-                self.roots(node.body, [*scope, node.name], (node.name, qual), funcs, method, context)
+                self.roots(node.body, [*scope, node.name], (node.name, qual, node), funcs, method, context)
                 continue
             if t is ast.FunctionDef or t is ast.AsyncFunctionDef:
                 if not self._names_metadata(node):
@@ -193,8 +213,9 @@ class _Sketch:
                     first = (node.args.posonlyargs + node.args.args)[:1]
                     bound = owner[1] is not None and self.facts.classes[owner[1]][1].get(node.name)
                     inner = (first[0].arg, owner[1]) if first and bound else None
-                layer = node.name == "forward" and owner is not None \
-                    and owner[0].lower().endswith(PER_LAYER_CLASS_SUFFIXES)
+                layer = owner is not None and (node.name == "forward" or node.name.startswith("forward_")) \
+                    and is_layer_class(owner[0], [b for b in map(_dotted, owner[2].bases) if b]) \
+                    and (node.name == "forward" or node.name in self._dispatched(owner))
                 self.roots(node.body, [*scope, node.name], None, [*funcs, node], inner, context or layer)
                 continue
             inner_context = context or ((t is ast.For or t is ast.AsyncFor) and _loops_over_layers(node.iter))
@@ -211,14 +232,14 @@ class _Sketch:
     def _calls_in(self, expr: ast.AST, scope: list, funcs: list, method) -> None:
         taint = None
         for node in ast.walk(expr):
-            if type(node) is not ast.Call or type(node.func) not in (ast.Name, ast.Attribute):
+            if type(node) is not ast.Call or type(node.func) not in _CALLEE_FORMS:
                 continue
             taint = taint or self._taint(funcs[-1] if funcs else None)
             args = list(takewhile(_not_starred, node.args))
             positions = tuple(i for i, arg in enumerate(args) if _derives(arg, taint))
             keywords = tuple(k.arg for k in node.keywords if k.arg and _derives(k.value, taint))
             ref = self._ref(node.func, funcs, method) if positions or keywords else None
-            callee = _dotted(node.func)
+            callee = callee_text(node.func)
             if ref is not None and callee is not None:
                 given = tuple(i for i, a in enumerate(args) if not _is_none(a)) \
                     + tuple(k.arg for k in node.keywords if k.arg and not _is_none(k.value))
@@ -245,9 +266,17 @@ class _Sketch:
         return self._starts
 
     def _ref(self, func: Any, funcs: list, method) -> Optional[Ref]:
+        table = _table_lookup(func)
+        if table is not None:
+            return None if any(table in self._bound(f) for f in funcs) else ("table", table)
         t = type(func)
         if t is ast.Name:
-            return None if any(func.id in self._bound(f) for f in funcs) else ("name", func.id)
+            if any(func.id in self._bound(f) for f in funcs):
+                # ``fn = TABLE[key]`` and nothing else binds fn: a call of fn is a call of an entry
+                table = self._bound_table(funcs[-1], func.id) if funcs else None
+                return ("table", table) if table is not None and not any(
+                    table in self._bound(f) for f in funcs) else None
+            return ("name", func.id)
         base = _dotted(func.value) if t is ast.Attribute else None
         if base is None:
             return None
@@ -256,6 +285,13 @@ class _Sketch:
         if any(base.split(".")[0] in self._bound(f) for f in funcs):
             return None
         return ("attr", base, func.attr)
+
+    def _bound_table(self, func: Any, name: str) -> Optional[str]:
+        """``_bound_to_table``, once per def and name."""
+        key = (id(func), name)
+        if key not in self._tables:
+            self._tables[key] = _bound_to_table(func, name)
+        return self._tables[key]
 
     def _bound(self, func: Any) -> frozenset:
         """Names ``func`` binds (parameters, assignments, imports, inner defs): they hide the module's."""
@@ -280,6 +316,22 @@ class _Sketch:
             got = self._bindings[id(func)] = frozenset(names - declared)
         return got
 
+    def _dispatched(self, owner: tuple) -> frozenset:
+        """The methods a call of the top-level class ``owner`` runs in place of its forward, where that
+        forward dispatches (``engine_defs.forward_targets``, read from the definitions the file reaches)."""
+        node = owner[2]
+        if id(node) not in self._targets:
+            from . import engine_defs
+
+            got = None
+            if owner[1] is not None and "." not in owner[1]:
+                classes = {c.name: c for c in self._body if type(c) is ast.ClassDef}
+                got = engine_defs.forward_targets(node, classes, engine_defs.imports_of(self._body),
+                                                  self.facts.module, self.facts.module == self.facts.package,
+                                                  self.facts.path)
+            self._targets[id(node)] = got or frozenset()
+        return self._targets[id(node)]
+
     # -- functions -------------------------------------------------------------------------------------
     def close(self) -> None:
         """Sketches the functions of this file its roots reach without leaving it (``build`` goes on)."""
@@ -293,6 +345,8 @@ class _Sketch:
                 todo.extend(fn.calls.values() if fn is not None else ())
 
     def _local(self, ref: Ref) -> Optional[str]:
+        if ref[0] == "table":
+            return None  # (its entries are sketched when the run resolves them)
         if ref[0] == "name":
             return ref[1] if self.facts.names.get(ref[1]) == ("def",) else None
         cls, seen = ref[1] if ref[0] == "self" else None, set()
@@ -323,8 +377,9 @@ class _Sketch:
                 used.add(sub.id)
             elif t is ast.Call:
                 ref = self._ref(sub.func, [node], method)
-                if ref is not None:
-                    calls[_dotted(sub.func)] = ref
+                text = callee_text(sub.func)
+                if ref is not None and text is not None:
+                    calls[text] = ref
                 for k in sub.keywords:
                     name = k.value.id if type(k.value) is ast.Name else None
                     if k.arg is None and a.kwarg is not None and name == a.kwarg.arg:
@@ -338,6 +393,57 @@ class _Sketch:
             qual, node.lineno, (first, last), positional, params, a.kwarg.arg if a.kwarg else None, bound, reads,
             calls, frozenset(forwards), frozenset(_required(node) & params), params - used)
         return fn
+
+
+_CALLEE_FORMS = (ast.Name, ast.Attribute, ast.Subscript, ast.Call)  # f(), m.f(), T[key](), T.get(key)()
+
+
+def _entries(keys, values) -> tuple:
+    """The function entries of a dict display (or of ``TABLE[key] = value``): ((key as written, Ref), ...) for
+    the values that name a function (``f``, ``mod.f``)."""
+    out = []
+    for key, value in zip(keys, values):
+        text = repr(key.value) if type(key) is ast.Constant else "..."
+        name = _dotted(value) if type(value) in (ast.Name, ast.Attribute) else None
+        if name is not None:
+            base, _, attr = name.rpartition(".")
+            out.append((text, ("attr", base, attr) if base else ("name", name)))
+    return tuple(out)
+
+
+def _table_lookup(func) -> Optional[str]:
+    """``T`` of a callee ``T[key]`` or ``T.get(key, ...)`` where T is a plain name."""
+    t = type(func)
+    if t is ast.Subscript and type(func.value) is ast.Name:
+        return func.value.id
+    if t is ast.Call and type(func.func) is ast.Attribute and func.func.attr == "get" \
+            and type(func.func.value) is ast.Name and func.args:
+        return func.func.value.id
+    return None
+
+
+def _bound_to_table(func, name: str) -> Optional[str]:
+    """``T`` where every binding of ``name`` in ``func`` (its own body) is ``name = T[key]`` or ``name =
+    T.get(key)``, one T; None for a parameter or anything else."""
+    a = func.args
+    if name in {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if p is not None}:
+        return None
+    tables, stores, assigned = set(), 0, 0
+    for node in _own_nodes(func):
+        t = type(node)
+        if t is ast.Assign and any(type(x) is ast.Name and x.id == name for x in node.targets):
+            assigned += 1
+            tables.add(_table_lookup(node.value) if len(node.targets) == 1 else None)
+        elif t is ast.Name and type(node.ctx) is not ast.Load and node.id == name:
+            stores += 1
+    return tables.pop() if stores == assigned and len(tables) == 1 else None
+
+
+def callee_text(func) -> Optional[str]:
+    """A callee as written, the key of a call in the summaries' tables: ``f``, ``self.m``, ``mod.f``, and
+    ``T[]`` for ``T[key]`` and ``T.get(key)`` (``host_sync.callee_text`` says the same of libcst's nodes)."""
+    table = _table_lookup(func)
+    return f"{table}[]" if table is not None else _dotted(func)
 
 
 def _line_starts(data: bytes) -> list:
@@ -395,15 +501,17 @@ def _not_starred(node) -> bool:
 @dataclass(frozen=True)
 class Read:
     """How a parameter is read on the host: ``kind`` (``.item()``, ``int()``...), the functions from the
-    summarised one down to the read, each (name, path, line of its call of the next or of the read), and
-    the parameters whose passing (not None) spares the read (it is on a path taken when they are None)."""
+    summarised one down to the read, each (name, path, line of its call of the next or of the read, and the
+    table entry it was reached as: ``VL_VISION_ATTENTION_FUNCTIONS['flash_attention_2']``, or ""), and the
+    parameters whose passing (not None) spares the read (it is on a path taken when they are None)."""
 
     kind: str
     path: tuple
     unless: frozenset = frozenset()
 
     def via(self) -> str:
-        return " -> ".join(f"`{name}()` in {path}:{line}" for name, path, line in self.path)
+        return " -> ".join(f"`{name}()`{f' (as {entry})' if entry else ''} in {path}:{line}"
+                           for name, path, line, entry in self.path)
 
 
 @dataclass(frozen=True)
@@ -422,11 +530,12 @@ class Summary:
 
 @dataclass(frozen=True)
 class Callee:
-    """What a call resolves to: its definition's summary, and the leading parameters the call form binds
-    itself (``self`` of ``self.m(...)``)."""
+    """What a call resolves to: its definition's summary, the leading parameters the call form binds
+    itself (``self`` of ``self.m(...)``), and the table entry the call reaches it as (``T['key']``, or "")."""
 
     summary: Summary
     skip: int
+    entry: str = ""
 
     def bind(self, args) -> dict:
         """The parameter each argument of a call (libcst ``Arg``s) fills -> the argument's value; positions
@@ -497,8 +606,38 @@ class Summaries:
             return self._sketches[path].function(qual)
         return f.functions[qual]
 
+    def resolve_all(self, f: FileFacts, ref: Ref) -> list:
+        """[(file facts, qualname, parameters the call form binds, table entry or "")] of the defs ``ref``
+        reaches from ``f``: one, or each function entry of a table."""
+        if ref[0] != "table":
+            got = self.resolve(f, ref)
+            return [(*got, "")] if got is not None else []
+        table = self._table(f, ref[1], 0)
+        if table is None:
+            return []
+        owner, name, entries = table
+        out = []
+        for key, entry in entries:
+            got = self.resolve(owner, entry)
+            if got is not None:
+                out.append((*got, f"{name}[{key}]"))
+        return out
+
+    def _table(self, f: FileFacts, name: str, hops: int) -> Optional[tuple]:
+        """(file facts, name, entries) of the module-level table ``name`` is bound to in ``f``, through
+        imports of it."""
+        binding = f.names.get(name)
+        if binding is not None and binding[0] == "table":
+            return f, name, binding[1]
+        if binding is not None and binding[0] == "from" and hops < _MAX_HOPS:
+            target = self.module(binding[1])
+            return self._table(target, binding[2], hops + 1) if target is not None else None
+        return None
+
     def resolve(self, f: FileFacts, ref: Ref) -> Optional[tuple]:
         """(file facts, qualname, parameters the call form binds) of the def ``ref`` reaches from ``f``."""
+        if ref[0] == "table":
+            return None
         if ref[0] == "self":
             return self._method(f, ref[1], ref[2], set())
         if ref[0] == "name":
@@ -557,12 +696,12 @@ class Summaries:
         funcs: dict = {}  # key -> (FileFacts, FuncFacts)
         for f in list(self._by_path.values()):
             for root in f.roots:
-                target = self.resolve(f, root.ref)
-                if target is not None:
-                    roots.append((f, root, target))
-        todo = [target for _, _, target in roots]
+                targets = self.resolve_all(f, root.ref)
+                if targets:
+                    roots.append((f, root, targets))
+        todo = [target for _, _, targets in roots for target in targets]
         while todo and len(funcs) < MAX_FUNCTIONS:
-            tf, qual, _ = todo.pop()
+            tf, qual, _, _ = todo.pop()
             key = (tf.path, qual)
             fn = self.function(tf, qual) if key not in funcs else None
             if fn is None:
@@ -570,22 +709,26 @@ class Summaries:
             funcs[key] = (tf, fn)
             edges = graph[key] = []
             for text, ref in fn.calls.items():
-                target = self.resolve(tf, ref)
-                if target is not None:
-                    edges.append((text, (target[0].path, target[1]), target[2]))
+                for target in self.resolve_all(tf, ref):
+                    edges.append((text, (target[0].path, target[1]), target[2], target[3]))
                     todo.append(target)
         summaries = self._exact({k: funcs[k] for k in _callers({k for k, (_, fn) in funcs.items() if fn.reads_text},
                                                                  graph)}, graph)
         out: dict = {}
-        for f, root, (tf, qual, skip) in roots:
-            s = summaries.get((tf.path, qual))
-            if s is None:
-                continue
-            named = {s.params[i + skip] if isinstance(i, int) and i + skip < len(s.params) else i for i in root.given}
-            hot = {s.params[i + skip] for i in root.positions if i + skip < len(s.params)} | set(root.keywords)
-            if any(p in s.reads and not s.reads[p].unless & named for p in hot):
+        for f, root, targets in roots:
+            found = []
+            for tf, qual, skip, entry in targets:
+                s = summaries.get((tf.path, qual))
+                if s is None:
+                    continue
+                named = {s.params[i + skip] if isinstance(i, int) and i + skip < len(s.params) else i
+                         for i in root.given}
+                hot = {s.params[i + skip] for i in root.positions if i + skip < len(s.params)} | set(root.keywords)
+                if any(p in s.reads and not s.reads[p].unless & named for p in hot):
+                    found.append(Callee(s, skip, entry))
+            if found:
                 table, sites = out.setdefault(f.path, ({}, set()))
-                table[(root.scope, root.callee)] = Callee(s, skip)
+                table[(root.scope, root.callee)] = tuple(found)
                 sites.add(root.at)
         return out
 
@@ -598,19 +741,24 @@ class Summaries:
         for key, got in zip(keys, found):
             f, fn = funcs[key]
             if got is not None:
-                reads[key] = {p: Read(kind, ((fn.qualname, f.path, at),), unless)
+                reads[key] = {p: Read(kind, ((fn.qualname, f.path, at, ""),), unless)
                               for p, (kind, unless, at) in got[0].items()}
-                targets = {text: (t, skip) for text, t, skip in graph.get(key, ()) if t in funcs}
-                calls[key] = [(targets[c[0]], *c[1:]) for c in got[1] if c[0] in targets]
+                targets: dict = {}
+                for text, t, skip, entry in graph.get(key, ()):
+                    if t in funcs:
+                        targets.setdefault(text, []).append((t, skip, entry))
+                calls[key] = [(target, *c[1:]) for c in got[1] for target in targets.get(c[0], ())]
         changed = True
         while changed:
             changed = False
             for key, made in calls.items():
                 fn = funcs[key][1]
-                for (target, skip), guard, positional, keywords, splat, at in made:
+                for (target, skip, entry), guard, positional, keywords, splat, at in made:
                     tfn = funcs[target][1]
                     for q, read in list(reads.get(target, {}).items()):
-                        new = _through(q, read, (fn.qualname, funcs[key][0].path, at), guard,
+                        if entry:  # the path names the table entry the call reached
+                            read = Read(read.kind, ((*read.path[0][:3], entry), *read.path[1:]), read.unless)
+                        new = _through(q, read, (fn.qualname, funcs[key][0].path, at, ""), guard,
                                        splat and fn.kwargs is not None, fn.keywords, tfn, skip, positional, keywords)
                         if new is not None:
                             source, new = new
@@ -664,8 +812,8 @@ def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
     import libcst as cst
     from libcst.metadata import PositionProvider
 
-    from .host_sync import _prepared, _tests_metadata, host_copy
-    from .names import dotted, is_none
+    from .host_sync import _prepared, _tests_metadata, bare_copy, callee_text, host_copy
+    from .names import is_none
     from .patterns import CASTS, SYNC_METHODS
     from .values import DEVICE, UNKNOWN_VALUE, Value, Values
     from .walk import children
@@ -711,10 +859,14 @@ def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
             elif isinstance(f, cst.Name) and f.value in CASTS and len(args) == 1 and not args[0].star \
                     and args[0].keyword is None:
                 kind, read = f"{f.value}()", args[0].value
+            else:
+                copied = bare_copy(n)  # ``return cu.cpu()``: the copy waits for the device, read or not
+                if copied is not None:
+                    read, kind = copied
             source = argument(read)[0] if read is not None else None
             if source and (source not in direct or (direct[source][1] and not guard)):
                 direct[source] = (kind, guard, line(n))
-            text = dotted(f)
+            text = callee_text(f)
             if text in fn.calls:
                 positional, keywords, splat, starred = [], {}, False, False
                 for arg in args:
@@ -796,7 +948,7 @@ def _callers(seeds: set, graph: dict) -> set:
     """``seeds`` and every function with a path of calls to one of them."""
     callers: dict = {}
     for key, edges in graph.items():
-        for _, target, _ in edges:
+        for _, target, _, _ in edges:
             callers.setdefault(target, set()).add(key)
     out, todo = set(seeds), list(seeds)
     while todo:

@@ -183,8 +183,7 @@ def test_callee_summaries_inherited_helper_of_a_base_class_in_another_module(tmp
 
 # -- what is not reported ------------------------------------------------------------------------------
 @pytest.mark.parametrize("body", [
-    "n = longest(cu_seqlens.cpu())",  # copied to the host first
-    "n = longest(cu_seqlens.to('cpu'))",
+    "n = longest(cu_seqlens.to('cpu', non_blocking=True))",  # copied without a wait: no sync here
     "n = longest([0, 3, 7])",  # a Python list
     "host = torch.tensor([0, 3, 7]).cumsum(0)\nn = longest(host)",  # made on the host from a host list
     "n = longest(cu_seqlens_cpu)",  # named as the host copy (sglang's convention)
@@ -195,6 +194,15 @@ def test_callee_summaries_host_arguments_are_not_reads(package, body):
     _tree(package, {"mylib/model.py": _block(body, imports="from mylib.seq import longest")
                     .replace("def forward(self, x, cu_seqlens)", "def forward(self, x, cu_seqlens, cu_seqlens_cpu)")})
     assert _gl104(package) == []
+
+
+@pytest.mark.parametrize("call, copy", [
+    ("n = longest(cu_seqlens.cpu())", ".cpu()"), ("n = longest(cu_seqlens.to('cpu'))", '.to("cpu")')])
+def test_callee_summaries_a_host_copy_handed_over_is_the_caller_s_sync(package, call, copy):
+    """The copy waits for the device in the layer; the helper then reads host data (no read through it)."""
+    _tree(package, {"mylib/model.py": _block(call, imports="from mylib.seq import longest")})
+    assert [message for _, _, message, _ in _gl104(package)] == [
+        f"host sync per layer: {copy} on cu_seqlens inside VisionBlock.forward"]
 
 
 def test_callee_summaries_a_parameter_declared_to_take_host_data_is_not_a_device_value(package):
@@ -392,7 +400,8 @@ def test_callee_summaries_read_facts_follow_values_not_names():
     facts = summaries.sketch(ast.parse(data), data, "m.py", "m", False)
     fn = summaries._Sketch(ast.parse(data), data, "m.py", "m", False, facts).function("f")
     direct, calls = summaries.read_facts(data, fn)
-    assert direct == {"cu": (".tolist()", frozenset({"bounds"}), 5)}
+    # (``host.cpu()`` copies what the caller passes: a sync where that is a device tensor)
+    assert direct == {"cu": (".tolist()", frozenset({"bounds"}), 5), "host": (".cpu()", frozenset(), 2)}
     # per call: (callee, None-branch, positional (parameter carried, what is passed), keywords, **kwargs on, line)
     assert ("g", frozenset(), [("cu", "")], {"other": ("cu", "cu")}, False, 6) in calls
 
@@ -431,3 +440,197 @@ def test_callee_summaries_reads_on_the_path_of_a_missing_parameter(body, unless)
     fn = summaries._Sketch(ast.parse(data), data, "m.py", "m", False, facts).function("f")
     ((kind, spared, _),) = summaries.read_facts(data, fn)[0].values()
     assert (kind, spared) == (".tolist()", frozenset(unless))
+
+
+# -- a bare copy in a callee ---------------------------------------------------------------------------------
+# vllm-ascend 0.23's AscendMMEncoderAttention: the layer hands its offsets to a helper that returns a host copy.
+COPYING = """\
+    def _host_offsets(self, bsz, q_len, cu, *, capturing=False):
+        if capturing or cu is None:
+            return torch.arange(0, (bsz + 1) * q_len, q_len, device="cpu")
+        return cu.cpu()
+
+    def forward"""
+
+
+def test_callee_summaries_a_helper_that_returns_a_bare_copy(tmp_path):
+    model = _block("""\
+        a = self._host_offsets(2, 8, cu_seqlens)
+        b = self._host_offsets(2, 8, cu_seqlens, capturing=self.graph)
+        c = self._host_offsets(2, 8, cu_seqlens.tolist())
+        d = self._host_offsets(2, 8, None)
+        """).replace("    def forward", textwrap.indent(COPYING, ""), 1)
+    _tree(tmp_path, {"model.py": model})
+    ((_, line, message, note),) = [f for f in _gl104(tmp_path) if "_host_offsets" in f[2]]
+    assert line == _line(model, "a = self._host_offsets(")  # b: a value passed spares it; c, d: host data
+    assert "self._host_offsets(...) reads cu_seqlens with .cpu()" in message  # (the path: in the note)
+    read = f"{tmp_path / 'model.py'}:{_line(model, 'return cu.cpu()')}"
+    assert note.startswith(f"VisionBlock._host_offsets() reads its cu on the host (.cpu()): "
+                           f"`VisionBlock._host_offsets()` in {read}")
+
+
+def test_callee_summaries_a_helper_that_copies_without_waiting_is_silent(tmp_path):
+    model = _block("a = self._host_offsets(2, 8, cu_seqlens)").replace(
+        "    def forward", COPYING.replace("cu.cpu()", "cu.to('cpu', non_blocking=True)"), 1)
+    _tree(tmp_path, {"model.py": model})
+    assert _gl104(tmp_path) == []
+
+
+# -- vLLM's CustomOp: forward runs the platform's method -------------------------------------------------------
+DISPATCHER = """\
+    import torch.nn as nn
+
+
+    class CustomOp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self._forward_method = self.dispatch_forward()
+
+        def forward(self, *args, **kwargs):
+            return self._forward_method(*args, **kwargs)
+
+        def forward_native(self, *args, **kwargs):
+            raise NotImplementedError
+
+        def forward_oot(self, *args, **kwargs):
+            return self.forward_native(*args, **kwargs)
+
+        def dispatch_forward(self):
+            if is_out_of_tree():
+                return self.forward_oot
+            return self.maybe_compile(self.forward_native)
+    """
+PLUGIN = """\
+    import torch
+    from ops.mm_attention import {base}
+
+
+    class {name}({base}):
+        def forward_oot(self, q, k, v, cu_seqlens=None, max_seqlen=None):
+            seq_lens_cpu = torch.diff(cu_seqlens).to("cpu")
+            return self._run(q, cu_seqlens=cu_seqlens)
+
+        def _run(self, q, *, cu_seqlens=None):
+            return self._offsets(cu_seqlens)
+
+        def _offsets(self, cu):
+            return cu.cpu()
+
+        def forward_helper(self, q, cu_seqlens):
+            return cu_seqlens.cpu()  # not a method the forward runs
+    """
+
+
+def _dispatch_tree(root: Path, base: str, name: str) -> Path:
+    return _tree(root, {
+        "ops/__init__.py": "",
+        "ops/custom_op.py": DISPATCHER,
+        "ops/mm_attention.py": "import torch.nn as nn\nfrom ops.custom_op import CustomOp\n\n\n"
+                               "class MMEncoderAttention(CustomOp):\n"
+                               "    def forward_native(self, q, k, v, cu_seqlens=None):\n"
+                               "        return q\n\n\nclass PlainAttention(nn.Module):\n"
+                               "    def forward(self, q, k, v, cu_seqlens=None):\n        return q\n",
+        "plugin/__init__.py": "",
+        "plugin/attn.py": PLUGIN.format(base=base, name=name),
+    })
+
+
+@pytest.mark.parametrize("name", ["AscendMMEncoderAttention", "AscendMMEncoderAttention310"])
+def test_callee_summaries_custom_op_dispatch_targets_run_per_layer(tmp_path, name):
+    """The tree's CustomOp forward calls the method its instance picked (read from the definition): in a
+    layer derived from it (by name, or through its base's), forward_oot runs per layer as forward would."""
+    _dispatch_tree(tmp_path, "MMEncoderAttention", name)
+    found = [(path, line, message.split(": ", 1)[1], note) for path, line, message, note in _gl104(tmp_path)]
+    plugin = PLUGIN.format(base="MMEncoderAttention", name=name)
+    assert [f[:3] for f in found] == [
+        ("plugin/attn.py", _line(plugin, '.to("cpu")'), f'.to("cpu") on cu_seqlens inside {name}.forward_oot'),
+        # (the message has no room left for the path: the note says it)
+        ("plugin/attn.py", _line(plugin, "self._run("),
+         f"self._run(...) reads cu_seqlens with .cpu() inside {name}.forward_oot"),
+    ]
+    attn = tmp_path / "plugin" / "attn.py"
+    assert found[1][3].startswith(f"{name}._run() reads its cu_seqlens on the host (.cpu()): `{name}._run()` in "
+                                  f"{attn}:{_line(plugin, 'return self._offsets(')} -> `{name}._offsets()` in "
+                                  f"{attn}:{_line(plugin, 'return cu.cpu()')}.")
+
+
+def test_callee_summaries_forward_methods_of_a_layer_whose_forward_does_not_dispatch_are_silent(tmp_path):
+    _dispatch_tree(tmp_path, "PlainAttention", "PluginAttention")
+    assert _gl104(tmp_path) == []
+
+
+def test_callee_summaries_custom_op_of_the_pinned_vllm_when_no_source_is_found(tmp_path):
+    """vllm-ascend scanned without vLLM: MMEncoderAttention is the pinned CustomOp subclass (catalog)."""
+    plugin = PLUGIN.format(base="MMEncoderAttention", name="AscendMMEncoderAttention").replace(
+        "from ops.mm_attention import", "from vllm.model_executor.layers.attention.mm_encoder_attention import")
+    _tree(tmp_path, {"plugin/__init__.py": "", "plugin/attn.py": plugin})
+    assert [line for _, line, _, _ in _gl104(tmp_path)] == [_line(plugin, '.to("cpu")'), _line(plugin, "self._run(")]
+
+
+# -- a table of functions ------------------------------------------------------------------------------------
+# sglang 0.4.10's MoonViT: ``VL_VISION_ATTENTION_FUNCTIONS[self.attn_implementation](...)``.
+TABLE = """\
+
+
+    def flash_attention(q, q_cu_seqlens=None):
+        max_seqlen = (q_cu_seqlens[1:] - q_cu_seqlens[:-1]).max().item()
+        return q
+
+
+    def sdpa_attention(q, q_cu_seqlens=None):
+        return q
+
+
+    ATTENTION_FUNCTIONS = {
+        "sdpa": sdpa_attention,
+        "flash_attention_2": flash_attention,
+    }
+    """
+
+
+@pytest.mark.parametrize("call", [
+    "x = ATTENTION_FUNCTIONS[self.impl](x, q_cu_seqlens=cu_seqlens)",
+    "x = ATTENTION_FUNCTIONS.get(self.impl)(x, cu_seqlens)",
+    "attn = ATTENTION_FUNCTIONS[self.impl]\nx = attn(x, q_cu_seqlens=cu_seqlens)",
+])
+def test_callee_summaries_a_table_call_reaches_every_function_entry(tmp_path, call):
+    model = _block(call, helpers=TABLE)
+    _tree(tmp_path, {"model.py": model})
+    ((_, line, message, note),) = _gl104(tmp_path)
+    assert line == _line(model, call.splitlines()[-1])
+    assert "(...) reads cu_seqlens with .item()" in message
+    assert note.startswith("flash_attention() (as ATTENTION_FUNCTIONS['flash_attention_2']) reads its q_cu_seqlens "
+                           "on the host (.item()): `flash_attention()` in")
+
+
+def test_callee_summaries_a_table_entry_reached_through_a_helper_method(tmp_path):
+    """The MoonViT shape: forward calls a method that picks the function from the table."""
+    model = _block("x = self.attend(x, cu_seqlens)", helpers=TABLE).replace("    def forward", (
+        "    def attend(self, x, cu_seqlens):\n        fn = ATTENTION_FUNCTIONS[self.impl]\n"
+        "        return fn(x, q_cu_seqlens=cu_seqlens)\n\n    def forward"), 1)
+    _tree(tmp_path, {"model.py": model})
+    ((_, line, message, note),) = _gl104(tmp_path)
+    assert line == _line(model, "x = self.attend(") and "self.attend(...) reads cu_seqlens with .item()" in message
+    assert "`VisionBlock.attend()` in" in note and "`flash_attention()` (as ATTENTION_FUNCTIONS['flash_attention_2'])" \
+        in note
+
+
+def test_callee_summaries_a_table_imported_from_another_module(tmp_path):
+    _tree(tmp_path, {"vit/__init__.py": "", "vit/attn.py": TABLE,
+                     "vit/model.py": _block("x = ATTENTION_FUNCTIONS[self.impl](x, cu_seqlens)",
+                                            imports="from vit.attn import ATTENTION_FUNCTIONS")})
+    ((path, _, message, _),) = _gl104(tmp_path)
+    assert path == "vit/model.py" and "ATTENTION_FUNCTIONS[...](...) reads cu_seqlens with .item()" in message
+
+
+@pytest.mark.parametrize("call, table", [
+    ("x = ATTENTION_FUNCTIONS[self.impl](x, cu_seqlens)", TABLE.replace("        max_seqlen = (q_cu_seqlens[1:]"
+                                                                       " - q_cu_seqlens[:-1]).max().item()\n", "")),
+    ("x = ATTENTION_FUNCTIONS[self.impl](x, cu_seqlens.tolist())", TABLE),  # a host list: the layer's own read
+    ("x = ATTENTION_FUNCTIONS[self.impl](x, lengths)", TABLE),  # nothing derived from metadata
+    ("ATTENTION_FUNCTIONS = {}\nx = ATTENTION_FUNCTIONS[self.impl](x, cu_seqlens)", TABLE),  # bound again
+])
+def test_callee_summaries_a_table_whose_entries_do_not_read_what_is_passed_is_silent(tmp_path, call, table):
+    _tree(tmp_path, {"model.py": _block(call, helpers=table).replace("def forward(self, x, cu_seqlens)",
+                                                                      "def forward(self, x, cu_seqlens, lengths)")})
+    assert [f for f in _gl104(tmp_path) if "ATTENTION_FUNCTIONS" in f[2]] == []

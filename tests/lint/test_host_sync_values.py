@@ -52,14 +52,20 @@ def test_host_sync_values_metadata_name_built_on_the_host_is_not_reported():
 
 
 def test_host_sync_values_host_copy_then_tolist():
-    # A read of a host copy made in another statement is a read of host data (the copy itself, a bare
-    # .cpu(), is outside GL104's vocabulary); a read written on the copy of device metadata
-    # (``t.cpu().tolist()``, ``t.to('cpu').tolist()``) copies that metadata back: a sync.
+    # The copy of device metadata is the sync: made in its own statement, it is reported there and a read of
+    # it later is a read of host data; a read written on the copy (``t.cpu().tolist()``,
+    # ``t.to('cpu').tolist()``) is reported once, as the read of what it copies.
     body = ("seq_lens = cu_seqlens.cpu()\nbounds = seq_lens.tolist()\n"
             "spans = cu_seqlens[1:] - cu_seqlens[:-1]\nsizes = spans.to('cpu').tolist()\n"
             "ends = cu_seqlens.cpu().tolist()\n")
-    assert _gl104(body) == [(4, '.to("cpu").tolist() on spans (from cu_seqlens)'),
+    assert _gl104(body) == [(1, ".cpu() on cu_seqlens"), (4, '.to("cpu").tolist() on spans (from cu_seqlens)'),
                             (5, ".cpu().tolist() on cu_seqlens")]
+
+
+def test_host_sync_values_a_bare_copy_of_a_derived_value_is_reported_under_its_own_name():
+    body = ("spans = cu_seqlens[1:] - cu_seqlens[:-1]\nhost = spans.cpu()\n"
+            "lens = torch.tensor(lengths_list)\nalso = lens.cpu()\n")  # a host tensor copied: no sync
+    assert _gl104(body) == [(2, ".cpu() on spans (from cu_seqlens)")]
 
 
 def test_host_sync_values_tuple_unpacking_keeps_the_device():
@@ -99,8 +105,8 @@ def test_host_sync_values_loop_carried_value_is_reported():
 def test_host_sync_values_comprehension_targets_hold_elements():
     body = ("spans = cu_seqlens[1:] - cu_seqlens[:-1]\n"
             "sizes = [int(s) for s in spans]  # each is a 0-d device tensor\n"
-            "bounds = [int(b) for b in cu_seqlens.cpu()]\n")
-    assert _gl104(body) == [(2, "int() of s (from cu_seqlens)")]
+            "bounds = [int(b) for b in cu_seqlens.cpu()]\n")  # the copy is the sync, not each int()
+    assert _gl104(body) == [(2, "int() of s (from cu_seqlens)"), (3, ".cpu() on cu_seqlens")]
 
 
 def test_host_sync_values_truth_test_of_a_derived_value():

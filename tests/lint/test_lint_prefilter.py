@@ -90,7 +90,8 @@ RECEIVERS = ("cu_seqlens", "self.seq_lens", "batch.extend_seq_lens[0]", "seq_len
              "(cu_seqlens[1:] - cu_seqlens[:-1])", "x.seg_indptr", "torch.diff(cu_seqlens_q)", "lengths",
              "f(seq_lens=n)", "-seg_lens", "(a if c else seq_lens)")
 READS = ("{r}.item()", "{r}.tolist()", "int({r}.max())", "int({r}.max().item())", "int(x=({r}).max())",
-         "{r}.max()", "int({r})", "{r}.item(0)", "float({r}.max())", "bool({r}[0])")
+         "{r}.max()", "int({r})", "{r}.item(0)", "float({r}.max())", "bool({r}[0])", "{r}.cpu()", "{r}.to('cpu')",
+         "{r}.to(device='cpu', non_blocking=True)", "{r}.cpu().tolist()")
 PLACES = (
     "class {cls}(nn.Module):\n    def {meth}(self, x):\n        y = {read}\n        return y\n",
     "class {cls}:\n    async def {meth}(self):\n        if x:\n            return [{read} for _ in z]\n",
@@ -103,13 +104,18 @@ PLACES = (
     "class {cls}:\n    def {meth}(self):\n        def inner():\n            return {read}\n        return inner\n",
     "class Outer:\n    class {cls}:\n        def {meth}(self):\n            return {read}\n",
     "class {cls}:\n    @deco({read})\n    def {meth}(self, n=1):\n        pass\n",
+    # a layer through its base; a platform method of a CustomOp-like dispatcher defined in the file
+    "class Plugin310({cls}):\n    def {meth}(self, x):\n        return {read}\n",
+    "class Op:\n    def __init__(self):\n        self._f = self.pick()\n\n    def forward(self, *a):\n"
+    "        return self._f(*a)\n\n    def pick(self):\n        return self.forward_oot\n\n\n"
+    "class {cls}(Op):\n    def {meth}(self, x):\n        return {read}\n",
 )
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(place=st.sampled_from(PLACES), read=st.sampled_from(READS), receiver=st.sampled_from(RECEIVERS),
        cls=st.sampled_from(("VisionBlock", "DecoderLayer", "SelfAttention", "Helper", "ATTENTION")),
-       meth=st.sampled_from(("forward", "step", "__call__")),
+       meth=st.sampled_from(("forward", "step", "__call__", "forward_oot")),
        loop=st.sampled_from(("self.layers", "range(num_layers)", "blocks", "items", "model.vision_blocks")))
 def test_prefilter_keeps_generated_host_sync_findings(place, read, receiver, cls, meth, loop):
     source = "import torch\n" + place.format(cls=cls, meth=meth, loop=loop, read=read.format(r=receiver))
@@ -198,7 +204,7 @@ def test_prefilter_callee_targets_only_in_annotations_are_dropped():
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(place=st.sampled_from(PLACES), read=st.sampled_from(READS), receiver=st.sampled_from(RECEIVERS),
        cls=st.sampled_from(("VisionBlock", "DecoderLayer", "SelfAttention", "Helper", "ATTENTION")),
-       meth=st.sampled_from(("forward", "step", "__call__")),
+       meth=st.sampled_from(("forward", "step", "__call__", "forward_oot")),
        loop=st.sampled_from(("self.layers", "range(num_layers)", "blocks", "items", "model.vision_blocks")))
 def test_host_sync_text_filter_keeps_generated_findings(place, read, receiver, cls, meth, loop):
     data = ("import torch\n" + place.format(cls=cls, meth=meth, loop=loop, read=read.format(r=receiver))).encode()
@@ -224,6 +230,10 @@ HOST_SYNC_SPEC = runner.rules_for(Settings(root=Path.cwd())).pattern_specs[0]
     "async def run(m):\n    async for b in m.blocks:\n        out = int(b.seq_lens[0])\n",
     # CRLF line ends
     "class XLayer:\r\n    def forward(self, seq_lens):\r\n        return seq_lens.tolist()\r\n",
+    # a bare copy in the platform method of a layer named through its base (vLLM's CustomOp, pinned)
+    "from vllm.model_executor.layers.attention import MMEncoderAttention\n\n\n"
+    "class AscendMMEncoderAttention310(MMEncoderAttention):\n    def forward_oot(self, q, cu_seqlens):\n"
+    "        seq_lens_cpu = torch.diff(cu_seqlens).to('cpu')\n",
 ])
 def test_host_sync_text_filter_passes_per_layer_reads(source):
     data = source.encode()
@@ -240,6 +250,8 @@ def test_host_sync_text_filter_passes_per_layer_reads(source):
     "class VisionBlock:\n    pass\n",
     # .item() of something else, .any() that is not a test
     "for layer in self.layers:\n    n = x.item()\n    a = 1\n    m = seq_lens\n    ok = (seq_lens > 0).any()\n",
+    # a copy in a method of a class that is not a layer, by its name or its bases'
+    "class Helper(Base):\n    def forward_oot(self, cu_seqlens):\n        return cu_seqlens.cpu()\n",
 ])
 def test_host_sync_text_filter_drops_reads_outside_per_layer_code(source):
     assert not HOST_SYNC_SPEC.may_match(source.encode())
