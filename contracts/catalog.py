@@ -275,8 +275,66 @@ VLLM_CUDNN_FIX = (
     "dtype=torch.int32) (a CPU scalar: the wrapper calls .item()); pass sequence_lengths= and max_seqlen= "
     "to every MMEncoderAttention call, and for FLASHINFER also the element offsets "
     "MMEncoderAttention.maybe_recompute_cu_seqlens(attn_backend, cu_seqlens, hidden_size, tp_size, device) "
-    "as cu_seqlens, as Qwen2.5-VL's prepare_encoder_metadata does."
+    "as cu_seqlens, as Qwen2.5-VL's prepare_encoder_metadata does. Those offsets address v at three times q's "
+    "stride (a view into the fused qkv projection); for a v made contiguous pass fp8_padded_hidden_size=H*D "
+    "too (one stride for every section), or the kernel reads v at wrong offsets."
 )
+
+
+
+class EncoderMetadataHoist(NamedTuple):
+    """A per-layer call whose missing values only the engine's own helpers can build, from the attention layer's
+    backend and a host copy of the offsets, which the call does not have: they are built once in the function
+    that runs the layer loop and passed down (``lint/hoist.py``, ``Hoister.plan_encoder_metadata``).
+
+    The templates are what the fix writes before the loop: ``{layer}`` is the attention layer of the first block
+    (``self.blocks[0].attn.attn``), ``{cu}`` the offsets the loop passes down, ``{host}`` their host copy (the one
+    host read). ``param`` is built for every backend (the helper answers None where the backend does not read
+    it); the values in ``rebuilt`` replace what the loop passes down only when it is not None, so other backends
+    get what they got before. ``value`` is the value tensor as those offsets address it, written at the call when
+    it is not already contiguous there."""
+
+    helper_class: str
+    helpers: dict[str, tuple[str, ...]]  # classmethod -> positional parameters (the pinned release's)
+    attributes: tuple[str, ...]  # the layer's own attributes the templates read (set in its __init__)
+    layer: str  # the local name the layer is bound to
+    host: str
+    param: tuple[str, str]  # (name, template)
+    rebuilt: tuple[tuple[str, str], ...]  # (name of a value the call passes, template), in order
+    value: str
+
+
+# vLLM 0.33.0: what MMEncoderAttention._forward_flashinfer hands flashinfer_wrapper, and how that reads it. It asserts
+# cu_seqlens, max_seqlen and sequence_lengths, reads max_seqlen with .item() (so a CPU tensor, bucketed by
+# compute_max_seqlen), splits cu_seqlens into two halves of element offsets [q, k and o | v] and makes q and k
+# contiguous itself; v is addressed by its own token stride. maybe_recompute_cu_seqlens' default layout gives v three
+# times q's stride (a view into a fused qkv projection, as Qwen2.5-VL passes it); its fp8_padded_hidden_size branch
+# gives all sections one stride, which is right for a contiguous v: the fix makes v contiguous under FlashInfer and
+# writes that branch with the layer's own width (its heads times its head size, per rank). Under the other backends
+# maybe_compute_seq_lens answers None and nothing else changes.
+VLLM_ENCODER_HOIST = EncoderMetadataHoist(
+    helper_class="MMEncoderAttention",
+    helpers={
+        "maybe_compute_seq_lens": ("attn_backend", "cu_seqlens", "device"),
+        "compute_max_seqlen": ("attn_backend", "cu_seqlens"),
+        "maybe_recompute_cu_seqlens": ("attn_backend", "cu_seqlens", "hidden_size", "tp_size", "device",
+                                       "fp8_padded_hidden_size"),
+    },
+    attributes=("attn_backend", "num_heads", "head_size"),
+    layer="encoder_attn",
+    host="{cu}.cpu().numpy()",
+    param=("sequence_lengths", "MMEncoderAttention.maybe_compute_seq_lens({layer}.attn_backend, {host}, {cu}.device)"),
+    rebuilt=(
+        ("cu_seqlens", "MMEncoderAttention.maybe_recompute_cu_seqlens({layer}.attn_backend, {host}, "
+                       "{layer}.num_heads * {layer}.head_size, 1, {cu}.device, "
+                       "fp8_padded_hidden_size={layer}.num_heads * {layer}.head_size)"),
+        ("max_seqlen", "torch.tensor(MMEncoderAttention.compute_max_seqlen({layer}.attn_backend, {host}), "
+                       "dtype=torch.int32)"),
+    ),
+    value="{value}.contiguous() if sequence_lengths is not None else {value}",
+)
+# Targets whose missing values are built that way, by qualified name.
+HOISTED_METADATA = {VLLM_MM: VLLM_ENCODER_HOIST}
 
 _VISION_DIAG_COMMON: dict[str, Any] = dict(
     when_it_happens=(
@@ -302,7 +360,14 @@ _VISION_DIAG_COMMON: dict[str, Any] = dict(
         "VisionFlashInferAttention it adds forward_metadata=prepare_flashinfer_cudnn_vision_attention_metadata("
         "cu_seqlens, q.device, elem_per_token=H*D), the engine's own helper, and no guardlint import; that "
         "helper is not cached, so no fix is written into code that runs once per layer (a block's forward): "
-        "the finding says so, and the metadata belongs before the block loop. Applied with --unsafe-fixes."
+        "the finding says so, and the metadata belongs before the block loop. For vLLM's encoder attention layer "
+        "called per layer, the file's single loop owner builds sequence_lengths once before the loop with the "
+        "layer class's own helper (one host copy of the offsets per forward) and, where that is not None "
+        "(FlashInfer), also the element offsets and the CPU max_seqlen the loop passes down, with its helpers; a "
+        "sequence_lengths=None parameter is added down to the call, and a v that is not contiguous there is made "
+        "so under FlashInfer. Other backends get what they got before. With no single loop owner, offsets that "
+        "are read elsewhere on the way down, grouped k/v heads or a tower that builds the engine's metadata "
+        "itself, no fix, and the finding says why. Applied with --unsafe-fixes."
     ),
 )
 
@@ -506,8 +571,8 @@ class DecoderLayer(nn.Module):
         longest = int(max(seq_lens_cpu))
         if seq_lens is None or len(seq_lens) == 0:
             return x
-        if seq_lens.is_npu:
-            seq_lens = seq_lens.to("cpu")
+        if seq_lens.is_npu:  # a device property, no read (a .to("cpu") here would be a copy per layer)
+            x = x.contiguous()
         return x[:batch], longest
 '''),
     ),

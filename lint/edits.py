@@ -111,6 +111,8 @@ class EditBuilder:
         if isinstance(plan, fixes.NoFix):
             if plan.hoist is not None:
                 return self._hoisted(r, plan, call_range, can_import)
+            if plan.helpers is not None:
+                return self._hoisted_helpers(r, plan, call_range)
             return None, plan.reason
         if not self.parsed:
             return None, "this Python does not parse the file, so a fixed file could not be checked"
@@ -171,6 +173,49 @@ class EditBuilder:
             edits.append(self._import_edit(imports, call_range[0], False))
             message += "; import " + ", ".join(f"{m}.{n}" for m, n in imports)
         return Fix("unsafe", message, tuple(sorted(edits)), imports), ""
+
+    def _hoisted_helpers(self, r: RawFinding, plan: fixes.NoFix, call_range) -> tuple[Optional[Fix], str]:
+        """The engine's own helpers (``plan.helpers``, vLLM's MMEncoderAttention classmethods) run once where the
+        layer loop runs and what they build passed down (``hoist.Hoister.plan_encoder_metadata``), or why not: a
+        few words on the finding's line, the whole reason in its note."""
+        spec = plan.helpers
+        assert spec is not None
+        _, _, instead = plan.reason.partition("\n")
+
+        def refused(why: str, short: str) -> tuple[None, str]:
+            return None, f"{short}\n" + (f"{instead} " if instead else "") + \
+                f"It is not built where the layer loop runs: {why}."
+
+        if self.tree is None or not self.parsed:
+            return refused("this file is checked in parts, so the functions above the call are not followed",
+                           "file checked in parts")
+        # The helpers and the layer's attributes as the engine this file imports defines them (the catalog's
+        # pinned release where its source is not found).
+        module, cls = r.qual.rsplit(".", 1)
+        top = module.split(".")[0]
+        source = engine_defs.find(module, self.path)
+        label = source.label if source is not None else engine_defs.catalog_label(module)
+        for method, params in spec.helpers.items():
+            got = engine_defs.parameters(r.qual, method, self.path)
+            if got is None:
+                if engine_defs.defines(module, cls, self.path)[0]:
+                    return refused(f"{cls} as {label} has no {method}", f"helper not in this {top}")
+            elif tuple(got[: len(params)]) != params:
+                return refused(f"{cls}.{method} as {label} takes ({', '.join(got)}), not ({', '.join(params)})",
+                               f"helper differs in this {top}")
+        attributes = hoist.instance_attributes(source.path, cls) if source is not None else None
+        missing = [a for a in spec.attributes if attributes is not None and a not in attributes]
+        if missing:
+            return refused(f"{cls}.__init__ as {label} sets no self.{missing[0]}", f"layer attribute not in this {top}")
+        if self._hoister is None:
+            self._hoister = hoist.Hoister(self.tree, self.text)
+        node = self._hoister.find_call(*call_range)
+        if node is None:
+            return refused("the call's source could not be located exactly", "call not located")
+        got_plan = self._hoister.plan_encoder_metadata(node, spec, r.params or r.contract.params_for(r.qual))
+        if isinstance(got_plan, hoist.Refused):
+            return refused(got_plan.reason, got_plan.short)
+        return Fix("unsafe", got_plan.message + " (a host read once per forward)", got_plan.edits, ()), ""
 
     def _call_edit(self, old: cst.Call, new: cst.Call, call_range, indent: str) -> Optional[Edit]:
         """The smallest edit that turns the call's text into the new call's (parentheses around the

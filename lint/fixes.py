@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence, Union, cast
 import libcst as cst
 
 from guardlint.contracts import Contract, Derivation
+from guardlint.contracts.catalog import HOISTED_METADATA, EncoderMetadataHoist
 
 from .findings import per_layer_place
 from .names import dotted, is_none
@@ -45,10 +46,14 @@ class NoFix:
     # A derivation that cannot be written at the call (a host read per layer) but may be built once where the
     # layer loop runs and passed down (``hoist.py``): the fix builder tries that before giving the reason.
     hoist: Optional[Derivation] = None
+    # Values only the engine's own helpers can build, from what the layer has rather than the call (vLLM's
+    # MMEncoderAttention): built where the layer loop runs with ``hoist.Hoister.plan_encoder_metadata``.
+    helpers: Optional[EncoderMetadataHoist] = None
 
     @classmethod
-    def because(cls, why: str, instead: str = "", hoist: Optional[Derivation] = None) -> "NoFix":
-        return cls(f"{why}\n{instead}" if instead else why, hoist)
+    def because(cls, why: str, instead: str = "", hoist: Optional[Derivation] = None,
+                helpers: Optional[EncoderMetadataHoist] = None) -> "NoFix":
+        return cls(f"{why}\n{instead}" if instead else why, hoist, helpers)
 
 
 
@@ -325,10 +330,11 @@ def plan_call(contract: Contract, call: cst.Call, bound_values: dict, can_import
     derivations = tuple(d for d in contract.derivations if d.applies_to(qual or None))
     if not derivations:
         # vLLM's MMEncoderAttention.maybe_compute_seq_lens, say, needs the attention backend and the host
-        # offsets, which a call site does not have: that belongs in the model's forward, once.
+        # offsets, which a call site does not have: that belongs in the model's forward, once, where the fix
+        # builds it with the helpers HOISTED_METADATA names (edits.py, hoist.py).
         return NoFix.because("nothing at the call can build it",
                              f"Compute it once per model forward with the engine's own helper "
-                             f"(guardlint explain {contract.code}).")
+                             f"(guardlint explain {contract.code}).", helpers=HOISTED_METADATA.get(qual))
     written = contract.fix_writes or (derivations[0].target,)
     untaken = [t for t in written if takes is not None and t.split(".", 1)[0] not in takes]
     if untaken:

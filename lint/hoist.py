@@ -20,9 +20,12 @@ Everything here reads the file's ``ast`` (positions) and text; it never imports 
 from __future__ import annotations
 
 import ast
+import os
 import re
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence, Union
+
+from guardlint.contracts.catalog import EncoderMetadataHoist
 
 from .findings import Edit
 
@@ -167,10 +170,9 @@ class Hoister:
         return sites
 
     # -- the fix --------------------------------------------------------------------------------------
-    def plan(self, call: ast.Call, param: str, template: str, sources: dict[str, str]) -> Union[Hoisted, Refused]:
-        """``param=<template>`` built once at the loop owner and passed down to ``call``. ``sources``: the
-        template's placeholders and the names the target call passes for them (each must be a parameter
-        of the call's function, passed down from the owner)."""
+    def path(self, call: ast.Call) -> Union[tuple[_Function, list[_Site]], Refused]:
+        """The call's function and the calls above it up to the one that runs in the layer loop (last), or why
+        there is no single such path."""
         fn, cls = self.enclosing(call)
         if fn is None or cls is None:
             return Refused("the call is not in a method of a class of this file", "not in a method")
@@ -201,10 +203,19 @@ class Hoister:
             if found is None:
                 return Refused(f"{site.function.name} is not a method")
             current_cls = found
+        return fn, path
+
+    def plan(self, call: ast.Call, param: str, template: str, sources: dict[str, str]) -> Union[Hoisted, Refused]:
+        """``param=<template>`` built once at the loop owner and passed down to ``call``. ``sources``: the
+        template's placeholders and the names the target call passes for them (each must be a parameter
+        of the call's function, passed down from the owner)."""
+        found = self.path(call)
+        if isinstance(found, Refused):
+            return found
+        fn, path = found
         owner_site = path[-1]
         owner_fn = owner_site.function
-        owner_cls = self.enclosing(owner_site.call)[1]
-        owner_label = f"{owner_cls.name}.{owner_fn.name}"  # type: ignore[union-attr]
+        owner_label = self._label(owner_fn)
         loop = owner_site.loop
         assert loop is not None
 
@@ -257,6 +268,234 @@ class Hoister:
                    f"({names}) to the call")
         return Hoisted(tuple(sorted(edits)), message, owner_label)
 
+    def plan_encoder_metadata(self, call: ast.Call, spec: EncoderMetadataHoist,
+                              call_params: Sequence[str]) -> Union[Hoisted, Refused]:
+        """``spec.param`` built once at the loop owner with the engine's own helpers, from the attention layer of the
+        first block and a host copy of the offsets the loop passes down; under the backend that reads them (the
+        helper's answer is not None) the values of ``spec.rebuilt`` the loop passes down are rebuilt as well, and
+        the value tensor is made contiguous at the call where it is not already. ``call_params``: the target's
+        positional parameters (how the call's arguments are found)."""
+        param, param_template = spec.param
+        found = self.path(call)
+        if isinstance(found, Refused):
+            return found
+        fn, path = found
+        owner_site = path[-1]
+        owner_fn, loop = owner_site.function, owner_site.loop
+        assert loop is not None
+        owner_cls = self.parent.get(id(owner_fn))
+        target_label = self._label(fn)
+        owner_label = self._label(owner_fn)
+        value = _call_argument(call, "value", call_params)
+        if value is None:  # the offsets written below describe v's layout: it must be seen
+            return Refused("the call's value tensor is not among its arguments", "value not found")
+        contiguous_at = self._contiguous_at(fn, value, call)
+
+        # A tower that builds the engine's metadata already (vLLM's prepare_encoder_metadata) hands its blocks offsets
+        # in the helper's default layout, where v is a view into the fused qkv projection at three times q's stride.
+        builder = _helper_caller(owner_cls, spec) if isinstance(owner_cls, ast.ClassDef) else None
+        if builder is not None:
+            v_is = f"makes v contiguous (line {contiguous_at})" if contiguous_at else \
+                "passes a v that cannot be shown to be such a view"
+            where = f"{owner_cls.name}.{builder}"  # type: ignore[union-attr]
+            return Refused(f"{where} builds {param} with {spec.helper_class}'s helpers and the layer loop does not "
+                           f"pass it, but the cu_seqlens it builds address v at three times q's stride "
+                           f"(a view into a fused qkv projection) and {target_label} {v_is}: passed on, {param} "
+                           f"would let the kernel read v at wrong offsets", "owner's offsets do not fit v")
+
+        chain = self._layer_chain(fn, call, path, loop)
+        if isinstance(chain, Refused):
+            return chain
+        # What the call passes for the values rebuilt, carried down from the owner as parameters, read by nothing else.
+        levels: list[tuple[_Function, ast.Call]] = [(fn, call)] + [(s.function, s.call) for s in path[:-1]]
+        owner_names: dict[str, str] = {}
+        for name, _ in spec.rebuilt:
+            arg = _call_argument(call, name, call_params)
+            if not isinstance(arg, ast.Name):
+                what = "passes no " + name if arg is None else f"passes {name} as `{_segment(self.lines, arg)}`"
+                return Refused(f"the call {what}, not a value passed down from the layer loop",
+                               f"{name} not passed down")
+            carried = self._carried(levels, owner_site, arg.id, loop)
+            if isinstance(carried, Refused):
+                return Refused(f"{name} {carried.reason}", f"{name} {carried.short}")
+            owner_names[name] = carried
+        cu = owner_names.get("cu_seqlens", "")
+        host = f"{cu}_cpu"
+
+        # New names in the owner, and the names the fix needs at the top of the file.
+        for taken in (spec.layer, host, param):
+            if _has_param(owner_fn, taken) or _assigned(owner_fn, taken):
+                return Refused(f"{taken} already names a value in {owner_label}", "name taken")
+        for module_name in (spec.helper_class, "torch"):
+            if module_name not in _module_names(self.tree):
+                return Refused(f"{module_name} is not imported at the top of this file", f"no {module_name} import")
+
+        edits: list[Edit] = []
+        below = [fn] + [s.function for s in path[:-1]]
+        for f in below:
+            problem = _name_taken(f, param)
+            if problem:
+                return Refused(f"{param} {problem} in {f.name}", "name taken")
+            if not _has_param(f, param):
+                added = self._param_edit(f, param)
+                if isinstance(added, Refused):
+                    return added
+                edits.append(added)
+        for c in [call] + [s.call for s in path]:
+            passed = self._keyword_edit(c, param)
+            if isinstance(passed, Refused):
+                return passed
+            if passed is not None:
+                edits.append(passed)
+        if contiguous_at is None:
+            parts = list(call.args) + [k.value for k in call.keywords]
+            if parts and max(parts, key=lambda n: (n.end_lineno, n.end_col_offset)) is value:
+                return Refused("the value tensor is the call's last argument", "value passed last")
+            text = ast.get_source_segment("".join(self.lines), value) or ""
+            simple = isinstance(value, (ast.Name, ast.Attribute, ast.Call, ast.Subscript))
+            (l0, c0), (l1, c1) = self._start(value), self._end(value)
+            edits.append(Edit(l0, c0, l1, c1, spec.value.format(value=text if simple else f"({text})")))
+
+        indent = self._indent_of(loop)
+        if indent is None:
+            return Refused("the layer loop does not start its line")
+        nl = _newline(self.lines[loop.lineno - 1])
+        inner = self._indent_of(loop.body[0]) or ""
+        step = inner[len(indent):] if inner.startswith(indent) and len(inner) > len(indent) \
+            else _indent_step(indent, self.lines)
+        fill = {"layer": spec.layer, "host": host, "cu": cu}
+        built = [f"{host} = {spec.host.format(**fill)}", f"{param} = {param_template.format(**fill)}"]
+        if _may_be_none(owner_fn, cu, loop):  # a caller may pass no offsets: the layers then take their own path
+            lines = [(indent, f"{spec.layer} = {chain}"), (indent, f"{param} = None"),
+                     (indent, f"if {cu} is not None:")] + [(indent + step, line) for line in built]
+        else:
+            lines = [(indent, f"{spec.layer} = {chain}")] + [(indent, line) for line in built]
+        lines.append((indent, f"if {param} is not None:"))
+        lines += [(indent + step, f"{owner_names[name]} = {template.format(**fill)}")
+                  for name, template in spec.rebuilt]
+        text = "".join(_wrapped(line, at, step, nl) for at, line in lines)
+        edits.append(Edit(loop.lineno, 1, loop.lineno, 1, text))
+        names = " -> ".join([owner_label] + [self._label(f) for f in reversed(below)])
+        also = " and ".join(name for name, _ in spec.rebuilt)
+        made = "; v made contiguous at the call" if contiguous_at is None else ""
+        message = (f"Build {param} once in {owner_label}, before its layer loop, with {spec.helper_class}'s own "
+                   f"helpers (where the backend reads it, also {also} as it reads them{made}), and pass it down "
+                   f"({names}) to the call")
+        return Hoisted(tuple(sorted(edits)), message, owner_label)
+
+    def _layer_chain(self, fn: _Function, call: ast.Call, path: Sequence[_Site], loop: ast.For) -> Union[str, Refused]:
+        """The attention layer the call is made on, as the loop owner reaches it in the first block:
+        ``self.blocks[0].attn.attn`` (the loop's attribute, then the attribute each call on the way down is made
+        through). The layer must be built in its class (``self.attn = MMEncoderAttention(...)``) with as many k/v
+        heads as q heads (the helper's offsets give q, k and o one stride)."""
+        attr = _iterated_attribute(loop.iter)
+        if attr is None:
+            return Refused("the layer loop does not run over an attribute of self", "no layer list")
+        chain = f"self.{attr}[0]"
+        for i in range(len(path) - 2, -1, -1):
+            site = path[i]
+            callee = path[i - 1].function if i else fn
+            if self.parent.get(id(callee)) is self.parent.get(id(site.function)):
+                continue  # self.m(...): a method of the same layer
+            hop = _through(site.call.func)
+            if hop is None:
+                return Refused(f"{self._label(site.function)} does not call the layer below through self",
+                               "layer not reached")
+            chain += hop
+        target = _self_attribute(call.func)
+        cls = self.enclosing(call)[1]
+        built = [stmt.value for stmt in ast.walk(cls) if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                 and _self_attribute(stmt.targets[0]) == target] if target and cls is not None else []
+        if len(built) != 1 or not isinstance(built[0], ast.Call):
+            return Refused(f"the attention layer of {self._label(fn)} is not built once in its class "
+                           f"(self.<name> = {_called_name(call) or '...'}(...))", "layer not built in its class")
+        make = built[0]
+        kv = next((k.value for k in make.keywords if k.arg == "num_kv_heads"),
+                  make.args[3] if len(make.args) > 3 else None)
+        heads = next((k.value for k in make.keywords if k.arg == "num_heads"), make.args[0] if make.args else None)
+        if kv is not None and not (isinstance(kv, ast.Constant) and kv.value is None) and \
+                (heads is None or ast.dump(kv) != ast.dump(heads)):
+            return Refused(f"{self._label(fn)}'s layer has num_kv_heads={_segment(self.lines, kv)}: k and v are "
+                           f"narrower than q, and the helper's offsets give q, k and o one stride", "grouped k/v heads")
+        return f"{chain}.{target}"
+
+    def _carried(self, levels: Sequence[tuple[_Function, ast.Call]], owner_site: _Site, name: str,
+                 loop: ast.For) -> Union[str, Refused]:
+        """The owner's name for the value the target call passes as ``name``: a parameter of each function below,
+        passed on unchanged and read by nothing but the call on the way down, and in the owner a plain name read
+        after the loop starts only where the loop passes it down (the fix rebinds it there)."""
+        chain = list(levels) + [(owner_site.function, owner_site.call)]
+        owner_expr = self._passed_up(chain, name, loop)
+        if isinstance(owner_expr, Refused):
+            return owner_expr
+        if not owner_expr.isidentifier():
+            return Refused(f"reaches the layers as `{owner_expr}`, which the fix cannot rebind", "not a name")
+        current = name
+        for i, (f, c) in enumerate(levels):
+            stray = _stray_read(f, current, c)
+            if stray is not None:
+                return Refused(f"is also read in {self._label(f)} (line {stray}), where the rebuilt value would reach "
+                               f"it", "read on the way down")
+            if i + 1 < len(levels):
+                arg = _argument_for(levels[i + 1][1], f, current)
+                assert isinstance(arg, ast.Name)  # _passed_up checked it
+                current = arg.id
+        owner = owner_site.function
+        for node in _walk_body(owner.body):
+            if isinstance(node, ast.Name) and node.id == owner_expr and isinstance(node.ctx, ast.Load) \
+                    and node.lineno >= loop.lineno and not _is_argument(owner_site.call, node):
+                return Refused(f"is read again in {self._label(owner)} (line {node.lineno}) after its layer loop "
+                               f"starts, where the rebuilt value would reach it", "read after the loop")
+        return owner_expr
+
+    def _contiguous_at(self, fn: _Function, expr: ast.AST, call: ast.Call, depth: int = 0) -> Optional[int]:
+        """The line where ``expr`` (the value tensor the call passes) is made contiguous, when it is: ``x.contiguous()``
+        itself, ``.unsqueeze(...)`` of such a tensor, or a name last assigned one before the call (also through a
+        tuple of them, or a generator over them: ``q, k, v = (t.contiguous() for t in (q, k, v))``)."""
+        if depth > 8:
+            return None
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute):
+            if expr.func.attr == "contiguous" and not expr.args:
+                return expr.lineno
+            if expr.func.attr == "unsqueeze":
+                return self._contiguous_at(fn, expr.func.value, call, depth + 1)
+            return None
+        if not isinstance(expr, ast.Name):
+            return None
+        # The last assignment before the call, a statement of the function's own body (one in a branch or a loop
+        # may not be the one that ran).
+        last: Optional[ast.Assign] = None
+        for node in _walk_body(fn.body):
+            if not (isinstance(node, ast.stmt) and node.lineno < call.lineno and _assigned_in(node, expr.id)) \
+                    or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if not isinstance(node, ast.Assign) or len(node.targets) != 1 or not any(s is node for s in fn.body):
+                if isinstance(node, (ast.If, ast.For, ast.While, ast.With, ast.Try)):
+                    continue  # the statements inside are looked at themselves
+                return None
+            if last is None or node.lineno > last.lineno:
+                last = node
+        if last is None:
+            return None
+        target, value = last.targets[0], last.value
+        if isinstance(target, ast.Name):
+            return self._contiguous_at(fn, value, call, depth + 1)
+        if isinstance(target, (ast.Tuple, ast.List)):
+            index = next((i for i, t in enumerate(target.elts) if isinstance(t, ast.Name) and t.id == expr.id), None)
+            if index is None:
+                return None
+            if isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts):
+                return self._contiguous_at(fn, value.elts[index], call, depth + 1)
+            if isinstance(value, (ast.GeneratorExp, ast.ListComp)) and len(value.generators) == 1:
+                element = value.elt
+                while isinstance(element, ast.Call) and isinstance(element.func, ast.Attribute) \
+                        and element.func.attr == "unsqueeze":
+                    element = element.func.value
+                if isinstance(element, ast.Call) and isinstance(element.func, ast.Attribute) \
+                        and element.func.attr == "contiguous" and not element.args:
+                    return element.lineno
+        return None
+
     def _label(self, f: _Function) -> str:
         cls = self.parent.get(id(f))
         return f"{cls.name}.{f.name}" if isinstance(cls, ast.ClassDef) else f.name
@@ -269,29 +508,29 @@ class Hoister:
             if i == 0:
                 # The target call's own function: the value must be its parameter, never rebound.
                 if not _has_param(f, current):
-                    return Refused("is computed there, not passed down")
+                    return Refused("is computed there, not passed down", "computed in the layer")
                 if _assigned(f, current):
-                    return Refused("is reassigned there")
+                    return Refused("is reassigned there", "reassigned in the layer")
                 continue
             # ``c`` calls chain[i - 1]'s function: the argument it binds to ``current``.
             callee = chain[i - 1][0]
             expr = _argument_for(c, callee, current)
             if expr is None:
-                return Refused(f"is not passed to {self._label(callee)} by {self._label(f)}")
+                return Refused(f"is not passed to {self._label(callee)} by {self._label(f)}", "not passed down")
             if last:
                 text = _reevaluable(expr)
                 if text is None:
                     return Refused(f"is passed to the layers as `{_segment(self.lines, expr)}`, which cannot be "
-                                   f"evaluated once before the loop")
+                                   f"evaluated once before the loop", "not a name")
                 root = _root_name(expr)
                 if root in _loop_names(loop.target) or any(_assigned_in(stmt, root) for stmt in loop.body):
-                    return Refused(f"changes inside the layer loop of {self._label(f)}")
+                    return Refused(f"changes inside the layer loop of {self._label(f)}", "changes in the loop")
                 return text
             if not isinstance(expr, ast.Name) or not _has_param(f, expr.id) or _assigned(f, expr.id):
                 return Refused(f"reaches {self._label(callee)} from {self._label(f)} as something other than its own "
-                               f"parameter")
+                               f"parameter", "not passed down")
             current = expr.id
-        return Refused("has no owner")
+        return Refused("has no owner", "not passed down")
 
     def _param_edit(self, f: _Function, param: str) -> Union[Edit, Refused]:
         args = f.args
@@ -340,9 +579,11 @@ class Hoister:
         line, col = end
         text = self.lines[line - 1]
         rest = text[col - 1:]
-        if rest.lstrip(" \t").startswith(",") and not rest.lstrip(" \t")[1:].strip(" \t\r\n") \
-                and line < len(self.lines):
+        after = rest.lstrip(" \t")[1:].strip(" \t\r\n")
+        if rest.lstrip(" \t").startswith(",") and (not after or after.startswith("#")) and line < len(self.lines):
             indent = text[: len(text) - len(text.lstrip(" \t"))]
+            if after:  # a comment ends the line: it stays with the element it follows, the new one goes below
+                return self._insert((line, len(text.rstrip("\r\n")) + 1), f"{_newline(text)}{indent}{item},")
             comma = col - 1 + (len(rest) - len(rest.lstrip(" \t"))) + 1  # just after the trailing comma
             return self._insert((line, comma + 1), f"{_newline(text)}{indent}{item},")
         return self._insert(end, f", {item}")
@@ -358,6 +599,168 @@ def _self_attribute(node: ast.AST) -> Optional[str]:
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
         return node.attr
     return None
+
+
+_WIDTH = 88  # the line length the engines' own formatter keeps; longer assignments the fix writes are wrapped
+
+
+def _wrapped(line: str, indent: str, step: str, nl: str) -> str:
+    """``line`` (``name = call(...)``) at ``indent``, its call's arguments on lines of their own when it is long:
+    all on one line inside the parentheses when they fit, else one a line, as the engines' formatter writes them."""
+    if len(indent) + len(line) <= _WIDTH:
+        return f"{indent}{line}{nl}"
+    try:
+        stmt = ast.parse(line).body[0]
+    except (SyntaxError, IndexError):
+        return f"{indent}{line}{nl}"
+    if not isinstance(stmt, ast.Assign) or not isinstance(stmt.value, ast.Call):
+        return f"{indent}{line}{nl}"
+    call = stmt.value
+    head = line[: call.func.end_col_offset]
+    parts = [ast.get_source_segment(line, a) or "" for a in call.args]
+    parts += [f"{k.arg}={ast.get_source_segment(line, k.value)}" if k.arg
+              else f"**{ast.get_source_segment(line, k.value)}"
+              for k in call.keywords]
+    inside = indent + step
+    if len(inside) + len(", ".join(parts)) <= _WIDTH:
+        return f"{indent}{head}({nl}{inside}{', '.join(parts)}{nl}{indent}){nl}"
+    return f"{indent}{head}({nl}" + "".join(f"{inside}{part},{nl}" for part in parts) + f"{indent}){nl}"
+
+
+def _may_be_none(f: _Function, name: str, loop: ast.For) -> bool:
+    """Whether ``name`` may be None where the layer loop starts: a parameter that defaults to None, neither
+    rebound nor refused when None (``if name is None: raise``, ``assert name is not None``) before the loop."""
+    a = f.args
+    positional = a.posonlyargs + a.args
+    defaults = dict(zip([p.arg for p in positional[len(positional) - len(a.defaults):]], a.defaults))
+    defaults.update((p.arg, d) for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None)
+    default = defaults.get(name)
+    if not (isinstance(default, ast.Constant) and default.value is None):
+        return False
+    for stmt in f.body:
+        if stmt.lineno >= loop.lineno:
+            break
+        if _assigned_in(stmt, name):
+            return False
+        test = stmt.test if isinstance(stmt, (ast.If, ast.Assert)) else None
+        if isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == name \
+                and len(test.ops) == 1 and isinstance(test.comparators[0], ast.Constant) \
+                and test.comparators[0].value is None:
+            if isinstance(stmt, ast.Assert) and isinstance(test.ops[0], ast.IsNot):
+                return False
+            if isinstance(stmt, ast.If) and isinstance(test.ops[0], ast.Is) \
+                    and any(isinstance(n, ast.Raise) for n in stmt.body):
+                return False
+    return True
+
+
+def _call_argument(call: ast.Call, name: str, params: Sequence[str]) -> Optional[ast.AST]:
+    """The expression a call of a target with positional parameters ``params`` passes for ``name``."""
+    for k in call.keywords:
+        if k.arg == name:
+            return k.value
+    if name not in params or any(isinstance(a, ast.Starred) for a in call.args):
+        return None
+    index = list(params).index(name)
+    return call.args[index] if index < len(call.args) else None
+
+
+def _through(func: ast.AST) -> Optional[str]:
+    """How a call on the way down reaches the layer below from ``self``: ``.attn`` for ``self.attn(...)`` and
+    ``self.attn.m(...)``; None for anything else (a method of the same class is no hop: the caller tells)."""
+    attr = _self_attribute(func)
+    if attr is not None:
+        return f".{attr}"
+    if isinstance(func, ast.Attribute):
+        inner = _self_attribute(func.value)
+        if inner is not None:
+            return f".{inner}"
+    return None
+
+
+def _is_argument(call: ast.Call, node: ast.AST) -> bool:
+    return any(a is node for a in call.args) or any(k.value is node for k in call.keywords)
+
+
+def _stray_read(f: _Function, name: str, call: ast.Call) -> Optional[int]:
+    """The line of a read of ``name`` in ``f`` other than as an argument of ``call`` or in an ``is None`` test."""
+    tested = set()
+    for node in _walk_body(f.body):
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Is, ast.IsNot)) \
+                and isinstance(node.comparators[0], ast.Constant) and node.comparators[0].value is None:
+            tested.add(id(node.left))
+    for node in _walk_body(f.body):
+        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Load) \
+                and id(node) not in tested and not _is_argument(call, node):
+            return node.lineno
+    return None
+
+
+def _helper_caller(cls: ast.ClassDef, spec: EncoderMetadataHoist) -> Optional[str]:
+    """The method of ``cls`` that calls one of the engine's helpers (``MMEncoderAttention.maybe_compute_seq_lens``)."""
+    for method in cls.body:
+        if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(method):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                        and node.func.attr in spec.helpers and isinstance(node.func.value, ast.Name) \
+                        and node.func.value.id == spec.helper_class:
+                    return method.name
+    return None
+
+
+def _module_names(tree: ast.Module) -> set:
+    """Names bound at the top of a module (imports, definitions, assignments; also in its if/try blocks)."""
+    names: set = set()
+    stack: list[ast.stmt] = list(tree.body)
+    while stack:
+        stmt = stack.pop()
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in stmt.names)
+        elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(stmt.name)
+        elif isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(stmt, ast.If):
+            stack.extend(stmt.body + stmt.orelse)
+        elif isinstance(stmt, ast.Try):
+            stack.extend(stmt.body + stmt.orelse + stmt.finalbody + [s for h in stmt.handlers for s in h.body])
+    return names
+
+
+_ATTRIBUTES: dict = {}  # (path, class) -> (mtime, size, attributes): a tree's findings share one read of the engine
+
+
+def instance_attributes(path: str, cls: str) -> Optional[frozenset]:
+    """The attributes ``cls.__init__`` in the source at ``path`` sets on ``self`` (None: no such class or method)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    got = _ATTRIBUTES.get((path, cls))
+    if got is not None and got[:2] == (st.st_mtime_ns, st.st_size):
+        return got[2]
+    if len(_ATTRIBUTES) > 64:
+        _ATTRIBUTES.clear()
+    found = _instance_attributes(path, cls)
+    _ATTRIBUTES[(path, cls)] = (st.st_mtime_ns, st.st_size, found)
+    return found
+
+
+def _instance_attributes(path: str, cls: str) -> Optional[frozenset]:
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
+    init = next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None) \
+        if node is not None else None
+    if init is None:
+        return None
+    return frozenset(a for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                     for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                     if (a := _self_attribute(t)) is not None)
 
 
 def _called_name(call: ast.Call) -> Optional[str]:

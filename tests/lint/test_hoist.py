@@ -396,3 +396,200 @@ def test_the_hoisted_max_len_is_what_the_kernels_need():
     seg_indptr = torch.tensor([0, 3, 10, 12], dtype=torch.int32)
     ns["Model"](4)(torch.zeros(12), seg_indptr, None, None, None)
     assert seen == [7, 7, 7, 7]
+
+
+# -- vLLM: MMEncoderAttention's own helpers, run where the layer loop runs (GL101) ------------------------------------
+VLLM_HEAD = """\
+import torch
+import torch.nn as nn
+from vllm.model_executor.layers.attention import MMEncoderAttention
+"""
+
+VLLM_ATTENTION = """
+
+class Attention(nn.Module):
+    def __init__(self, heads, head_dim):
+        super().__init__()
+        self.qkv = nn.Linear(heads * head_dim, 3 * heads * head_dim)
+        self.attn = MMEncoderAttention(num_heads=heads, head_size=head_dim)
+
+    def forward(self, x, cu_seqlens, max_seqlen=None):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 4, 64)).unbind(-3)
+        return self.attn(query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Attention(4, 64)
+
+    def forward(self, x, cu_seqlens, max_seqlen=None):
+        return x + self.attn(x, cu_seqlens, max_seqlen=max_seqlen)
+"""
+
+VLLM_TOWER = """
+
+class Tower(nn.Module):
+    def __init__(self, depth):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+
+    def forward(self, x, grid):
+        cu_seqlens = grid.cumsum(0)
+        max_seqlen = None
+        for blk in self.blocks:
+            x = blk(x, cu_seqlens, max_seqlen=max_seqlen)
+        return x
+"""
+
+VLLM_BUILT = """\
+        encoder_attn = self.blocks[0].attn.attn
+        cu_seqlens_cpu = cu_seqlens.cpu().numpy()
+        sequence_lengths = MMEncoderAttention.maybe_compute_seq_lens(
+            encoder_attn.attn_backend, cu_seqlens_cpu, cu_seqlens.device
+        )
+        if sequence_lengths is not None:
+            cu_seqlens = MMEncoderAttention.maybe_recompute_cu_seqlens(
+                encoder_attn.attn_backend,
+                cu_seqlens_cpu,
+                encoder_attn.num_heads * encoder_attn.head_size,
+                1,
+                cu_seqlens.device,
+                fp8_padded_hidden_size=encoder_attn.num_heads * encoder_attn.head_size,
+            )
+            max_seqlen = torch.tensor(
+                MMEncoderAttention.compute_max_seqlen(encoder_attn.attn_backend, cu_seqlens_cpu),
+                dtype=torch.int32,
+            )
+        for blk in self.blocks:
+            x = blk(x, cu_seqlens, max_seqlen=max_seqlen, sequence_lengths=sequence_lengths)
+"""
+
+
+def vllm_src(attention: str = VLLM_ATTENTION, tower: str = VLLM_TOWER) -> str:
+    return VLLM_HEAD + textwrap.dedent(attention) + textwrap.dedent(tower)
+
+
+def gl101(text: str, path: str = "model.py"):
+    return [f for f in check_source(text.encode(), path, build_rules()).findings if f.code == "GL101"]
+
+
+def test_vllm_sequence_lengths_are_built_with_the_engines_helpers_before_the_loop_and_passed_down():
+    text = vllm_src()
+    (f,) = gl101(text)
+    assert f.fix is not None and f.fix.applicability == "unsafe"
+    assert f.fix.message.startswith("Build sequence_lengths once in Tower.forward, before its layer loop, with "
+                                    "MMEncoderAttention's own helpers (where the backend reads it, also cu_seqlens "
+                                    "and max_seqlen as it reads them; v made contiguous at the call), and pass it "
+                                    "down (Tower.forward -> Block.forward -> Attention.forward) to the call")
+    fixed = fix(text)
+    compile(fixed, "model.py", "exec")
+    assert not gl101(fixed) and fix(fixed) == fixed
+    assert "        max_seqlen = None\n" + VLLM_BUILT in fixed
+    # v is a view into the fused projection here: made contiguous for the one-stride offsets, under FlashInfer only.
+    assert "        return self.attn(query=q, key=k, value=v.contiguous() if sequence_lengths is not None else v, " \
+           "cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, sequence_lengths=sequence_lengths)\n" in fixed
+    assert "    def forward(self, x, cu_seqlens, max_seqlen=None, sequence_lengths=None):\n" \
+           "        return x + self.attn(x, cu_seqlens, max_seqlen=max_seqlen, sequence_lengths=sequence_lengths)\n" \
+        in fixed
+    assert fixed_source(text) == text  # not without --unsafe-fixes
+
+
+def test_vllm_a_value_made_contiguous_in_the_layer_is_passed_as_it_is():
+    text = vllm_src(VLLM_ATTENTION.replace(".unbind(-3)\n", ".unbind(-3)\n        v = v.contiguous()\n"))
+    fixed = fix(text)
+    assert not gl101(fixed)
+    assert "value=v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, sequence_lengths=sequence_lengths)" in fixed
+    assert "made contiguous" not in gl101(text)[0].fix.message
+
+
+def test_vllm_offsets_an_owner_may_be_given_as_none_are_read_only_when_given():
+    tower = VLLM_TOWER.replace("def forward(self, x, grid):\n        cu_seqlens = grid.cumsum(0)\n",
+                               "def forward(self, x, cu_seqlens=None):\n")
+    fixed = fix(vllm_src(tower=tower))
+    assert not gl101(fixed)
+    assert "        encoder_attn = self.blocks[0].attn.attn\n" \
+           "        sequence_lengths = None\n" \
+           "        if cu_seqlens is not None:\n" \
+           "            cu_seqlens_cpu = cu_seqlens.cpu().numpy()\n" \
+           "            sequence_lengths = MMEncoderAttention.maybe_compute_seq_lens(\n" in fixed
+
+
+@pytest.mark.parametrize("attention, tower, short, why", [
+    (VLLM_ATTENTION, VLLM_TOWER.replace("    def forward(self, x, grid):", """\
+    def prepare_encoder_metadata(self, cu):
+        return {"sequence_lengths": MMEncoderAttention.maybe_compute_seq_lens(self.attn_backend, cu, "cuda")}
+
+    def forward(self, x, grid):"""), "owner's offsets do not fit v",
+     "Tower.prepare_encoder_metadata builds sequence_lengths with MMEncoderAttention's helpers"),
+    (VLLM_ATTENTION.replace("MMEncoderAttention(num_heads=heads, head_size=head_dim)",
+                            "MMEncoderAttention(num_heads=heads, head_size=head_dim, num_kv_heads=2)"),
+     VLLM_TOWER, "grouped k/v heads", "layer has num_kv_heads=2"),
+    (VLLM_ATTENTION.replace("max_seqlen=max_seqlen)\n", "max_seqlen=self.max_len)\n"), VLLM_TOWER,
+     "max_seqlen not passed down", "the call passes max_seqlen as `self.max_len`, not a value passed down"),
+    (VLLM_ATTENTION.replace("return x + self.attn(", "return cu_seqlens.float().mean() + self.attn("), VLLM_TOWER,
+     "cu_seqlens read on the way down", "cu_seqlens is also read in Block.forward (line"),
+    (VLLM_ATTENTION, VLLM_TOWER.replace("        return x\n", "        return x, cu_seqlens\n"),
+     "cu_seqlens read after the loop", "cu_seqlens is read again in Tower.forward (line"),
+    (VLLM_ATTENTION, VLLM_TOWER.replace("max_seqlen = None\n", "max_seqlen = None\n        encoder_attn = 0\n"),
+     "name taken", "encoder_attn already names a value in Tower.forward"),
+    (VLLM_ATTENTION, VLLM_TOWER.replace("        return x\n", "        for blk in self.blocks:\n"
+                                        "            x = blk(x, cu_seqlens)\n        return x\n"),
+     "no single loop owner", "Block.forward is called from Tower.forward (2 calls)"),
+    (VLLM_ATTENTION, VLLM_TOWER.replace("x = blk(x, cu_seqlens, max_seqlen=max_seqlen)",
+                                        "x = blk(x, cu_seqlens[:-1], max_seqlen=max_seqlen)"),
+     "cu_seqlens not a name", "cannot be evaluated once before the loop"),
+])
+def test_vllm_no_fix_where_a_fact_the_helpers_need_is_missing_and_the_finding_says_which(attention, tower, short,
+                                                                                         why):
+    text = vllm_src(attention, tower)
+    (f,) = gl101(text)
+    assert f.fix is None
+    assert f.message.endswith(f"; no fix: {short}")
+    assert why in f.note and "It is not built where the layer loop runs: " in f.note
+    assert fix(text) == text
+
+
+def test_vllm_the_helpers_and_the_layers_attributes_must_exist_in_the_engine_the_file_would_import(tmp_path):
+    """A fork whose MMEncoderAttention lacks maybe_recompute_cu_seqlens, or does not keep its head size: no fix,
+    because the fixed file would call what is not there."""
+    engine = tmp_path / "vllm" / "model_executor" / "layers" / "attention"
+    engine.mkdir(parents=True)
+    helpers = """
+    @classmethod
+    def maybe_compute_seq_lens(cls, attn_backend, cu_seqlens, device):
+        pass
+
+    @classmethod
+    def compute_max_seqlen(cls, attn_backend, cu_seqlens):
+        pass
+
+    def forward_cuda(self, query, key, value, cu_seqlens=None, max_seqlen=None, sequence_lengths=None):
+        pass
+"""
+    recompute = """
+    @classmethod
+    def maybe_recompute_cu_seqlens(cls, attn_backend, cu_seqlens, hidden_size, tp_size, device,
+                                   fp8_padded_hidden_size=None):
+        pass
+"""
+    init = """
+    def __init__(self, num_heads, head_size):
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.attn_backend = None
+"""
+    module = engine / "mm_encoder_attention.py"
+    model = tmp_path / "vllm" / "model_executor" / "models" / "m.py"
+    model.parent.mkdir(parents=True)
+    model.write_text(vllm_src())
+    for body, short in ((init + helpers, "helper not in this vllm"),
+                        (init.replace("        self.head_size = head_size\n", "") + helpers + recompute,
+                         "layer attribute not in this vllm"),
+                        (init + helpers + recompute, "")):
+        module.write_text("class MMEncoderAttention:\n" + body)
+        (f,) = gl101(model.read_text(), str(model))
+        if short:
+            assert f.fix is None and f.message.endswith(f"; no fix: {short}")
+        else:
+            assert f.fix is not None
