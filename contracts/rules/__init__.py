@@ -1,0 +1,1 @@
+"""The rule families of the contract catalog (``contracts/catalog.py`` gathers them)."""
