@@ -65,12 +65,30 @@ class Hoister:
     def __init__(self, tree: ast.Module, text: str) -> None:
         self.tree = tree
         self.lines = text.splitlines(keepends=True)
+        # The parents of statements (definitions included), not of every expression: a whole-tree map took
+        # most of a finding's time on large model files. An expression's function is found by its span.
         self.parent: dict[int, ast.AST] = {}
-        for node in ast.walk(tree):
-            for child in ast.iter_child_nodes(node):
-                self.parent[id(child)] = node
+        self.functions: list[_Function] = []
+        self._statements(tree.body, tree)
         self.classes = [n for n in tree.body if isinstance(n, ast.ClassDef)]
         self._holders: dict[str, tuple[dict, dict]] = {}
+        self._assigned: Optional[list] = None
+
+    def _statements(self, body: list, parent: ast.AST) -> None:
+        for stmt in body:
+            self.parent[id(stmt)] = parent
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                self.functions.append(stmt)
+            for name in ("body", "orelse", "finalbody"):
+                inner = getattr(stmt, name, None)
+                if isinstance(inner, list):
+                    self._statements(inner, stmt)
+            for handler in getattr(stmt, "handlers", ()):
+                self.parent[id(handler)] = stmt
+                self._statements(handler.body, handler)
+            for case in getattr(stmt, "cases", ()):
+                self.parent[id(case)] = stmt
+                self._statements(case.body, case)
 
     # -- positions: ast gives UTF-8 byte columns, edits want characters (1-based) ---------------------------
     def _col(self, line: int, byte_col: int) -> int:
@@ -98,6 +116,12 @@ class Hoister:
     def enclosing(self, node: ast.AST) -> tuple[Optional[_Function], Optional[ast.ClassDef]]:
         """The function a node is in and, when that function is a method, its class."""
         current = self.parent.get(id(node))
+        if current is None and not isinstance(node, ast.stmt):  # an expression: the innermost function around it
+            start = (node.lineno, node.col_offset)  # type: ignore[attr-defined]
+            end = (node.end_lineno, node.end_col_offset)  # type: ignore[attr-defined]
+            around = [f for f in self.functions if (f.lineno, f.col_offset) <= start
+                      and end <= (f.end_lineno, f.end_col_offset)]
+            current = max(around, key=lambda f: (f.lineno, f.col_offset)) if around else None
         while current is not None and not isinstance(current, (ast.FunctionDef, ast.AsyncFunctionDef)):
             current = self.parent.get(id(current))
         if current is None:
@@ -114,23 +138,34 @@ class Hoister:
             return got
         single: dict[str, set] = {}
         many: dict[str, set] = {}
-        for holder in self.classes:
-            for stmt in ast.walk(holder):
-                if not isinstance(stmt, (ast.Assign, ast.AnnAssign)):
-                    continue
-                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-                value = stmt.value
-                if value is None or len(targets) != 1:
-                    continue
-                attr = _self_attribute(targets[0])
-                if attr is None:
-                    continue
-                if isinstance(value, ast.Call) and _called_name(value) == cls.name:
-                    single.setdefault(attr, set()).add(holder.name)
-                elif any(isinstance(n, ast.Call) and _called_name(n) == cls.name for n in ast.walk(value)):
-                    many.setdefault(attr, set()).add(holder.name)
+        for holder, attr, direct, called in self._self_assignments():
+            if direct == cls.name:
+                single.setdefault(attr, set()).add(holder)
+            elif cls.name in called:
+                many.setdefault(attr, set()).add(holder)
         self._holders[cls.name] = (single, many)
         return single, many
+
+    def _self_assignments(self) -> list:
+        """Every ``self.<attr> = value`` of the file's classes, once: (class name, attr, the name the value calls
+        when it is a call, every name called inside the value)."""
+        if self._assigned is None:
+            self._assigned = []
+            for holder in self.classes:
+                for stmt in ast.walk(holder):
+                    if not isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+                        continue
+                    targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                    value = stmt.value
+                    if value is None or len(targets) != 1:
+                        continue
+                    attr = _self_attribute(targets[0])
+                    if attr is None:
+                        continue
+                    direct = _called_name(value) if isinstance(value, ast.Call) else None
+                    called = {_called_name(n) for n in ast.walk(value) if isinstance(n, ast.Call)}
+                    self._assigned.append((holder.name, attr, direct, called))
+        return self._assigned
 
     def callers(self, fn: _Function, cls: ast.ClassDef) -> list[_Site]:
         """Where this file calls method ``fn`` of ``cls``: through an attribute holding an instance
