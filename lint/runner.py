@@ -54,6 +54,10 @@ CALLEE_SUMMARIES = True
 # The same in bytes of work: ast.parse takes ~0.3 s per MB, the full check ~6x that.
 MIN_PARALLEL_WORK = 1_500_000
 FULL_CHECK_WEIGHT = 6
+# From this many files found, the worker processes are started before the textual pre-filter reads them, so
+# that their start (fork, libcst's import) runs beside it instead of after it (a tree this size has enough
+# candidates to use them).
+EARLY_WORKERS = 400
 
 
 @dataclass
@@ -194,6 +198,13 @@ def _in_deep_thread(fn):
     return box[0] if box else None
 
 
+def _warm_up() -> None:
+    """A worker's first task when started early: libcst and the checker bound while the pre-filter runs."""
+    from .engine import _load
+
+    _load()
+
+
 def _check_chunk(chunk: list[Candidate]) -> list:
     rules, strict = _WORKER["rules"], _WORKER["strict"]
     out = []
@@ -328,6 +339,55 @@ def lint_paths(paths: Sequence[str], settings: Settings, *, strict: bool = False
     found = find_files([p for p in paths if p != "-"], settings)
     files = found.files
     summarize = CALLEE_SUMMARIES and any(c.code == "GL104" for c in rules.patterns)
+    workers = _Workers(rules, strict)
+    n_workers = min(cpu_count(), jobs or cpu_count())
+    if len(files) >= EARLY_WORKERS and n_workers > 1 and not keep_modules:
+        pool = workers.start(n_workers)
+        for _ in range(n_workers):
+            pool.submit(_warm_up)
+    try:
+        candidates, findings = _candidates(files, rules, every_rule, summarize)
+    except BaseException:
+        workers.close(wait=False)
+        raise
+    n_files = len(files)
+    if "-" in paths:
+        n_files += 1
+        data = stdin if stdin is not None else b""
+        shown = stdin_filename or "-"
+        full = rules.may_match(data)
+        name, is_pkg = module_name_for(stdin_filename) if stdin_filename and full else (None, False)
+        candidates.append(Candidate(shown, data, name, is_pkg, full, stdin=True))
+
+    tick = None
+    if progress is not None:
+        done = [n_files - len(candidates)]  # files that could not be read are done already
+
+        def tick(n: int) -> None:
+            done[0] += n
+            progress(done[0], n_files)
+
+    try:
+        results = _check_all(candidates, rules, strict, jobs, keep_modules, tick, workers) if candidates else []
+        if summarize and results:
+            _recheck_with_callees(candidates, results, files, rules, strict, jobs, keep_modules, workers)
+    finally:
+        workers.close()
+    for r in results:
+        findings.extend(r.findings)
+    findings = _keep(findings, settings)
+    report = Report(findings, files=n_files, parsed=sum(1 for c in candidates if c.full),
+                    checked=sum(1 for r in results if r.parsed),
+                    results=[r for r, c in zip(results, candidates) if c.full] if keep_modules else [],
+                    missing=found.missing, skipped=found.skipped)
+    if fix is not None:
+        _fix(report, candidates, rules, settings, strict, unsafe_fixes, write=fix == "apply")
+    report.findings.sort(key=Finding.sort_key)
+    return report
+
+
+def _candidates(files: Sequence[str], rules: RuleSet, every_rule, summarize: bool) -> tuple[list, list]:
+    """The files past the textual pre-filter, as candidates, and GL000 findings of those that cannot be read."""
     if summarize:
         from .summaries import may_call
     candidates: list[Candidate] = []
@@ -349,41 +409,7 @@ def lint_paths(paths: Sequence[str], settings: Settings, *, strict: bool = False
             continue
         name, is_pkg = module_name_for(path) if full or sketch else (None, False)
         candidates.append(Candidate(path, data, name, is_pkg, full, sketch=sketch))
-    n_files = len(files)
-    if "-" in paths:
-        n_files += 1
-        data = stdin if stdin is not None else b""
-        shown = stdin_filename or "-"
-        full = rules.may_match(data)
-        name, is_pkg = module_name_for(stdin_filename) if stdin_filename and full else (None, False)
-        candidates.append(Candidate(shown, data, name, is_pkg, full, stdin=True))
-
-    tick = None
-    if progress is not None:
-        done = [n_files - len(candidates)]  # files that could not be read are done already
-
-        def tick(n: int) -> None:
-            done[0] += n
-            progress(done[0], n_files)
-
-    workers = _Workers(rules, strict)
-    try:
-        results = _check_all(candidates, rules, strict, jobs, keep_modules, tick, workers) if candidates else []
-        if summarize and results:
-            _recheck_with_callees(candidates, results, files, rules, strict, jobs, keep_modules, workers)
-    finally:
-        workers.close()
-    for r in results:
-        findings.extend(r.findings)
-    findings = _keep(findings, settings)
-    report = Report(findings, files=n_files, parsed=sum(1 for c in candidates if c.full),
-                    checked=sum(1 for r in results if r.parsed),
-                    results=[r for r, c in zip(results, candidates) if c.full] if keep_modules else [],
-                    missing=found.missing, skipped=found.skipped)
-    if fix is not None:
-        _fix(report, candidates, rules, settings, strict, unsafe_fixes, write=fix == "apply")
-    report.findings.sort(key=Finding.sort_key)
-    return report
+    return candidates, findings
 
 
 def _recheck_with_callees(candidates: list[Candidate], results: list, files: Sequence[str], rules: RuleSet,
