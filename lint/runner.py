@@ -58,6 +58,8 @@ FULL_CHECK_WEIGHT = 6
 # that their start (fork, libcst's import) runs beside it instead of after it (a tree this size has enough
 # candidates to use them).
 EARLY_WORKERS = 400
+# Then candidates go to them in batches of this many as the pre-filter finds them.
+STREAM_BATCH = 4
 
 
 @dataclass
@@ -238,10 +240,10 @@ class _Workers:
 
 def _check_all(candidates: list[Candidate], rules: RuleSet, strict: bool, jobs: Optional[int],
                keep_modules: bool, progress: Optional[Callable[[int], None]] = None,
-               workers: Optional[_Workers] = None) -> list:
+               workers: Optional[_Workers] = None, submitted: Sequence = ()) -> list:
     """One result per candidate, in the candidates' order, whether checked here or across processes
     (``workers``' when they are started, then whatever the work). ``progress(n)`` is told of each n
-    files done."""
+    files done. ``submitted``: (chunk, future) of candidates already handed to ``workers``."""
     full = sum(1 for c in candidates if c.full)
     work = sum(c.work for c in candidates)
     n = min(cpu_count(), jobs or cpu_count(), max(1, len(candidates) // 8))
@@ -256,7 +258,8 @@ def _check_all(candidates: list[Candidate], rules: RuleSet, strict: bool, jobs: 
     from concurrent.futures.process import BrokenProcessPool
 
     # Most work first, dealt round-robin into chunks, so no worker ends with a long tail.
-    ordered = sorted(candidates, key=lambda c: -c.work)
+    handed = {id(c) for chunk, _ in submitted for c in chunk}
+    ordered = sorted((c for c in candidates if id(c) not in handed), key=lambda c: -c.work)
     n_chunks = n * 4
     chunks = [c for c in (ordered[i::n_chunks] for i in range(n_chunks)) if c]
     results: dict[int, object] = {}  # id(candidate) -> its FileResult
@@ -265,7 +268,7 @@ def _check_all(candidates: list[Candidate], rules: RuleSet, strict: bool, jobs: 
     workers = workers or _Workers(rules, strict)
     try:
         pool = workers.start(n)
-        futures = [(chunk, pool.submit(_check_chunk, chunk)) for chunk in chunks]
+        futures = list(submitted) + [(chunk, pool.submit(_check_chunk, chunk)) for chunk in chunks]
         for chunk, future in futures:
             try:
                 part = future.result()
@@ -341,12 +344,17 @@ def lint_paths(paths: Sequence[str], settings: Settings, *, strict: bool = False
     summarize = CALLEE_SUMMARIES and any(c.code == "GL104" for c in rules.patterns)
     workers = _Workers(rules, strict)
     n_workers = min(cpu_count(), jobs or cpu_count())
+    submitted: list = []  # (chunk, future) of candidates handed to the workers while the pre-filter ran
+    stream = None
     if len(files) >= EARLY_WORKERS and n_workers > 1 and not keep_modules:
         pool = workers.start(n_workers)
         for _ in range(n_workers):
             pool.submit(_warm_up)
+
+        def stream(batch: list) -> None:
+            submitted.append((batch, pool.submit(_check_chunk, batch)))
     try:
-        candidates, findings = _candidates(files, rules, every_rule, summarize)
+        candidates, findings = _candidates(files, rules, every_rule, summarize, stream)
     except BaseException:
         workers.close(wait=False)
         raise
@@ -368,7 +376,8 @@ def lint_paths(paths: Sequence[str], settings: Settings, *, strict: bool = False
             progress(done[0], n_files)
 
     try:
-        results = _check_all(candidates, rules, strict, jobs, keep_modules, tick, workers) if candidates else []
+        results = _check_all(candidates, rules, strict, jobs, keep_modules, tick, workers, submitted) \
+            if candidates else []
         if summarize and results:
             _recheck_with_callees(candidates, results, files, rules, strict, jobs, keep_modules, workers)
     finally:
@@ -386,12 +395,15 @@ def lint_paths(paths: Sequence[str], settings: Settings, *, strict: bool = False
     return report
 
 
-def _candidates(files: Sequence[str], rules: RuleSet, every_rule, summarize: bool) -> tuple[list, list]:
-    """The files past the textual pre-filter, as candidates, and GL000 findings of those that cannot be read."""
+def _candidates(files: Sequence[str], rules: RuleSet, every_rule, summarize: bool,
+                stream: Optional[Callable[[list], None]] = None) -> tuple[list, list]:
+    """The files past the textual pre-filter, as candidates, and GL000 findings of those that cannot be read.
+    ``stream`` is handed the candidates in batches as they are found (the last ones stay for the caller)."""
     if summarize:
         from .summaries import may_call
     candidates: list[Candidate] = []
     findings: list[Finding] = []
+    sent = 0
     for path in files:
         try:
             data = read_source(path)
@@ -409,6 +421,9 @@ def _candidates(files: Sequence[str], rules: RuleSet, every_rule, summarize: boo
             continue
         name, is_pkg = module_name_for(path) if full or sketch else (None, False)
         candidates.append(Candidate(path, data, name, is_pkg, full, sketch=sketch))
+        if stream is not None and len(candidates) - sent >= STREAM_BATCH:
+            stream(candidates[sent:])
+            sent = len(candidates)
     return candidates, findings
 
 
