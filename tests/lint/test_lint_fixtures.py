@@ -14,7 +14,10 @@ import pytest
 from guardlint.contracts.model import EXPECT_MARKER
 from guardlint.lint import build_rules, check_source, lint_paths, load_settings
 from guardlint.lint.config import Settings
+from guardlint.lint import runner
 from guardlint.lint.runner import MIN_PARALLEL, module_name_for
+
+_real_candidates = runner._candidates
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "lint"
 USER_PROJECT = FIXTURES / "user_project"
@@ -99,6 +102,32 @@ def test_parallel_run_finds_the_same_as_one_process(tmp_path):
     parallel = lint_paths([str(tmp_path)], settings, jobs=2)
     assert serial.findings and serial.findings == parallel.findings
     assert serial.parsed == parallel.parsed >= MIN_PARALLEL
+
+
+def test_workers_started_before_the_pre_filter_find_the_same(tmp_path, monkeypatch):
+    """On a tree past EARLY_WORKERS the workers start first and take candidates in batches as the pre-filter
+    finds them (here from 8 files on, in batches of 4): the same findings as one process."""
+    for i in range(MIN_PARALLEL + 8):
+        folder = tmp_path / f"pkg{i % 5}"
+        folder.mkdir(exist_ok=True)
+        src = FILES[i % len(FILES)]
+        shutil.copy(src, folder / f"m{i}_{src.name}")
+    settings = Settings(root=tmp_path)
+    serial = lint_paths([str(tmp_path)], settings, jobs=1)
+    batches = []
+    monkeypatch.setattr(runner, "EARLY_WORKERS", 8)
+    monkeypatch.setattr(runner, "_candidates", lambda *a, **k: runner_candidates(*a, **k, seen=batches))
+    streamed = lint_paths([str(tmp_path)], settings, jobs=2)
+    assert serial.findings and serial.findings == streamed.findings and serial.parsed == streamed.parsed
+    assert batches and all(len(b) == runner.STREAM_BATCH for b in batches)
+
+
+def runner_candidates(files, rules, every_rule, summarize, stream=None, *, seen):
+    """``runner._candidates`` with the batches it streams recorded."""
+    def record(batch):
+        seen.append(list(batch))
+        stream(batch)
+    return _real_candidates(files, rules, every_rule, summarize, record if stream is not None else None)
 
 
 def test_module_names_follow_package_folders(tmp_path):
