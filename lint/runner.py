@@ -54,11 +54,9 @@ CALLEE_SUMMARIES = True
 # The same in bytes of work: ast.parse takes ~0.3 s per MB, the full check ~6x that.
 MIN_PARALLEL_WORK = 1_500_000
 FULL_CHECK_WEIGHT = 6
-# From this many files found, the worker processes are started before the textual pre-filter reads them, so
-# that their start (fork, libcst's import) runs beside it instead of after it (a tree this size has enough
-# candidates to use them).
-EARLY_WORKERS = 400
-# Then candidates go to them in batches of this many as the pre-filter finds them.
+# Once the textual pre-filter has found enough work to start the worker processes (MIN_PARALLEL files to
+# parse, or MIN_PARALLEL_WORK bytes), they start, and candidates go to them in batches of this many as it
+# finds them: their start and the first checks run beside the rest of the pre-filter instead of after it.
 STREAM_BATCH = 4
 
 
@@ -200,13 +198,6 @@ def _in_deep_thread(fn):
     return box[0] if box else None
 
 
-def _warm_up() -> None:
-    """A worker's first task when started early: libcst and the checker bound while the pre-filter runs."""
-    from .engine import _load
-
-    _load()
-
-
 def _check_chunk(chunk: list[Candidate]) -> list:
     rules, strict = _WORKER["rules"], _WORKER["strict"]
     out = []
@@ -238,6 +229,12 @@ class _Workers:
             self.pool = None
 
 
+def _worth_workers(candidates: int, full: int, work: int) -> bool:
+    """Whether this many candidates (``full`` of them to parse, ``work`` bytes weighted) pay for starting worker
+    processes: at least two workers' worth of them (8 each), and enough files or bytes."""
+    return candidates // 8 >= 2 and (full >= MIN_PARALLEL or work >= MIN_PARALLEL_WORK)
+
+
 def _check_all(candidates: list[Candidate], rules: RuleSet, strict: bool, jobs: Optional[int],
                keep_modules: bool, progress: Optional[Callable[[int], None]] = None,
                workers: Optional[_Workers] = None, submitted: Sequence = ()) -> list:
@@ -248,7 +245,7 @@ def _check_all(candidates: list[Candidate], rules: RuleSet, strict: bool, jobs: 
     work = sum(c.work for c in candidates)
     n = min(cpu_count(), jobs or cpu_count(), max(1, len(candidates) // 8))
     started = workers is not None and workers.pool is not None
-    if keep_modules or (not started and (n <= 1 or (full < MIN_PARALLEL and work < MIN_PARALLEL_WORK))):
+    if keep_modules or (not started and (n <= 1 or not _worth_workers(len(candidates), full, work))):
         out = []
         for c in candidates:
             out.append(_check_one(c, rules, strict, keep_modules))
@@ -346,13 +343,9 @@ def lint_paths(paths: Sequence[str], settings: Settings, *, strict: bool = False
     n_workers = min(cpu_count(), jobs or cpu_count())
     submitted: list = []  # (chunk, future) of candidates handed to the workers while the pre-filter ran
     stream = None
-    if len(files) >= EARLY_WORKERS and n_workers > 1 and not keep_modules:
-        pool = workers.start(n_workers)
-        for _ in range(n_workers):
-            pool.submit(_warm_up)
-
+    if n_workers > 1 and not keep_modules:
         def stream(batch: list) -> None:
-            submitted.append((batch, pool.submit(_check_chunk, batch)))
+            submitted.append((batch, workers.start(n_workers).submit(_check_chunk, batch)))
     try:
         candidates, findings = _candidates(files, rules, every_rule, summarize, stream)
     except BaseException:
@@ -398,12 +391,14 @@ def lint_paths(paths: Sequence[str], settings: Settings, *, strict: bool = False
 def _candidates(files: Sequence[str], rules: RuleSet, every_rule, summarize: bool,
                 stream: Optional[Callable[[list], None]] = None) -> tuple[list, list]:
     """The files past the textual pre-filter, as candidates, and GL000 findings of those that cannot be read.
-    ``stream`` is handed the candidates in batches as they are found (the last ones stay for the caller)."""
+    ``stream`` is handed the candidates in batches as they are found, once they are worth worker processes
+    (the last ones stay for the caller)."""
     if summarize:
         from .summaries import may_call
     candidates: list[Candidate] = []
     findings: list[Finding] = []
-    sent = 0
+    sent = full_files = work = 0
+    streaming = False
     for path in files:
         try:
             data = read_source(path)
@@ -421,9 +416,15 @@ def _candidates(files: Sequence[str], rules: RuleSet, every_rule, summarize: boo
             continue
         name, is_pkg = module_name_for(path) if full or sketch else (None, False)
         candidates.append(Candidate(path, data, name, is_pkg, full, sketch=sketch))
-        if stream is not None and len(candidates) - sent >= STREAM_BATCH:
-            stream(candidates[sent:])
-            sent = len(candidates)
+        if stream is None:
+            continue
+        if not streaming:
+            full_files += full
+            work += candidates[-1].work
+            streaming = _worth_workers(len(candidates), full_files, work)
+        while streaming and len(candidates) - sent >= STREAM_BATCH:
+            stream(candidates[sent: sent + STREAM_BATCH])
+            sent += STREAM_BATCH
     return candidates, findings
 
 

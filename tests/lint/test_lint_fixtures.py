@@ -104,9 +104,9 @@ def test_parallel_run_finds_the_same_as_one_process(tmp_path):
     assert serial.parsed == parallel.parsed >= MIN_PARALLEL
 
 
-def test_workers_started_before_the_pre_filter_find_the_same(tmp_path, monkeypatch):
-    """On a tree past EARLY_WORKERS the workers start first and take candidates in batches as the pre-filter
-    finds them (here from 8 files on, in batches of 4): the same findings as one process."""
+def test_workers_started_during_the_pre_filter_find_the_same(tmp_path, monkeypatch):
+    """Once the pre-filter has found enough work (here 4 files to parse), the workers start and take candidates
+    in batches as it finds them: the same findings as one process."""
     for i in range(MIN_PARALLEL + 8):
         folder = tmp_path / f"pkg{i % 5}"
         folder.mkdir(exist_ok=True)
@@ -115,7 +115,7 @@ def test_workers_started_before_the_pre_filter_find_the_same(tmp_path, monkeypat
     settings = Settings(root=tmp_path)
     serial = lint_paths([str(tmp_path)], settings, jobs=1)
     batches = []
-    monkeypatch.setattr(runner, "EARLY_WORKERS", 8)
+    monkeypatch.setattr(runner, "MIN_PARALLEL", 4)
     monkeypatch.setattr(runner, "_candidates", lambda *a, **k: runner_candidates(*a, **k, seen=batches))
     streamed = lint_paths([str(tmp_path)], settings, jobs=2)
     assert serial.findings and serial.findings == streamed.findings and serial.parsed == streamed.parsed
