@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import bisect
+import os
 from typing import TYPE_CHECKING, Optional
 
 import libcst as cst
@@ -112,7 +113,7 @@ class EditBuilder:
             if plan.hoist is not None:
                 return self._hoisted(r, plan, call_range, can_import)
             if plan.helpers is not None:
-                return self._hoisted_helpers(r, plan, call_range)
+                return self._hoisted_helpers(r, plan, call_range, can_import)
             return None, plan.reason
         if not self.parsed:
             return None, "this Python does not parse the file, so a fixed file could not be checked"
@@ -174,7 +175,7 @@ class EditBuilder:
             message += "; import " + ", ".join(f"{m}.{n}" for m, n in imports)
         return Fix("unsafe", message, tuple(sorted(edits)), imports), ""
 
-    def _hoisted_helpers(self, r: RawFinding, plan: fixes.NoFix, call_range) -> tuple[Optional[Fix], str]:
+    def _hoisted_helpers(self, r: RawFinding, plan: fixes.NoFix, call_range, can_import) -> tuple[Optional[Fix], str]:
         """The engine's own helpers (``plan.helpers``, vLLM's MMEncoderAttention classmethods) run once where the
         layer loop runs and what they build passed down (``hoist.Hoister.plan_encoder_metadata``), or why not: a
         few words on the finding's line, the whole reason in its note."""
@@ -207,15 +208,44 @@ class EditBuilder:
         missing = [a for a in spec.attributes if attributes is not None and a not in attributes]
         if missing:
             return refused(f"{cls}.__init__ as {label} sets no self.{missing[0]}", f"layer attribute not in this {top}")
+        # The module-level helpers, from the same engine as the layer's class: the FP8 width (required) and the mark
+        # on a deliberate host read (written where that engine has it).
+        width_module, width_name, width_params, _ = spec.width_helper
+        width = _engine_function(width_module, width_name, module, source)
+        if width is False:
+            return refused(f"{width_module} as {label} does not define {width_name}", f"helper not in this {top}")
+        if width and width[: len(width_params)] != width_params:  # () where the name is bound by an import there
+            return refused(f"{width_name} as {label} takes ({', '.join(width)}), not ({', '.join(width_params)})",
+                           f"helper differs in this {top}")
+        imports: list[tuple[str, str]] = []
+        why = can_import(width_module, width_name)
+        if why:
+            head, _, rest = why.partition("\n")
+            return refused(rest.rstrip(".") if rest else why, head if rest else "name taken")
+        if why is None:
+            imports.append((width_module, width_name))
+        sync_module, sync_name = spec.sync_allowed
+        sync = _engine_function(sync_module, sync_name, module, source) is not False
+        if sync:
+            why = can_import(sync_module, sync_name)
+            sync = not why  # "" where the file imports it already, None where it can
+            if why is None:
+                imports.append((sync_module, sync_name))
         if self._hoister is None:
             self._hoister = hoist.Hoister(self.tree, self.text)
         node = self._hoister.find_call(*call_range)
         if node is None:
             return refused("the call's source could not be located exactly", "call not located")
-        got_plan = self._hoister.plan_encoder_metadata(node, spec, r.params or r.contract.params_for(r.qual))
+        got_plan = self._hoister.plan_encoder_metadata(node, spec, r.params or r.contract.params_for(r.qual),
+                                                       file=self.path, sync_allowed=sync)
         if isinstance(got_plan, hoist.Refused):
             return refused(got_plan.reason, got_plan.short)
-        return Fix("unsafe", got_plan.message + " (a host read once per forward)", got_plan.edits, ()), ""
+        edits = list(got_plan.edits)
+        message = got_plan.message
+        if imports:
+            edits.append(self._import_edit(imports, call_range[0], False))
+            message += "; import " + ", ".join(f"{m}.{n}" for m, n in imports)
+        return Fix("unsafe", message + " (a host read once per forward)", tuple(sorted(edits)), tuple(imports)), ""
 
     def _call_edit(self, old: cst.Call, new: cst.Call, call_range, indent: str) -> Optional[Edit]:
         """The smallest edit that turns the call's text into the new call's (parentheses around the
@@ -325,6 +355,27 @@ class EditBuilder:
             last = len(self.text) - self._starts[-1] + 1
             return Edit(n_lines, last, n_lines, last, nl + text[: -len(nl)])
         return Edit(line, 1, line, 1, text)
+
+
+def _engine_function(module: str, name: str, beside: str, source: Optional[engine_defs.Source]):
+    """The positional parameters of function ``name`` in ``module`` of the engine whose module ``beside`` is at
+    ``source`` (an empty tuple where the name is bound there otherwise); False where that engine has no such module
+    or name; None where the engine's source is not found (the catalog's pinned release is trusted)."""
+    if source is None:
+        return None
+    parts = beside.split(".")
+    path = os.path.normpath(source.path)
+    tails = [os.path.join(*parts) + ".py", os.path.join(*parts, "__init__.py")]
+    tail = next((t for t in tails if path.endswith(os.sep + t)), None)
+    if tail is None:
+        return None
+    base = path[: -len(tail)]
+    stem = os.path.join(base, *module.split("."))
+    found = next((p for p in (stem + ".py", os.path.join(stem, "__init__.py")) if os.path.isfile(p)), None)
+    got = hoist.function_parameters(found, name) if found is not None else None
+    if got is None:
+        return False
+    return tuple(p for p in got if p not in ("self", "cls"))
 
 
 def _arg_code(arg: cst.Arg, default_comma: bool, code, value) -> str:

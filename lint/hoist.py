@@ -303,13 +303,16 @@ class Hoister:
                    f"({names}) to the call")
         return Hoisted(tuple(sorted(edits)), message, owner_label)
 
-    def plan_encoder_metadata(self, call: ast.Call, spec: EncoderMetadataHoist,
-                              call_params: Sequence[str]) -> Union[Hoisted, Refused]:
+    def plan_encoder_metadata(self, call: ast.Call, spec: EncoderMetadataHoist, call_params: Sequence[str], *,
+                              file: Optional[str] = None, sync_allowed: bool = False) -> Union[Hoisted, Refused]:
         """``spec.param`` built once at the loop owner with the engine's own helpers, from the attention layer of the
         first block and a host copy of the offsets the loop passes down; under the backend that reads them (the
         helper's answer is not None) the values of ``spec.rebuilt`` the loop passes down are rebuilt as well, and
-        the value tensor is made contiguous at the call where it is not already. ``call_params``: the target's
-        positional parameters (how the call's arguments are found)."""
+        the value tensor is made contiguous at the call where it is not already. The width the offsets use under
+        FP8 comes from ``spec.width_helper``, called in the owner's ``__init__``. ``call_params``: the target's
+        positional parameters (how the call's arguments are found); ``file``: the file's path (its neighbours may
+        capture the tower in a CUDA graph); ``sync_allowed``: the host copy is written inside
+        ``spec.sync_allowed``'s context (the caller has found the engine defines it)."""
         param, param_template = spec.param
         found = self.path(call)
         if isinstance(found, Refused):
@@ -357,15 +360,29 @@ class Hoister:
         cu = owner_names.get("cu_seqlens", "")
         host = f"{cu}_cpu"
 
-        # New names in the owner, and the names the fix needs at the top of the file.
-        for taken in (spec.layer, host, param):
+        # New names in the owner, and the names the fix needs at the top of the file (the helpers it imports
+        # itself must not be local names where it calls them).
+        width_name = spec.width_helper[1]
+        sync_name = spec.sync_allowed[1]
+        for taken in (spec.layer, host, param) + ((sync_name,) if sync_allowed else ()):
             if _has_param(owner_fn, taken) or _assigned(owner_fn, taken):
                 return Refused(f"{taken} already names a value in {owner_label}", "name taken")
         for module_name in (spec.helper_class, "torch"):
             if module_name not in _module_names(self.tree):
                 return Refused(f"{module_name} is not imported at the top of this file", f"no {module_name} import")
 
-        edits: list[Edit] = []
+        # The tower must not run inside the engine's CUDA graph capture: the host copy would be an error there (and
+        # any host value a graph keeps is wrong for the next batch).
+        captured = self._captured(owner_cls, spec, file) if isinstance(owner_cls, ast.ClassDef) else None
+        if captured is not None:
+            return captured
+
+        # The FP8 width, kept by the owner from its __init__ (where the engine's config is set).
+        init = self._width_edit(owner_cls, loop, chain, spec)
+        if isinstance(init, Refused):
+            return init
+
+        edits: list[Edit] = [init]
         below = [fn] + [s.function for s in path[:-1]]
         for f in below:
             problem = _name_taken(f, param)
@@ -398,25 +415,140 @@ class Hoister:
         inner = self._indent_of(loop.body[0]) or ""
         step = inner[len(indent):] if inner.startswith(indent) and len(inner) > len(indent) \
             else _indent_step(indent, self.lines)
-        fill = {"layer": spec.layer, "host": host, "cu": cu}
-        built = [f"{host} = {spec.host.format(**fill)}", f"{param} = {param_template.format(**fill)}"]
+        fill = {"layer": spec.layer, "host": host, "cu": cu, "width": f"self.{spec.width}"}
+        read = f"{host} = {spec.host.format(**fill)}"
+        built = [("", f"with {sync_name}():"), (step, read)] if sync_allowed else [("", read)]
+        built.append(("", f"{param} = {param_template.format(**fill)}"))
         if _may_be_none(owner_fn, cu, loop):  # a caller may pass no offsets: the layers then take their own path
             lines = [(indent, f"{spec.layer} = {chain}"), (indent, f"{param} = None"),
-                     (indent, f"if {cu} is not None:")] + [(indent + step, line) for line in built]
+                     (indent, f"if {cu} is not None:")] + [(indent + step + more, line) for more, line in built]
         else:
-            lines = [(indent, f"{spec.layer} = {chain}")] + [(indent, line) for line in built]
+            lines = [(indent, f"{spec.layer} = {chain}")] + [(indent + more, line) for more, line in built]
         lines.append((indent, f"if {param} is not None:"))
         lines += [(indent + step, f"{owner_names[name]} = {template.format(**fill)}")
                   for name, template in spec.rebuilt]
         text = "".join(_wrapped(line, at, step, nl) for at, line in lines)
         edits.append(Edit(loop.lineno, 1, loop.lineno, 1, text))
+        compiled = self._compiled_edits(below, param, spec)
+        if isinstance(compiled, Refused):
+            return compiled
+        edits += compiled
         names = " -> ".join([owner_label] + [self._label(f) for f in reversed(below)])
         also = " and ".join(name for name, _ in spec.rebuilt)
         made = "; v made contiguous at the call" if contiguous_at is None else ""
+        owner_name = owner_cls.name if isinstance(owner_cls, ast.ClassDef) else owner_label
+        marked = f"; the host copy in {sync_name}()" if sync_allowed else ""
         message = (f"Build {param} once in {owner_label}, before its layer loop, with {spec.helper_class}'s own "
-                   f"helpers (where the backend reads it, also {also} as it reads them{made}), and pass it down "
-                   f"({names}) to the call")
+                   f"helpers (where the backend reads it, also {also} as it reads them{made}; the FP8 width from "
+                   f"{width_name} in {owner_name}.__init__{marked}), and pass it down ({names}) to the call")
         return Hoisted(tuple(sorted(edits)), message, owner_label)
+
+    def _width_edit(self, owner_cls: Optional[ast.AST], loop: ast.For, chain: str,
+                    spec: EncoderMetadataHoist) -> Union[Edit, Refused]:
+        """``self.<spec.width> = <spec.width_helper>`` in the owner's ``__init__``, just after the statement that builds
+        the layers the loop runs over (the helper reads the engine's config, which is set only while the model is
+        built; the layer it is asked about exists from there)."""
+        _, helper, _, template = spec.width_helper
+        if not isinstance(owner_cls, ast.ClassDef):
+            return Refused("the layer loop is not in a method of a class", "no owner class")
+        init = next((f for f in owner_cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     and f.name == "__init__"), None)
+        if init is None:
+            return Refused(f"{owner_cls.name} has no __init__ of its own, where {helper} must run (it reads the "
+                           f"engine's config, which is set only while the model is built)", "no __init__ in the owner")
+        taken = any(_self_attribute(n) == spec.width for n in ast.walk(owner_cls)) or any(
+            isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == spec.width for n in owner_cls.body)
+        if taken:
+            return Refused(f"self.{spec.width} already names a value in {owner_cls.name}", "name taken")
+        if _has_param(init, helper) or _assigned(init, helper):
+            return Refused(f"{helper} already names a value in {owner_cls.name}.__init__", "name taken")
+        attr = _iterated_attribute(loop.iter)
+        builds = [stmt for stmt in init.body if any(
+            isinstance(n, (ast.Assign, ast.AnnAssign)) and any(
+                _self_attribute(t) == attr for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
+            for n in ast.walk(stmt))]
+        if not builds:
+            return Refused(f"{owner_cls.name}.__init__ does not build self.{attr}, after which {helper} can ask its "
+                           f"first layer", "layers not built in __init__")
+        after = builds[-1]
+        if not isinstance(after, (ast.Assign, ast.AnnAssign, ast.With)):  # a branch may leave it unbuilt
+            return Refused(f"{owner_cls.name}.__init__ builds self.{attr} in a branch or a loop (line {after.lineno}), "
+                           f"after which it may not exist", "layers not built in __init__")
+        indent = self._indent_of(after)
+        end = after.end_lineno or after.lineno
+        if indent is None:
+            return Refused(f"the statement that builds self.{attr} in {owner_cls.name}.__init__ does not start "
+                           f"its line", "layers not built in __init__")
+        if end >= len(self.lines):
+            return Refused(f"the statement that builds self.{attr} in {owner_cls.name}.__init__ ends the file",
+                           "layers not built in __init__")
+        nl = _newline(self.lines[end - 1])
+        outer = self._indent_of(init) or ""
+        step = indent[len(outer):] if indent.startswith(outer) and len(indent) > len(outer) \
+            else _indent_step(indent, self.lines)
+        line = f"self.{spec.width} = {template.format(layer=chain)}"
+        return Edit(end + 1, 1, end + 1, 1, _wrapped(line, indent, step, nl))
+
+    def _compiled_edits(self, below: Sequence[_Function], param: str,
+                        spec: EncoderMetadataHoist) -> Union[list[Edit], Refused]:
+        """``"<param>": 0`` added to the dynamic dimensions of every compiled forward on the way down that gets the new
+        parameter (the engine's compiler marks only the inputs named there as of dynamic size, so a tensor whose
+        length follows the batch would be compiled for the first batch's)."""
+        decorator, keyword = spec.compiled
+        edits: list[Edit] = []
+        for f in below:
+            cls = self.parent.get(id(f))
+            if f.name != "forward" or not isinstance(cls, ast.ClassDef):
+                continue
+            for d in cls.decorator_list:
+                if not isinstance(d, ast.Call) or _called_name(d) != decorator:
+                    continue
+                dims = next((k.value for k in d.keywords if k.arg == keyword), None)
+                if not isinstance(dims, ast.Dict) or not dims.keys or any(
+                        not (isinstance(k, ast.Constant) and isinstance(k.value, str)) for k in dims.keys):
+                    return Refused(f"{cls.name}.forward is compiled (@{decorator}) without a {keyword} dict that "
+                                   f"the fix can add {param} to", "compiled without dims")
+                if any(k.value == param for k in dims.keys):  # type: ignore[union-attr]
+                    continue
+                first = ast.get_source_segment("".join(self.lines), dims.keys[0]) or '"'  # type: ignore[arg-type]
+                quote = "'" if first.startswith("'") else '"'
+                edits.append(self._after(self._end(dims.values[-1]), f"{quote}{param}{quote}: 0"))
+        return edits
+
+    def _captured(self, owner_cls: ast.ClassDef, spec: EncoderMetadataHoist,
+                  path: Optional[str]) -> Optional[Refused]:
+        """Why no fix, where the engine runs the owner inside a CUDA graph capture: a class defines
+        ``spec.capture_hook`` and what it calls there (through ``self``'s attributes, then every module those hold)
+        reaches the owner's class. The class is looked for in this file and in the files beside it that import
+        from it."""
+        here = _ClassFile(self.tree, self.classes, {})
+        found = _capture_in(here, here, owner_cls, spec.capture_hook)
+        where = ""
+        if found is None and path and path != "-":
+            stem = os.path.splitext(os.path.basename(path))[0]
+            for other_path, tree in _neighbours(path, spec.capture_hook):
+                imported = _imported_from(tree, stem, os.path.basename(os.path.dirname(os.path.abspath(path))))
+                if not imported:
+                    continue
+                classes = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+                found = _capture_in(_ClassFile(tree, classes, imported), here, owner_cls, spec.capture_hook)
+                if found is not None:
+                    where = f" in {os.path.basename(other_path)}"
+                    break
+        if found is None:
+            return None
+        hook_cls = found
+        label = f"{hook_cls.name}.{spec.capture_hook}{where}"
+        own = {m.name for m in owner_cls.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        hooks = {m.name for m in hook_cls.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        seam = next((f"{owner_cls.name}.{m}" for m in spec.capture_seams if m in own), None) or \
+            next((f"{hook_cls.name}.{m}{where}" for m in spec.capture_seams if m in hooks), None)
+        param = spec.param[0]
+        build = f"build {param} in {seam}, outside the capture" if seam else \
+            f"build {param} where the graph's inputs are prepared, outside the capture"
+        return Refused(f"the tower is captured in a CUDA graph ({label}), where the host copy of the offsets is "
+                       f"an error and a host value would be kept for every later batch: {build}",
+                       "tower captured in a CUDA graph")
 
     def _layer_chain(self, fn: _Function, call: ast.Call, path: Sequence[_Site], loop: ast.For) -> Union[str, Refused]:
         """The attention layer the call is made on, as the loop owner reaches it in the first block:
@@ -659,7 +791,15 @@ def _wrapped(line: str, indent: str, step: str, nl: str) -> str:
     inside = indent + step
     if len(inside) + len(", ".join(parts)) <= _WIDTH:
         return f"{indent}{head}({nl}{inside}{', '.join(parts)}{nl}{indent}){nl}"
-    return f"{indent}{head}({nl}" + "".join(f"{inside}{part},{nl}" for part in parts) + f"{indent}){nl}"
+    values = [None] * len(call.args) + [k.value for k in call.keywords]
+
+    def one(part: str, value: Optional[ast.AST]) -> str:
+        # A keyword whose value is an operation too long for its line: the value in parentheses, a line lower.
+        if len(inside) + len(part) + 1 > _WIDTH and isinstance(value, (ast.BoolOp, ast.BinOp)) and "=" in part:
+            keyword, _, rest = part.partition("=")
+            return f"{inside}{keyword}=({nl}{inside}{step}{rest}{nl}{inside}),{nl}"
+        return f"{inside}{part},{nl}"
+    return f"{indent}{head}({nl}" + "".join(one(p, v) for p, v in zip(parts, values)) + f"{indent}){nl}"
 
 
 def _may_be_none(f: _Function, name: str, loop: ast.For) -> bool:
@@ -741,6 +881,197 @@ def _helper_caller(cls: ast.ClassDef, spec: EncoderMetadataHoist) -> Optional[st
                         and node.func.value.id == spec.helper_class:
                     return method.name
     return None
+
+
+class _ClassFile:
+    """The classes of one file by name, and the names it imports from the file being fixed (alias -> class name)."""
+
+    def __init__(self, tree: ast.Module, classes: Sequence[ast.ClassDef], imported: dict) -> None:
+        self.tree = tree
+        self.classes = {c.name: c for c in classes}
+        self.imported = imported
+        self._held: dict[int, dict[str, list]] = {}
+
+    def held(self, cls: ast.ClassDef, here: "_ClassFile") -> dict[str, list]:
+        """``self.<attr> = ...`` of ``cls``: attr -> the classes (with their files) the value calls."""
+        got = self._held.get(id(cls))
+        if got is None:
+            got = {}
+            for node in ast.walk(cls):
+                if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+                    continue
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    attr = _self_attribute(target)
+                    if attr is None:
+                        continue
+                    for call in ast.walk(node.value):
+                        name = _called_name(call) if isinstance(call, ast.Call) else None
+                        found = self.resolve(name, here) if name else None
+                        if found is not None:
+                            got.setdefault(attr, []).append(found)
+            self._held[id(cls)] = got
+        return got
+
+    def resolve(self, name: str, here: "_ClassFile") -> Optional[tuple["_ClassFile", ast.ClassDef]]:
+        if name in self.classes:
+            return self, self.classes[name]
+        original = self.imported.get(name)
+        if original is not None and original in here.classes:
+            return here, here.classes[original]
+        return None
+
+
+_REACHED = 256  # classes followed from a capture hook
+
+
+def _capture_in(hook_file: _ClassFile, here: _ClassFile, owner: ast.ClassDef, hook: str) -> Optional[ast.ClassDef]:
+    """The class of ``hook_file`` whose ``hook`` method reaches ``owner`` (a class of ``here``): it calls a module
+    through ``self``'s attributes (``self.visual(...)``, ``self.vision_tower.vision_model.encoder(...)``, also
+    through a local name bound to such a chain, and in the class's own methods it calls), and the owner is that
+    module's class or a class it holds, at any depth."""
+    for cls in hook_file.classes.values():
+        chains = _hook_chains(cls, hook)
+        if chains is None:
+            continue
+        start: list[tuple[_ClassFile, ast.ClassDef]] = []
+        for chain in chains:
+            current = [(hook_file, cls)]
+            reached = 0
+            for attr in chain:
+                after = [found for f, c in current for found in f.held(c, here).get(attr, [])]
+                if not after:
+                    break
+                current, reached = after, reached + 1
+            if reached:  # at least one attribute reached a module (a method of the class itself is followed as code)
+                start += current
+        seen: set = set()
+        queue = list(start)
+        while queue and len(seen) < _REACHED:
+            f, c = queue.pop()
+            if id(c) in seen:
+                continue
+            seen.add(id(c))
+            if c is owner:
+                return cls
+            queue += [found for held in f.held(c, here).values() for found in held]
+    return None
+
+
+def _hook_chains(cls: ast.ClassDef, hook: str) -> Optional[list[list[str]]]:
+    """The attribute chains through ``self`` that ``cls.<hook>`` calls (``self.a.b(...)`` gives ["a", "b"]), and
+    those of the methods of ``cls`` it calls (``self.m(...)``), a few levels down; None where ``cls`` has no
+    ``hook``."""
+    methods = {m.name: m for m in cls.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    if hook not in methods:
+        return None
+    chains: list[list[str]] = []
+    todo, seen = [(methods[hook], 0)], {hook}
+    while todo:
+        fn, depth = todo.pop()
+        aliases: dict[str, list[str]] = {}
+        for node in _walk_body(fn.body):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                chain = _self_chain(node.value, aliases)
+                if chain:
+                    aliases[node.targets[0].id] = chain
+            elif isinstance(node, ast.Call):
+                chain = _self_chain(node.func, aliases)
+                if not chain:
+                    continue
+                if len(chain) == 1 and chain[0] in methods and chain[0] not in seen and depth < _MAX_DEPTH:
+                    seen.add(chain[0])
+                    todo.append((methods[chain[0]], depth + 1))
+                chains.append(chain)
+    return chains
+
+
+def _self_chain(expr: ast.AST, aliases: dict) -> Optional[list[str]]:
+    """``self.a.b`` -> ["a", "b"]; a local name bound to such a chain continues it."""
+    parts: list[str] = []
+    while isinstance(expr, ast.Attribute):
+        parts.append(expr.attr)
+        expr = expr.value
+    if isinstance(expr, ast.Name):
+        if expr.id == "self":
+            return list(reversed(parts))
+        if expr.id in aliases:
+            return aliases[expr.id] + list(reversed(parts))
+    return None
+
+
+def _imported_from(tree: ast.Module, stem: str, package: str) -> dict:
+    """What a module imports from the module ``stem`` beside it (``from .stem import A as B``, or an absolute
+    ``from <...>.<package>.stem import A``): bound name -> the name there."""
+    names: dict = {}
+    stack: list[ast.stmt] = list(tree.body)
+    while stack:
+        stmt = stack.pop()
+        if isinstance(stmt, ast.ImportFrom) and stmt.module:
+            parts = stmt.module.split(".")
+            beside = (stmt.level == 1 and parts == [stem]) or \
+                (stmt.level == 0 and len(parts) >= 2 and parts[-1] == stem and parts[-2] == package)
+            if beside:
+                names.update((a.asname or a.name, a.name) for a in stmt.names if a.name != "*")
+        elif isinstance(stmt, ast.If):
+            stack.extend(stmt.body + stmt.orelse)
+        elif isinstance(stmt, ast.Try):
+            stack.extend(stmt.body + stmt.orelse + stmt.finalbody + [s for h in stmt.handlers for s in h.body])
+    return names
+
+
+_NEIGHBOURS: dict = {}  # path -> (mtime, size, tree or None): the files beside a fixed one that define a capture hook
+
+
+def _neighbours(path: str, hook: str) -> list[tuple[str, ast.Module]]:
+    """The parsed modules in the directory of ``path`` (itself aside) whose text names ``hook``."""
+    here = os.path.abspath(path)
+    folder = os.path.dirname(here)
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        other = os.path.join(folder, name)
+        if not name.endswith(".py") or other == here:
+            continue
+        try:
+            st = os.stat(other)
+        except OSError:
+            continue
+        key = (other, hook)
+        got = _NEIGHBOURS.get(key)
+        if got is None or got[:2] != (st.st_mtime_ns, st.st_size):
+            tree = None
+            try:
+                with open(other, "rb") as f:
+                    data = f.read()
+                if hook.encode() in data:
+                    tree = ast.parse(data, filename=other)
+            except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+                tree = None
+            if len(_NEIGHBOURS) > 4096:
+                _NEIGHBOURS.clear()
+            got = _NEIGHBOURS[key] = (st.st_mtime_ns, st.st_size, tree)
+        if got[2] is not None:
+            found.append((other, got[2]))
+    return found
+
+
+def function_parameters(path: str, name: str) -> Optional[tuple]:
+    """The positional parameters of the top-level function ``name`` in the source at ``path`` (None: no such
+    function; an empty tuple where it is bound otherwise, by an import or an assignment)."""
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    fn = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name),
+              None)
+    if fn is not None:
+        return tuple(p.arg for p in fn.args.posonlyargs + fn.args.args)
+    return () if name in _module_names(tree) else None
 
 
 def _module_names(tree: ast.Module) -> set:

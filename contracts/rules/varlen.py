@@ -115,7 +115,11 @@ VLLM_CUDNN_FIX = (
     "MMEncoderAttention.maybe_recompute_cu_seqlens(attn_backend, cu_seqlens, hidden_size, tp_size, device) "
     "as cu_seqlens, as Qwen2.5-VL's prepare_encoder_metadata does. Those offsets address v at three times q's "
     "stride (a view into the fused qkv projection); for a v made contiguous pass fp8_padded_hidden_size=H*D "
-    "too (one stride for every section), or the kernel reads v at wrong offsets."
+    "too (one stride for every section), or the kernel reads v at wrong offsets. Under FP8 attention "
+    "(mm_encoder_attn_dtype=\"fp8\") that width is get_fp8_padded_hidden_size(H, D) "
+    "(vllm.model_executor.models.vision; the head padded to a multiple of 16), asked in __init__: it reads the "
+    "config, which is set while the model is built, not in a forward. Where vLLM captures the encoder in a CUDA "
+    "graph (cudagraph_mm_encoder), build all of it in prepare_encoder_metadata, outside the capture."
 )
 
 
@@ -127,10 +131,10 @@ class EncoderMetadataHoist(NamedTuple):
 
     The templates are what the fix writes before the loop: ``{layer}`` is the attention layer of the first block
     (``self.blocks[0].attn.attn``), ``{cu}`` the offsets the loop passes down, ``{host}`` their host copy (the one
-    host read). ``param`` is built for every backend (the helper answers None where the backend does not read
-    it); the values in ``rebuilt`` replace what the loop passes down only when it is not None, so other backends
-    get what they got before. ``value`` is the value tensor as those offsets address it, written at the call when
-    it is not already contiguous there."""
+    host read), ``{width}`` the owner's attribute ``width`` holds. ``param`` is built for every backend (the helper
+    answers None where the backend does not read it); the values in ``rebuilt`` replace what the loop passes down
+    only when it is not None, so other backends get what they got before. ``value`` is the value tensor as those
+    offsets address it, written at the call when it is not already contiguous there."""
 
     helper_class: str
     helpers: dict[str, tuple[str, ...]]  # classmethod -> positional parameters (the pinned release's)
@@ -140,6 +144,21 @@ class EncoderMetadataHoist(NamedTuple):
     param: tuple[str, str]  # (name, template)
     rebuilt: tuple[tuple[str, str], ...]  # (name of a value the call passes, template), in order
     value: str
+    # (module, function, positional parameters, template): a helper that reads the engine's config, which is set
+    # only while the model is built, so the fix calls it in the loop owner's __init__ (after the layers are built)
+    # and keeps what it answers in ``self.<width>``; a file that cannot import it gets no fix.
+    width_helper: tuple[str, str, tuple[str, ...], str]
+    width: str
+    # (module, context manager): the engine's mark on a host read made on purpose, written around the host copy
+    # where the engine the file imports defines it (and the read left bare where it does not).
+    sync_allowed: tuple[str, str]
+    # The method through which the engine runs a model's encoder inside a CUDA graph capture (a host read there is
+    # an error), and the methods where it prepares that graph's inputs outside the capture, as the reason names them.
+    capture_hook: str
+    capture_seams: tuple[str, ...]
+    # The class decorator that compiles a layer's forward and its keyword naming the inputs of dynamic size (a new
+    # tensor parameter of such a forward is added there, at dimension 0).
+    compiled: tuple[str, str]
 
 
 # vLLM 0.33.0: what MMEncoderAttention._forward_flashinfer hands flashinfer_wrapper, and how that reads it. It asserts
@@ -148,8 +167,15 @@ class EncoderMetadataHoist(NamedTuple):
 # contiguous itself; v is addressed by its own token stride. maybe_recompute_cu_seqlens' default layout gives v three
 # times q's stride (a view into a fused qkv projection, as Qwen2.5-VL passes it); its fp8_padded_hidden_size branch
 # gives all sections one stride, which is right for a contiguous v: the fix makes v contiguous under FlashInfer and
-# writes that branch with the layer's own width (its heads times its head size, per rank). Under the other backends
-# maybe_compute_seq_lens answers None and nothing else changes.
+# writes that branch with the layer's own width (its heads times its head size, per rank). Under FP8 attention
+# (mm_encoder_attn_dtype="fp8") q, k and v are quantized into new contiguous tensors whose heads are padded to a
+# multiple of 16, and the width is vision.get_fp8_padded_hidden_size(num_heads, head_dim), as Qwen2.5-VL and Qwen3-VL
+# pass it; that helper reads get_current_vllm_config_or_none(), which is set while the model is built and not in a
+# forward, so it is called in __init__ (as those towers do) and answers None without FP8. Under the other backends
+# maybe_compute_seq_lens answers None and nothing else changes. With compilation_config.cudagraph_mm_encoder the
+# EncoderCudaGraphManager runs encoder_cudagraph_forward inside torch.cuda.graph: a tower reached from there gets no
+# fix (its metadata belongs in prepare_encoder_metadata or the capture inputs, outside the graph). execute_model runs
+# under with_gpu_sync_check: with VLLM_GPU_SYNC_CHECK=error a host read outside gpu_sync_allowed() is an error.
 VLLM_ENCODER_HOIST = EncoderMetadataHoist(
     helper_class="MMEncoderAttention",
     helpers={
@@ -165,11 +191,18 @@ VLLM_ENCODER_HOIST = EncoderMetadataHoist(
     rebuilt=(
         ("cu_seqlens", "MMEncoderAttention.maybe_recompute_cu_seqlens({layer}.attn_backend, {host}, "
                        "{layer}.num_heads * {layer}.head_size, 1, {cu}.device, "
-                       "fp8_padded_hidden_size={layer}.num_heads * {layer}.head_size)"),
+                       "fp8_padded_hidden_size={width} or {layer}.num_heads * {layer}.head_size)"),
         ("max_seqlen", "torch.tensor(MMEncoderAttention.compute_max_seqlen({layer}.attn_backend, {host}), "
                        "dtype=torch.int32)"),
     ),
     value="{value}.contiguous() if sequence_lengths is not None else {value}",
+    width_helper=("vllm.model_executor.models.vision", "get_fp8_padded_hidden_size", ("num_heads", "head_dim"),
+                  "get_fp8_padded_hidden_size({layer}.num_heads, {layer}.head_size)"),
+    width="fp8_padded_hidden_size",
+    sync_allowed=("vllm.utils.gpu_sync_debug", "gpu_sync_allowed"),
+    capture_hook="encoder_cudagraph_forward",
+    capture_seams=("prepare_encoder_metadata", "prepare_encoder_cudagraph_capture_inputs"),
+    compiled=("support_torch_compile", "dynamic_arg_dims"),
 )
 # Targets whose missing values are built that way, by qualified name.
 HOISTED_METADATA = {VLLM_MM: VLLM_ENCODER_HOIST}
@@ -200,12 +233,17 @@ _VISION_DIAG_COMMON: dict[str, Any] = dict(
         "helper is not cached, so no fix is written into code that runs once per layer (a block's forward): "
         "the finding says so, and the metadata belongs before the block loop. For vLLM's encoder attention layer "
         "called per layer, the file's single loop owner builds sequence_lengths once before the loop with the "
-        "layer class's own helper (one host copy of the offsets per forward) and, where that is not None "
-        "(FlashInfer), also the element offsets and the CPU max_seqlen the loop passes down, with its helpers; a "
-        "sequence_lengths=None parameter is added down to the call, and a v that is not contiguous there is made "
-        "so under FlashInfer. Other backends get what they got before. With no single loop owner, offsets that "
-        "are read elsewhere on the way down, grouped k/v heads or a tower that builds the engine's metadata "
-        "itself, no fix, and the finding says why. Applied with --unsafe-fixes."
+        "layer class's own helper (one host copy of the offsets per forward, inside gpu_sync_allowed() where the "
+        "engine defines it) and, where that is not None (FlashInfer), also the element offsets and the CPU "
+        "max_seqlen the loop passes down, with its helpers, at the width get_fp8_padded_hidden_size gives under "
+        "FP8 attention (asked in the owner's __init__, where the engine's config is set; its heads times its head "
+        "size otherwise); a sequence_lengths=None parameter is added down to the call (and to the dynamic "
+        "dimensions of a compiled layer on the way), and a v that is not contiguous there is made so under "
+        "FlashInfer. Other backends get what they got before. With no single loop owner, offsets that are read "
+        "elsewhere on the way down, grouped k/v heads, a tower that builds the engine's metadata itself, a tower "
+        "the engine captures in a CUDA graph (a class's encoder_cudagraph_forward, in the file or one beside it, "
+        "reaches it: a host read is an error there), or an engine that lacks a helper, no fix, and the finding "
+        "says why. Applied with --unsafe-fixes."
     ),
 )
 

@@ -444,7 +444,8 @@ class Tower(nn.Module):
 
 VLLM_BUILT = """\
         encoder_attn = self.blocks[0].attn.attn
-        cu_seqlens_cpu = cu_seqlens.cpu().numpy()
+        with gpu_sync_allowed():
+            cu_seqlens_cpu = cu_seqlens.cpu().numpy()
         sequence_lengths = MMEncoderAttention.maybe_compute_seq_lens(
             encoder_attn.attn_backend, cu_seqlens_cpu, cu_seqlens.device
         )
@@ -455,7 +456,9 @@ VLLM_BUILT = """\
                 encoder_attn.num_heads * encoder_attn.head_size,
                 1,
                 cu_seqlens.device,
-                fp8_padded_hidden_size=encoder_attn.num_heads * encoder_attn.head_size,
+                fp8_padded_hidden_size=(
+                    self.fp8_padded_hidden_size or encoder_attn.num_heads * encoder_attn.head_size
+                ),
             )
             max_seqlen = torch.tensor(
                 MMEncoderAttention.compute_max_seqlen(encoder_attn.attn_backend, cu_seqlens_cpu),
@@ -463,6 +466,18 @@ VLLM_BUILT = """\
             )
         for blk in self.blocks:
             x = blk(x, cu_seqlens, max_seqlen=max_seqlen, sequence_lengths=sequence_lengths)
+"""
+# The FP8 width, asked of the engine where its config is set: while the model is built.
+VLLM_WIDTH = """\
+        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.fp8_padded_hidden_size = get_fp8_padded_hidden_size(
+            self.blocks[0].attn.attn.num_heads, self.blocks[0].attn.attn.head_size
+        )
+"""
+VLLM_IMPORTS = """\
+from vllm.model_executor.layers.attention import MMEncoderAttention
+from vllm.model_executor.models.vision import get_fp8_padded_hidden_size
+from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 """
 
 
@@ -478,14 +493,20 @@ def test_vllm_sequence_lengths_are_built_with_the_engines_helpers_before_the_loo
     text = vllm_src()
     (f,) = gl101(text)
     assert f.fix is not None and f.fix.applicability == "unsafe"
-    assert f.fix.message.startswith("Build sequence_lengths once in Tower.forward, before its layer loop, with "
-                                    "MMEncoderAttention's own helpers (where the backend reads it, also cu_seqlens "
-                                    "and max_seqlen as it reads them; v made contiguous at the call), and pass it "
-                                    "down (Tower.forward -> Block.forward -> Attention.forward) to the call")
+    assert f.fix.message == (
+        "Build sequence_lengths once in Tower.forward, before its layer loop, with MMEncoderAttention's own helpers "
+        "(where the backend reads it, also cu_seqlens and max_seqlen as it reads them; v made contiguous at the call; "
+        "the FP8 width from get_fp8_padded_hidden_size in Tower.__init__; the host copy in gpu_sync_allowed()), and "
+        "pass it down (Tower.forward -> Block.forward -> Attention.forward) to the call; import "
+        "vllm.model_executor.models.vision.get_fp8_padded_hidden_size, vllm.utils.gpu_sync_debug.gpu_sync_allowed "
+        "(a host read once per forward)")
+    assert f.fix.imports == (("vllm.model_executor.models.vision", "get_fp8_padded_hidden_size"),
+                             ("vllm.utils.gpu_sync_debug", "gpu_sync_allowed"))
     fixed = fix(text)
     compile(fixed, "model.py", "exec")
     assert not gl101(fixed) and fix(fixed) == fixed
     assert "        max_seqlen = None\n" + VLLM_BUILT in fixed
+    assert VLLM_WIDTH in fixed and VLLM_IMPORTS in fixed
     # v is a view into the fused projection here: made contiguous for the one-stride offsets, under FlashInfer only.
     assert "        return self.attn(query=q, key=k, value=v.contiguous() if sequence_lengths is not None else v, " \
            "cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, sequence_lengths=sequence_lengths)\n" in fixed
@@ -511,8 +532,43 @@ def test_vllm_offsets_an_owner_may_be_given_as_none_are_read_only_when_given():
     assert "        encoder_attn = self.blocks[0].attn.attn\n" \
            "        sequence_lengths = None\n" \
            "        if cu_seqlens is not None:\n" \
-           "            cu_seqlens_cpu = cu_seqlens.cpu().numpy()\n" \
+           "            with gpu_sync_allowed():\n" \
+           "                cu_seqlens_cpu = cu_seqlens.cpu().numpy()\n" \
            "            sequence_lengths = MMEncoderAttention.maybe_compute_seq_lens(\n" in fixed
+
+
+def test_vllm_a_file_that_imports_the_helpers_already_gets_no_second_import():
+    text = vllm_src().replace("from vllm.model_executor.layers.attention import MMEncoderAttention\n",
+                              "from vllm.model_executor.layers.attention import MMEncoderAttention\n"
+                              "from vllm.utils.gpu_sync_debug import gpu_sync_allowed\n"
+                              "from vllm.model_executor.models.vision import get_fp8_padded_hidden_size as width\n")
+    (f,) = gl101(text)
+    assert f.fix is not None and f.fix.imports == (
+        ("vllm.model_executor.models.vision", "get_fp8_padded_hidden_size"),)
+    fixed = fix(text)
+    assert fixed.count("import gpu_sync_allowed") == 1 and "with gpu_sync_allowed():" in fixed
+    compile(fixed, "model.py", "exec")
+
+
+def test_vllm_a_compiled_layer_on_the_way_down_marks_the_new_tensor_of_dynamic_size():
+    """vLLM's compiler marks only the inputs its decorator names as of dynamic size; sequence_lengths follows the
+    number of images (as Qwen2.5-VL and Qwen3-VL name it there)."""
+    attention = VLLM_ATTENTION.replace("class Block(nn.Module):", """@support_torch_compile(
+    dynamic_arg_dims={
+        "x": 0,
+        "cu_seqlens": 0,
+    },
+    enable_if=should_torch_compile_mm_encoder,
+)
+class Block(nn.Module):""")
+    text = vllm_src(attention).replace("import torch.nn as nn\n", "import torch.nn as nn\n"
+                                       "from vllm.compilation.decorators import support_torch_compile\n")
+    fixed = fix(text)
+    assert '        "x": 0,\n        "cu_seqlens": 0,\n        "sequence_lengths": 0,\n    },\n' in fixed
+    assert not gl101(fixed) and fix(fixed) == fixed
+    inferred = text.replace('dynamic_arg_dims={\n        "x": 0,\n        "cu_seqlens": 0,\n    },\n', "")
+    (f,) = gl101(inferred)
+    assert f.fix is None and f.message.endswith("; no fix: compiled without dims")
 
 
 @pytest.mark.parametrize("attention, tower, short, why", [
@@ -539,6 +595,65 @@ def test_vllm_offsets_an_owner_may_be_given_as_none_are_read_only_when_given():
     (VLLM_ATTENTION, VLLM_TOWER.replace("x = blk(x, cu_seqlens, max_seqlen=max_seqlen)",
                                         "x = blk(x, cu_seqlens[:-1], max_seqlen=max_seqlen)"),
      "cu_seqlens not a name", "cannot be evaluated once before the loop"),
+    # The FP8 width is asked for in the owner's __init__, after the layers are built there, under a name of its own.
+    (VLLM_ATTENTION, VLLM_TOWER.replace("    def __init__(self, depth):\n        super().__init__()\n",
+                                        "    def build(self, depth):\n"),
+     "no __init__ in the owner", "Tower has no __init__ of its own, where get_fp8_padded_hidden_size must run"),
+    (VLLM_ATTENTION, VLLM_TOWER.replace("        self.blocks = nn.ModuleList(Block() for _ in range(depth))\n",
+                                        "        self.build(depth)\n\n    def build(self, depth):\n"
+                                        "        self.blocks = nn.ModuleList(Block() for _ in range(depth))\n"),
+     "layers not built in __init__", "Tower.__init__ does not build self.blocks"),
+    (VLLM_ATTENTION, VLLM_TOWER.replace("        self.blocks = nn.ModuleList(Block() for _ in range(depth))\n",
+                                        "        if depth:\n"
+                                        "            self.blocks = nn.ModuleList(Block() for _ in range(depth))\n"),
+     "layers not built in __init__", "Tower.__init__ builds self.blocks in a branch or a loop (line"),
+    (VLLM_ATTENTION, VLLM_TOWER.replace("for _ in range(depth))\n", "for _ in range(depth))\n"
+                                        "        self.fp8_padded_hidden_size = 0\n"),
+     "name taken", "self.fp8_padded_hidden_size already names a value in Tower"),
+    # The engine runs the tower inside a CUDA graph capture (vLLM's cudagraph_mm_encoder), where a host read is an
+    # error: no fix, and the reason names the hook and where the metadata belongs.
+    (VLLM_ATTENTION, VLLM_TOWER + """
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.visual = Tower(4)
+
+    def prepare_encoder_cudagraph_capture_inputs(self, budget):
+        return {}
+
+    def encoder_cudagraph_forward(self, values):
+        return self.visual(values["x"], values["grid"])
+""", "tower captured in a CUDA graph",
+     "the tower is captured in a CUDA graph (Model.encoder_cudagraph_forward), where the host copy of the offsets is "
+     "an error and a host value would be kept for every later batch: build sequence_lengths in "
+     "Model.prepare_encoder_cudagraph_capture_inputs, outside the capture"),
+    (VLLM_ATTENTION, VLLM_TOWER.replace("    def forward(self, x, grid):", """\
+    def prepare_encoder_metadata(self, grid):
+        return {"cu_seqlens": grid.cumsum(0)}
+
+    def forward(self, x, grid):""") + """
+
+class Wrapper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.towers = nn.ModuleList([Tower(4)])
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Wrapper()
+
+    def run(self, values):
+        head = self.inner
+        return head.towers(values)
+
+    def encoder_cudagraph_forward(self, values):
+        return self.run(values)
+""", "tower captured in a CUDA graph",
+     "(Model.encoder_cudagraph_forward), where the host copy of the offsets is an error and a host value would be kept "
+     "for every later batch: build sequence_lengths in Tower.prepare_encoder_metadata, outside the capture"),
 ])
 def test_vllm_no_fix_where_a_fact_the_helpers_need_is_missing_and_the_finding_says_which(attention, tower, short,
                                                                                          why):
@@ -586,10 +701,72 @@ def test_vllm_the_helpers_and_the_layers_attributes_must_exist_in_the_engine_the
     for body, short in ((init + helpers, "helper not in this vllm"),
                         (init.replace("        self.head_size = head_size\n", "") + helpers + recompute,
                          "layer attribute not in this vllm"),
-                        (init + helpers + recompute, "")):
+                        (init + helpers + recompute, "helper not in this vllm")):  # no models/vision.py there
         module.write_text("class MMEncoderAttention:\n" + body)
         (f,) = gl101(model.read_text(), str(model))
-        if short:
-            assert f.fix is None and f.message.endswith(f"; no fix: {short}")
-        else:
-            assert f.fix is not None
+        assert f.fix is None and f.message.endswith(f"; no fix: {short}")
+    assert "vllm.model_executor.models.vision as " in f.note
+    assert "vllm (this tree) does not define get_fp8_padded_hidden_size" in f.note
+    vision = model.parent / "vision.py"
+    vision.write_text("def get_fp8_padded_hidden_size(hidden_size):\n    return None\n")
+    (f,) = gl101(model.read_text(), str(model))
+    assert f.fix is None and f.message.endswith("; no fix: helper differs in this vllm")
+    # The release's helper: a fix. Where that engine has no gpu_sync_allowed, the host copy is written bare.
+    vision.write_text("def get_fp8_padded_hidden_size(num_heads: int, head_dim: int) -> int | None:\n"
+                      "    return None\n")
+    (f,) = gl101(model.read_text(), str(model))
+    assert f.fix is not None and f.fix.imports == (("vllm.model_executor.models.vision", "get_fp8_padded_hidden_size"),)
+    fixed = fixed_source(model.read_text(), str(model), unsafe_fixes=True)
+    assert "gpu_sync_allowed" not in fixed and "        cu_seqlens_cpu = cu_seqlens.cpu().numpy()\n" in fixed
+    sync = tmp_path / "vllm" / "utils" / "gpu_sync_debug.py"
+    sync.parent.mkdir()
+    sync.write_text("def gpu_sync_allowed(first_only: bool = False):\n    pass\n")
+    fixed = fixed_source(model.read_text(), str(model), unsafe_fixes=True)
+    assert "        with gpu_sync_allowed():\n            cu_seqlens_cpu = cu_seqlens.cpu().numpy()\n" in fixed
+    assert "from vllm.utils.gpu_sync_debug import gpu_sync_allowed\n" in fixed
+
+
+def test_vllm_a_tower_a_neighbouring_file_captures_in_a_cuda_graph_gets_no_fix(tmp_path):
+    """lfm2_vl.py captures lfm2_siglip2.py's encoder: the capture hook is in the file that imports the tower's."""
+    models = tmp_path / "vllm" / "model_executor" / "models"
+    models.mkdir(parents=True)
+    tower = models / "tower_siglip.py"
+    tower.write_text(vllm_src() + textwrap.dedent("""
+
+        class Model(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.vision_model = Tower(4)
+    """))
+    (f,) = gl101(tower.read_text(), str(tower))
+    assert f.fix is not None
+    hook = textwrap.dedent("""\
+        import torch.nn as nn
+        from .tower_siglip import Model as VisionModel
+
+
+        class ForConditionalGeneration(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.vision_tower = VisionModel()
+
+            def prepare_encoder_cudagraph_capture_inputs(self, budget):
+                return {}
+
+            def encoder_cudagraph_forward(self, values):
+                embeddings = self.vision_tower.vision_model
+                return embeddings(values["x"], values["grid"])
+    """)
+    other = models / "tower_vl.py"
+    other.write_text(hook.replace("encoder_cudagraph_forward", "encoder_eager_forward"))
+    (f,) = gl101(tower.read_text(), str(tower))
+    assert f.fix is not None  # no capture hook there
+    other.write_text(hook.replace("from .tower_siglip import", "from .other_module import"))
+    (f,) = gl101(tower.read_text(), str(tower))
+    assert f.fix is not None  # a hook, but it does not import this file's classes
+    other.write_text(hook)
+    (f,) = gl101(tower.read_text(), str(tower))
+    assert f.fix is None and f.message.endswith("; no fix: tower captured in a CUDA graph")
+    assert "(ForConditionalGeneration.encoder_cudagraph_forward in tower_vl.py)" in f.note
+    assert "build sequence_lengths in ForConditionalGeneration.prepare_encoder_cudagraph_capture_inputs in " \
+           "tower_vl.py, outside the capture" in f.note
