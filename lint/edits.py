@@ -28,7 +28,7 @@ class EditBuilder:
     """Turns a finding's fix plan (``fixes.py``, on libcst nodes) into text edits of this file."""
 
     def __init__(self, module: cst.Module, tree: Optional[ast.Module], data: bytes, resolver: Resolver, *,
-                 text: Optional[str] = None, layout: Optional[tuple[int, tuple[list[int], list[int]]]] = None):
+                 text: Optional[str] = None, layout: Optional[tuple[int, tuple[list[int], list[int], list]]] = None):
         """``text`` (``data`` decoded) and ``layout`` (what ``import_layout`` gives) may be passed when
         the caller has them; with ``layout`` the tree is not needed. A file checked in chunks sets
         ``module`` to the chunk whose findings are fixed (its default indentation and newline)."""
@@ -40,7 +40,7 @@ class EditBuilder:
         self._text: Optional[str] = None
         self._starts: list[int] = []
         self._import_line: Optional[int] = None
-        self._stmt_lines: tuple[list[int], list[int]] = ([], [])
+        self._stmt_lines: tuple[list[int], list[int], list] = ([], [], [])
         # Renderings of the parts of calls (``_render_call``), for one module and indentation.
         self._parts: dict[str, dict] = {}
         self._parts_of: Optional[cst.Module] = None
@@ -122,7 +122,7 @@ class EditBuilder:
             return None, "the call's source could not be located exactly"
         edits = [edit]
         if plan.imports:
-            edits.append(self._import_edit(plan.imports, call_range[0], _runs_at_import(r.scope)))
+            edits.extend(self._import_edits(plan.imports, call_range[0], _runs_at_import(r.scope)))
         message = plan.message
         if plan.imports:
             message += "; import " + ", ".join(f"{m}.{n}" for m, n in plan.imports)
@@ -171,7 +171,7 @@ class EditBuilder:
         edits = list(got.edits)
         message = got.message + " (a host read once per forward)"
         if imports:
-            edits.append(self._import_edit(imports, call_range[0], False))
+            edits.extend(self._import_edits(imports, call_range[0], False))
             message += "; import " + ", ".join(f"{m}.{n}" for m, n in imports)
         return Fix("unsafe", message, tuple(sorted(edits)), imports), ""
 
@@ -243,7 +243,7 @@ class EditBuilder:
         edits = list(got_plan.edits)
         message = got_plan.message
         if imports:
-            edits.append(self._import_edit(imports, call_range[0], False))
+            edits.extend(self._import_edits(imports, call_range[0], False))
             message += "; import " + ", ".join(f"{m}.{n}" for m, n in imports)
         return Fix("unsafe", message + " (a host read once per forward)", tuple(sorted(edits)), tuple(imports)), ""
 
@@ -333,8 +333,46 @@ class EditBuilder:
         node._codegen(state)
         return "".join(state.tokens)
 
-    def _import_layout(self) -> tuple[int, tuple[list[int], list[int]]]:
+    def _import_layout(self) -> tuple[int, tuple[list[int], list[int], list]]:
         return import_layout(self.tree.body, len(self._starts) + 1 if self.text is not None else 1)
+
+    def _import_edits(self, imports, call_line: int, at_import: bool) -> list[Edit]:
+        """``from m import n`` lines where an import sorter would put them: among the file's top-level absolute
+        ``from`` imports of m's top package, in module order (the file's own order kept, as isort and ruff
+        keep it); else as ``_import_edit`` places them."""
+        at: dict[int, list] = {}
+        rest = []
+        for m, n in imports:
+            line = self._sorted_import_line(m)
+            if line is None or (at_import and line > call_line):  # a module-level call runs before it
+                rest.append((m, n))
+            else:
+                at.setdefault(line, []).append((m, n))
+        nl = self.module.default_newline
+        edits = [Edit(line, 1, line, 1, "".join(f"from {m} import {n}{nl}" for m, n in group))
+                 for line, group in sorted(at.items())]
+        if rest:
+            edits.append(self._import_edit(rest, call_line, at_import))
+        return edits
+
+    def _sorted_import_line(self, module: str) -> Optional[int]:
+        """The line before which ``from module import ...`` sorts among the top-level absolute ``from`` imports of
+        its top package (after the last of them when it sorts last), or None when the file has none."""
+        if module.startswith("."):
+            return None
+        if self._import_line is None:
+            self._import_line, self._stmt_lines = self._import_layout()
+        top = module.split(".")[0]
+        same = [(m, first, last) for m, first, last in self._stmt_lines[2] if m.split(".")[0] == top]
+        if not same:
+            return None
+        key = module.lower()
+        later = next((first for m, first, _ in same if m.lower() > key), None)
+        if later is not None:
+            return later
+        end = same[-1][2]
+        n_lines = len(self._starts) if self.text is not None else 0
+        return end + 1 if end < n_lines else None  # a last line without a line break: _import_edit's case
 
     def _import_edit(self, imports, call_line: int, at_import: bool) -> Edit:
         """``from m import n`` lines after the last top-level import (after the docstring when there
@@ -345,8 +383,8 @@ class EditBuilder:
         if self._import_line is None:
             self._import_line, self._stmt_lines = self._import_layout()
         line = self._import_line
-        if at_import and self._stmt_lines:
-            firsts, ends = self._stmt_lines
+        if at_import and self._stmt_lines[0]:
+            firsts, ends, _ = self._stmt_lines
             i = bisect.bisect_right(firsts, call_line) - 1
             if i >= 0 and call_line <= ends[i] and firsts[i] < line:
                 line = firsts[i]
@@ -431,6 +469,7 @@ class Layout:
         self.last_import_end: Optional[int] = None
         self.firsts: list[int] = []
         self.ends: list[int] = []
+        self.froms: list[tuple[str, int, int]] = []  # top-level absolute ``from m import``: (m, first, last line)
 
     def add(self, body) -> None:
         for stmt in body:
@@ -438,10 +477,12 @@ class Layout:
                 self.docstring_end = stmt.end_lineno
             if isinstance(stmt, (ast.Import, ast.ImportFrom)):
                 self.last_import_end = stmt.end_lineno
+            if isinstance(stmt, ast.ImportFrom) and not stmt.level and stmt.module:
+                self.froms.append((stmt.module, stmt.lineno, stmt.end_lineno or stmt.lineno))
             self.firsts.append(_first_line(stmt))
             self.ends.append(stmt.end_lineno)
 
-    def result(self, after_last_line: int) -> tuple[int, tuple[list[int], list[int]]]:
+    def result(self, after_last_line: int) -> tuple[int, tuple[list[int], list[int], list]]:
         if self.last_import_end is not None:
             line = self.last_import_end + 1
         elif self.docstring_end is not None:
@@ -450,13 +491,13 @@ class Layout:
             line = self.firsts[0]
         else:
             line = after_last_line
-        return line, (self.firsts, self.ends)
+        return line, (self.firsts, self.ends, self.froms)
 
 
-def import_layout(body, after_last_line: int) -> tuple[int, tuple[list[int], list[int]]]:
+def import_layout(body, after_last_line: int) -> tuple[int, tuple[list[int], list[int], list]]:
     """The line new imports go before (after the last top-level import, else after the docstring, else
     before the first statement; ``after_last_line`` in an empty module), and the top-level statements'
-    first and last lines."""
+    first and last lines, and its top-level absolute ``from`` imports (module, first and last line)."""
     layout = Layout()
     layout.add(body)
     return layout.result(after_last_line)

@@ -53,8 +53,8 @@ out = cudnn_vision_attention(q, k, v, cu_seqlens, 2, 12)  # expect: GL101, GL102
 
 _VISION_OURS_FIXED = '''\
 import torch
-from guardlint.kernels import cudnn_vision_attention
 from guardlint.guard import prepare_varlen_metadata
+from guardlint.kernels import cudnn_vision_attention
 
 q = torch.randn(12, 2, 64)
 k, v = torch.randn_like(q), torch.randn_like(q)

@@ -77,7 +77,7 @@ def test_every_bad_example_after_fixing(contract, bad):
 # -- GL101 / GL102 -------------------------------------------------------------------------------------
 def test_gl101_and_gl102_of_one_call_give_one_keyword_and_one_import():
     out = fix(f"import torch\n{CUDNN}\nout = cudnn_vision_attention(q, k, v, cu, 1, 8)\n")
-    assert out == f"import torch\n{CUDNN}{IMPORT}\nout = cudnn_vision_attention(q, k, v, cu, 1, 8, {PREPARED})\n"
+    assert out == f"import torch\n{IMPORT}{CUDNN}\nout = cudnn_vision_attention(q, k, v, cu, 1, 8, {PREPARED})\n"
     assert out.count("forward_metadata=") == 1
 
 
@@ -90,10 +90,17 @@ def test_the_import_is_added_once_for_many_calls_and_not_when_present():
     assert fix(CUDNN + inside).count("import prepare_varlen_metadata") == 1
 
 
-def test_the_import_goes_after_the_last_top_level_import_or_the_docstring():
+def test_the_import_sorts_among_its_packages_imports_else_goes_after_the_last_import_or_the_docstring():
+    # guardlint.guard sorts before guardlint.kernels: where an import sorter would put it.
     src = f'"""Doc."""\n\nimport os\n{CUDNN}\n\ndef f():\n    import json\n    return cudnn_vision_attention(q, k, v, cu, 1, 8)\n'
     lines = fix(src).splitlines()
-    assert lines[3:5] == [CUDNN.strip(), IMPORT.strip()]
+    assert lines[3:5] == [IMPORT.strip(), CUDNN.strip()]
+    # After the last of them when it sorts last.
+    src = f"import os\nfrom guardlint.contracts import get\n{CUDNN}import sys\n\nout = cudnn_vision_attention(q, k, v, cu, 1, 8)\n"
+    assert fix(src).splitlines()[1:5] == ["from guardlint.contracts import get", IMPORT.strip(), CUDNN.strip(), "import sys"]
+    # No import of its package: after the last top-level import.
+    src = "import os\nimport guardlint.kernels as gk\n\nout = gk.cudnn_vision_attention(q, k, v, cu, 1, 8)\n"
+    assert fix(src).splitlines()[2] == IMPORT.strip()
     # No import at all before the call (the target imported under a try): after the docstring.
     src = '"""Doc."""\ntry:\n    ' + CUDNN + 'except ImportError:\n    pass\nx = cudnn_vision_attention(q, k, v, cu, 1, 8)\n'
     assert fix(src).splitlines()[1] == IMPORT.strip()
@@ -138,7 +145,9 @@ def test_gl101_fix_when_the_kernel_is_imported_from_its_submodule(imports):
     """The fix is chosen by the target, whichever of its names the call uses."""
     callee = "ka.cudnn_vision_attention" if " as ka" in imports else "cudnn_vision_attention"
     out = fix(f"{imports}out = {callee}(q, k, v, cu, 1, 8)\n")
-    assert out == f"{imports}{IMPORT}out = {callee}(q, k, v, cu, 1, 8, {PREPARED})\n"
+    # Sorted before a `from guardlint...` import of the kernel, after a plain `import` of it.
+    head = f"{IMPORT}{imports}" if imports.startswith("from ") else f"{imports}{IMPORT}"
+    assert out == f"{head}out = {callee}(q, k, v, cu, 1, 8, {PREPARED})\n"
     assert not [f for f in findings(out) if f.code in ("GL101", "GL102")]
 
 
