@@ -152,7 +152,7 @@ class Hoister:
         if self._assigned is None:
             self._assigned = []
             for holder in self.classes:
-                for stmt in ast.walk(holder):
+                for stmt in _statements_in(holder.body):
                     if not isinstance(stmt, (ast.Assign, ast.AnnAssign)):
                         continue
                     targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
@@ -1059,13 +1059,46 @@ def _neighbours(path: str, hook: str) -> list[tuple[str, ast.Module]]:
     return found
 
 
+_ENGINE_TREES: dict = {}  # path -> (mtime, size, tree or None): engine sources asked about, parsed once a process
+
+
+def _engine_tree(path: str) -> Optional[ast.Module]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    got = _ENGINE_TREES.get(path)
+    if got is None or got[:2] != (st.st_mtime_ns, st.st_size):
+        try:
+            with open(path, "rb") as f:
+                tree: Optional[ast.Module] = ast.parse(f.read(), filename=path)
+        except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+            tree = None
+        if len(_ENGINE_TREES) > 256:
+            _ENGINE_TREES.clear()
+        got = _ENGINE_TREES[path] = (st.st_mtime_ns, st.st_size, tree)
+    return got[2]
+
+
+def _statements_in(body: list) -> Iterator[ast.stmt]:
+    """Every statement in ``body``, nested blocks and definitions included (expressions are not entered)."""
+    for stmt in body:
+        yield stmt
+        for name in ("body", "orelse", "finalbody"):
+            inner = getattr(stmt, name, None)
+            if isinstance(inner, list):
+                yield from _statements_in(inner)
+        for handler in getattr(stmt, "handlers", ()):
+            yield from _statements_in(handler.body)
+        for case in getattr(stmt, "cases", ()):
+            yield from _statements_in(case.body)
+
+
 def function_parameters(path: str, name: str) -> Optional[tuple]:
     """The positional parameters of the top-level function ``name`` in the source at ``path`` (None: no such
     function; an empty tuple where it is bound otherwise, by an import or an assignment)."""
-    try:
-        with open(path, "rb") as f:
-            tree = ast.parse(f.read(), filename=path)
-    except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+    tree = _engine_tree(path)
+    if tree is None:
         return None
     fn = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name),
               None)
@@ -1114,10 +1147,8 @@ def instance_attributes(path: str, cls: str) -> Optional[frozenset]:
 
 
 def _instance_attributes(path: str, cls: str) -> Optional[frozenset]:
-    try:
-        with open(path, "rb") as f:
-            tree = ast.parse(f.read(), filename=path)
-    except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+    tree = _engine_tree(path)
+    if tree is None:
         return None
     node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
     init = next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None) \
