@@ -526,7 +526,7 @@ class Hoister:
         where = ""
         if found is None and path and path != "-":
             stem = os.path.splitext(os.path.basename(path))[0]
-            for other_path, tree in _neighbours(path, spec.capture_hook):
+            for other_path, tree in _neighbours(path, spec.capture_hook, stem):
                 imported = _imported_from(tree, stem, os.path.basename(os.path.dirname(os.path.abspath(path))))
                 if not imported:
                     continue
@@ -1020,11 +1020,12 @@ def _imported_from(tree: ast.Module, stem: str, package: str) -> dict:
     return names
 
 
-_NEIGHBOURS: dict = {}  # path -> (mtime, size, tree or None): the files beside a fixed one that define a capture hook
+_NEIGHBOURS: dict = {}  # (path, words) -> (mtime, size, tree or None): files beside a fixed one that name them
 
 
-def _neighbours(path: str, hook: str) -> list[tuple[str, ast.Module]]:
-    """The parsed modules in the directory of ``path`` (itself aside) whose text names ``hook``."""
+def _neighbours(path: str, hook: str, stem: str) -> list[tuple[str, ast.Module]]:
+    """The parsed modules in the directory of ``path`` (itself aside) whose text names ``hook`` and ``stem`` (the
+    module of ``path``: a file that does not name it cannot import from it)."""
     here = os.path.abspath(path)
     folder = os.path.dirname(here)
     try:
@@ -1040,14 +1041,14 @@ def _neighbours(path: str, hook: str) -> list[tuple[str, ast.Module]]:
             st = os.stat(other)
         except OSError:
             continue
-        key = (other, hook)
+        key = (other, hook, stem)
         got = _NEIGHBOURS.get(key)
         if got is None or got[:2] != (st.st_mtime_ns, st.st_size):
             tree = None
             try:
                 with open(other, "rb") as f:
                     data = f.read()
-                if hook.encode() in data:
+                if hook.encode() in data and stem.encode() in data:
                     tree = ast.parse(data, filename=other)
             except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
                 tree = None
