@@ -209,8 +209,8 @@ CHANGES = (
     "constant at run time, and under a varlen backend the per-block `.item()` would be real; the linter judges "
     "the backend the code names). `vision.py:403` GL104 is new: a read written on a host copy "
     "(`cu_seqlens.cpu().tolist()`) is now followed into the callee that does it. vLLM 0.33.0: the same 19 "
-    "findings; 7 now carry an unsafe fix (built at the tower's loop owner with vLLM's own helpers and passed down) "
-    "and the other 12 say why there is none, where each said 'nothing at the call can build it' before. "
+    "findings; 4 now carry an unsafe fix (built at the tower's loop owner with vLLM's own helpers and passed down) "
+    "and the other 15 say why there is none, where each said 'nothing at the call can build it' before. "
     "A device-to-host copy as a sync, vLLM's forward_oot and tables of functions (the untuned-tree reading's "
     "linter change) add no finding on these two trees (sglang 0.5.10.post1: 6 -> 8, both real)."
 )
