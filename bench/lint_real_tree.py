@@ -225,12 +225,45 @@ def findings_markdown(tree: str, findings: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+def time_extra(args) -> None:
+    """The speed table of trees outside .engines (the untuned readings' trees)."""
+    rows = []
+    for tree in args.extra:
+        path = Path(tree).resolve()
+        row, findings = measure_tree(str(path), args.repeat)
+        row.update(tree=path.name, findings=len(findings))
+        rows.append(row)
+        print(f"{path.name}: guardlint {row['guardlint_s']:.2f} s, ast loop {row['ast_loop_s']:.2f} s "
+              f"({row['ratio']:.2f}x)", flush=True)
+    cols = ["tree", "files", "MB", "findings", "guardlint_s", "ast_loop_s", "ratio", "paired_ratio_median", "ruff_s"]
+    table = markdown_table(rows, cols)
+    if args.write:
+        meta = env_meta()
+        meta.update(cpu=cpu_name(), cpus=os.cpu_count(),
+                    load_average=" / ".join(f"{x:.1f}" for x in os.getloadavg()),
+                    repeat=f"median of {args.repeat} paired rounds", goal="tree <= 0.35x the ast loop")
+        out = HERE / "results"
+        (out / "lint_untuned_speed.json").write_text(json.dumps({"meta": meta, "trees": rows}, indent=2) + "\n")
+        (out / "lint_untuned_speed.md").write_text(
+            "# guardlint on trees it was not tuned on: speed\n\n" + ", ".join(f"{k}: {v}" for k, v in meta.items())
+            + "\n\n" + table + "\n\nAs `lint_real_tree.md` times the pinned engines (guardlint against one process "
+            "reading and `ast.parse`-ing every file, paired rounds); the findings are read in "
+            "`lint_untuned_trees.md` and `lint_untuned_trees_2.md`. Command: `.venv/bin/python bench/lint_real_tree.py "
+            "--extra TREE... --write`.\n")
+    print(table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5, help="paired rounds per tree")
     ap.add_argument("--one-file-repeat", type=int, default=15, help="paired rounds per one-file case")
     ap.add_argument("--write", action="store_true", help="write bench/results/lint_real_tree.{json,md}")
+    ap.add_argument("--extra", nargs="+", metavar="TREE",
+                    help="time these trees instead (unpacked wheels or sdists; no findings read), the same way; "
+                         "with --write, to bench/results/lint_untuned_speed.{json,md}")
     args = ap.parse_args()
+    if args.extra:
+        return time_extra(args)
 
     trees = [t for t in TREES if (ENGINES / t).is_dir()]
     missing = sorted(set(TREES) - set(trees))

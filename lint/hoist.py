@@ -267,24 +267,12 @@ class Hoister:
         except (KeyError, IndexError, ValueError):
             return Refused(f"the derivation template ({template!r}) cannot be filled")
 
-        edits: list[Edit] = []
         # Parameters on the way down (every function below the owner) and the keyword at every call.
         below = [fn] + [s.function for s in path[:-1]]
-        for f in below:
-            problem = _name_taken(f, param)
-            if problem:
-                return Refused(f"{param} {problem} in {f.name}")
-            if not _has_param(f, param):
-                added = self._param_edit(f, param)
-                if isinstance(added, Refused):
-                    return added
-                edits.append(added)
-        for c in [call] + [s.call for s in path]:
-            passed = self._keyword_edit(c, param)
-            if isinstance(passed, Refused):
-                return passed
-            if passed is not None:
-                edits.append(passed)
+        down = self._pass_down(below, call, path, param, Refused("").short)
+        if isinstance(down, Refused):
+            return down
+        edits: list[Edit] = down
         # The metadata, once, before the loop.
         if _assigned(owner_fn, param):
             return Refused(f"{param} already names a value in {owner_label}")
@@ -382,23 +370,11 @@ class Hoister:
         if isinstance(init, Refused):
             return init
 
-        edits: list[Edit] = [init]
         below = [fn] + [s.function for s in path[:-1]]
-        for f in below:
-            problem = _name_taken(f, param)
-            if problem:
-                return Refused(f"{param} {problem} in {f.name}", "name taken")
-            if not _has_param(f, param):
-                added = self._param_edit(f, param)
-                if isinstance(added, Refused):
-                    return added
-                edits.append(added)
-        for c in [call] + [s.call for s in path]:
-            passed = self._keyword_edit(c, param)
-            if isinstance(passed, Refused):
-                return passed
-            if passed is not None:
-                edits.append(passed)
+        down = self._pass_down(below, call, path, param, "name taken")
+        if isinstance(down, Refused):
+            return down
+        edits: list[Edit] = [init, *down]
         if contiguous_at is None:
             parts = list(call.args) + [k.value for k in call.keywords]
             if parts and max(parts, key=lambda n: (n.end_lineno, n.end_col_offset)) is value:
@@ -698,6 +674,29 @@ class Hoister:
                                f"parameter", "not passed down")
             current = expr.id
         return Refused("has no owner", "not passed down")
+
+    def _pass_down(self, below: list, call: ast.Call, path: Sequence[_Site], param: str,
+                   taken: str) -> Union[list[Edit], Refused]:
+        """A ``param=None`` parameter on every function ``below`` the owner and ``param=param`` at every call on
+        the way (the target ``call`` and the path's); ``taken``: the short reason where a function already uses
+        the name otherwise."""
+        edits: list[Edit] = []
+        for f in below:
+            problem = _name_taken(f, param)
+            if problem:
+                return Refused(f"{param} {problem} in {f.name}", taken)
+            if not _has_param(f, param):
+                added = self._param_edit(f, param)
+                if isinstance(added, Refused):
+                    return added
+                edits.append(added)
+        for c in [call] + [s.call for s in path]:
+            passed = self._keyword_edit(c, param)
+            if isinstance(passed, Refused):
+                return passed
+            if passed is not None:
+                edits.append(passed)
+        return edits
 
     def _param_edit(self, f: _Function, param: str) -> Union[Edit, Refused]:
         args = f.args

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import __future__
 import ast
+import enum
 import functools
 import sys
 import types
@@ -19,6 +20,15 @@ from typing import Any, Iterable
 import pytest
 
 from fetch import RELEASES, release_dir
+
+
+class VllmBackend(enum.Enum):
+    """The members of vLLM's AttentionBackendEnum its encoder-attention helpers and layers compare against."""
+    FLASH_ATTN = "FLASH_ATTN"
+    ROCM_AITER_FA = "ROCM_AITER_FA"
+    TRITON_ATTN = "TRITON_ATTN"
+    FLASHINFER = "FLASHINFER"
+    TORCH_SDPA = "TORCH_SDPA"
 
 
 def module_path(release: str, module: str) -> Path:

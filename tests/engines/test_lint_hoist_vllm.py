@@ -27,7 +27,6 @@ import collections
 import contextlib
 import dataclasses
 import difflib
-import enum
 import functools
 import linecache
 import math
@@ -47,7 +46,7 @@ import torch.nn.functional as F
 
 from fetch import release_dir
 from guardlint.lint.runner import fixed_source, lint_source
-from source import Recorder, load, module_path
+from source import Recorder, VllmBackend, load, module_path
 
 RELEASE = "vllm-0.33.0"
 MM = "vllm.model_executor.layers.attention.mm_encoder_attention"
@@ -62,13 +61,7 @@ if not (release_dir(RELEASE) / "vllm").is_dir() and not os.environ.get("GUARDLIN
                 allow_module_level=True)
 
 
-class Backend(enum.Enum):
-    """The members of vLLM's AttentionBackendEnum its helpers and layers compare against."""
-    FLASH_ATTN = "FLASH_ATTN"
-    ROCM_AITER_FA = "ROCM_AITER_FA"
-    TRITON_ATTN = "TRITON_ATTN"
-    FLASHINFER = "FLASHINFER"
-    TORCH_SDPA = "TORCH_SDPA"
+Backend = VllmBackend
 
 
 # -- where the model's tensors live -------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ sets GUARDLINT_ENGINE_VLLM=1, under which a missing release fails instead of ski
 from __future__ import annotations
 
 import ast
-import enum
 import os
 import sys
 import types
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 
 from fetch import release_dir
 from guardlint.guard import clear_cache, guard_mm_encoder, prepare_varlen_metadata, stats
-from source import Recorder, load, module_path
+from source import Recorder, VllmBackend, load, module_path
 
 RELEASE = "vllm-0.33.0"
 MM = "vllm.model_executor.layers.attention.mm_encoder_attention"
@@ -36,13 +35,7 @@ if not (release_dir(RELEASE) / "vllm").is_dir() and not os.environ.get("GUARDLIN
                 allow_module_level=True)
 
 
-class Backend(enum.Enum):
-    """The members of vLLM's AttentionBackendEnum its helpers compare against."""
-    FLASH_ATTN = "FLASH_ATTN"
-    ROCM_AITER_FA = "ROCM_AITER_FA"
-    TRITON_ATTN = "TRITON_ATTN"
-    FLASHINFER = "FLASHINFER"
-    TORCH_SDPA = "TORCH_SDPA"
+Backend = VllmBackend
 
 
 def _span(t, start, n):

@@ -91,12 +91,17 @@ def test_unreadable_file_is_gl000(tmp_path):
     assert (Path(f.path).name, f.code) == ("dangling.py", "GL000") and "cannot read" in f.message
 
 
-def test_parallel_run_finds_the_same_as_one_process(tmp_path):
+def _many_fixtures(root: Path) -> None:
+    """MIN_PARALLEL + 8 copies of the fixtures, in five packages: enough to start worker processes."""
     for i in range(MIN_PARALLEL + 8):
-        folder = tmp_path / f"pkg{i % 5}"
+        folder = root / f"pkg{i % 5}"
         folder.mkdir(exist_ok=True)
         src = FILES[i % len(FILES)]
         shutil.copy(src, folder / f"m{i}_{src.name}")
+
+
+def test_parallel_run_finds_the_same_as_one_process(tmp_path):
+    _many_fixtures(tmp_path)
     settings = Settings(root=tmp_path)
     serial = lint_paths([str(tmp_path)], settings, jobs=1)
     parallel = lint_paths([str(tmp_path)], settings, jobs=2)
@@ -107,11 +112,7 @@ def test_parallel_run_finds_the_same_as_one_process(tmp_path):
 def test_workers_started_during_the_pre_filter_find_the_same(tmp_path, monkeypatch):
     """Once the pre-filter has found enough work (here 4 files to parse), the workers start and take candidates
     in batches as it finds them: the same findings as one process."""
-    for i in range(MIN_PARALLEL + 8):
-        folder = tmp_path / f"pkg{i % 5}"
-        folder.mkdir(exist_ok=True)
-        src = FILES[i % len(FILES)]
-        shutil.copy(src, folder / f"m{i}_{src.name}")
+    _many_fixtures(tmp_path)
     settings = Settings(root=tmp_path)
     serial = lint_paths([str(tmp_path)], settings, jobs=1)
     batches = []
