@@ -110,19 +110,46 @@ def _triton_train_backward(ctx, grad_out, grad_lse):
     return dq, dk, dv, None, None, None, None, None
 
 
-# The forward ops' backward: torch.compile traces both, and eager calls that need a graph go through the
-# training op (the plain op recomputes the statistics in its backward).
+# The forward ops' backward: torch.compile traces both (eager calls that need a graph take ``_TritonTrain``;
+# the plain op recomputes the statistics in its backward).
 varlen_attention_triton_op.register_autograd(_triton_backward, setup_context=_triton_setup_context)
 varlen_attention_triton_train_op.register_autograd(_triton_train_backward, setup_context=_triton_train_setup_context)
 
 
+class _TritonTrain(torch.autograd.Function):
+    """The eager training path: the Triton forward (saving each row's log-sum-exp) and its backward, launched
+    directly. The same kernels as the training op, without the op dispatcher and its autograd wrapper, which
+    cost more host time than the kernels' GPU time on short batches (bench/results/attention_backward_host.md)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, causal, verified):
+        lse = torch.empty(q.shape[:2], dtype=triton_bwd.stats_dtype(q.dtype), device=q.device)
+        out = triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal,
+                                                  max_seqlen_verified=verified, lse=lse)
+        ctx.save_for_backward(q, k, v, cu_seqlens, out, lse)
+        ctx.launch = (max_seqlen, scale, causal)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):  # a second derivative raises: the kernels have none
+        q, k, v, cu_seqlens, out, lse = ctx.saved_tensors
+        max_seqlen, scale, causal = ctx.launch
+        dq, dk, dv = triton_bwd.varlen_attention_triton_backward(grad_out, q, k, v, out, cu_seqlens, max_seqlen,
+                                                                 scale, causal, lse=lse)
+        return dq, dk, dv, None, None, None, None, None
+
+
 def _triton_trained(q, k, v, cu_seqlens, max_seqlen, scale, causal, verified: bool):
-    return varlen_attention_triton_train_op(q, k, v, cu_seqlens, max_seqlen, scale, causal, verified)[0]
+    if torch.compiler.is_compiling():
+        # Through the training op: torch.compile traces its forward and its registered backward.
+        return varlen_attention_triton_train_op(q, k, v, cu_seqlens, max_seqlen, scale, causal, verified)[0]
+    return _TritonTrain.apply(q, k, v, cu_seqlens, max_seqlen, scale, causal, verified)
 
 
 def _run_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal, verified: bool = False):
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        # Through the training op: autograd records the Triton backward, which reuses the forward's statistics.
+        # Autograd records the Triton backward, which reuses the forward's statistics.
         return _triton_trained(q, k, v, cu_seqlens, max_seqlen, scale, causal, verified)
     if torch.compiler.is_compiling():
         # Through the op: torch.compile sees one node.

@@ -187,6 +187,31 @@ def test_gradcheck_in_float64_through_the_op(causal):
                                     fast_mode=True)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gradcheck_in_float64_through_the_eager_function(causal):
+    """The eager training path (``_TritonTrain``, the kernels launched without the op dispatcher): gradcheck in
+    float64 on a GQA batch with an empty sequence and a negative scale."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(7, 2, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(7, 1, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(7, 1, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    train = attention._TritonTrain.apply
+    for scale in (0.3, -0.2):
+        assert torch.autograd.gradcheck(lambda q, k, v: train(q, k, v, cu, 4, scale, causal, False), (q, k, v),
+                                        fast_mode=True)
+
+
+def test_eager_training_calls_skip_the_op_dispatcher_and_refuse_a_second_derivative():
+    q, k, v, grad, cu = inputs([5, 9], 2, 2, 16)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = varlen_attention(*leaves, cu, backend="triton")
+    assert type(out.grad_fn).__name__ == "_TritonTrainBackward"
+    (dq,) = torch.autograd.grad(out, leaves[0], grad, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        dq.sum().backward()
+
+
 @pytest.mark.parametrize("lengths, heads, kv_heads, head_dim, causal, scale", CASES)
 def test_the_forward_log_sum_exp_is_the_backward_one(lengths, heads, kv_heads, head_dim, causal, scale):
     """The training forward's statistics: base-2 log-sum-exp of the scaled logits per (row, head), against
