@@ -187,8 +187,9 @@ def test_gradcheck_in_float64_through_the_op(causal):
                                     fast_mode=True)
 
 
+@pytest.mark.parametrize("scale", [0.3, -0.2], ids=["positive", "negative"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gradcheck_in_float64_through_the_eager_function(causal):
+def test_gradcheck_in_float64_through_the_eager_function(causal, scale):
     """The eager training path (``_TritonTrain``, the kernels launched without the op dispatcher): gradcheck in
     float64 on a GQA batch with an empty sequence and a negative scale."""
     g = torch.Generator().manual_seed(6)
@@ -197,9 +198,8 @@ def test_gradcheck_in_float64_through_the_eager_function(causal):
     v = torch.randn(7, 1, 16, generator=g, dtype=torch.float64, requires_grad=True)
     cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
     train = attention._TritonTrain.apply
-    for scale in (0.3, -0.2):
-        assert torch.autograd.gradcheck(lambda q, k, v: train(q, k, v, cu, 4, scale, causal, False), (q, k, v),
-                                        fast_mode=True)
+    assert torch.autograd.gradcheck(lambda q, k, v: train(q, k, v, cu, 4, scale, causal, False), (q, k, v),
+                                    fast_mode=True)
 
 
 def test_eager_training_calls_skip_the_op_dispatcher_and_refuse_a_second_derivative():
