@@ -56,9 +56,14 @@ def varlen_attention_triton_train_op(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      max_seqlen_verified: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.guardlint.varlen_attention_triton_train``: the Triton forward that also returns each row's
     log-sum-exp ``(T, H)`` (base 2, of the scaled logits), which its backward reuses instead of recomputing."""
+    return _forward_saving_lse(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, max_seqlen_verified)
+
+
+def _forward_saving_lse(q, k, v, cu_seqlens, max_seqlen, scale, causal, verified):
+    """(out, lse): the Triton forward and each row's log-sum-exp, for the training op and ``_TritonTrain``."""
     lse = torch.empty(q.shape[:2], dtype=triton_bwd.stats_dtype(q.dtype), device=q.device)
-    out = triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal,
-                                              max_seqlen_verified=max_seqlen_verified, lse=lse)
+    out = triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal,
+                                              max_seqlen_verified=verified, lse=lse)
     return out, lse
 
 
@@ -123,9 +128,7 @@ class _TritonTrain(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, causal, verified):
-        lse = torch.empty(q.shape[:2], dtype=triton_bwd.stats_dtype(q.dtype), device=q.device)
-        out = triton_path.varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, causal,
-                                                  max_seqlen_verified=verified, lse=lse)
+        out, lse = _forward_saving_lse(q, k, v, cu_seqlens, max_seqlen, scale, causal, verified)
         ctx.save_for_backward(q, k, v, cu_seqlens, out, lse)
         ctx.launch = (max_seqlen, scale, causal)
         return out
