@@ -649,9 +649,12 @@ def parameters(qualname: str, method: str, near: Optional[str]) -> Optional[tupl
 # vLLM's CustomOp (``vllm/model_executor/custom_op.py`` of 0.33.0): ``forward`` calls ``self._forward_method``,
 # which ``__init__`` sets from ``dispatch_forward``, one of these by platform. The pinned picture, used where
 # no source of the class is found (vllm-ascend scanned without vLLM installed); a source found is read instead.
+# The method a CustomOp runs on the CPU platform, where every tensor is a host tensor: a read there waits for
+# no device, so it is no place of a per-layer host sync (and no target a per-layer call reaches one through).
+HOST_PLATFORM_METHODS = frozenset({"forward_cpu"})
 PINNED_DISPATCH = {
     "vllm.model_executor.custom_op.CustomOp": frozenset({
-        "forward_native", "forward_cuda", "forward_hip", "forward_xpu", "forward_cpu", "forward_tpu", "forward_oot"}),
+        "forward_native", "forward_cuda", "forward_hip", "forward_xpu", "forward_tpu", "forward_oot"}),
 }
 _BASES_DEPTH = 12  # classes followed up a hierarchy
 
@@ -711,8 +714,8 @@ def _dispatch(cls: ast.ClassDef, methods: dict) -> frozenset:
     """The methods a ``forward`` of ``cls`` that only calls an instance attribute (``return
     self._forward_method(*args, **kwargs)``) runs: the attributes of ``self`` named (not called) where that
     attribute is set, directly or in what the method called there returns (``self._forward_method =
-    self.dispatch_forward()``, which returns ``self.forward_cuda``, ``self.maybe_compile(self.forward_native)``...).
-    Empty for any other forward."""
+    self.dispatch_forward()``, which returns ``self.forward_cuda``, ``self.maybe_compile(self.forward_native)``...),
+    but the CPU platform's (``HOST_PLATFORM_METHODS``). Empty for any other forward."""
     forward = methods["forward"]
     body = [s for s in forward.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     params = forward.args.posonlyargs + forward.args.args
@@ -735,7 +738,7 @@ def _dispatch(cls: ast.ClassDef, methods: dict) -> frozenset:
                     for ret in ast.walk(picker):
                         if isinstance(ret, ast.Return) and ret.value is not None:
                             found |= _named_methods(ret.value, _first(picker))
-    return frozenset(found - {"forward"})
+    return frozenset(found - {"forward"} - HOST_PLATFORM_METHODS)
 
 
 def _first(fn: _Function) -> str:

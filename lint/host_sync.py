@@ -36,6 +36,7 @@ from guardlint.contracts import Contract
 from .findings import MESSAGE_WIDTH, message, per_layer_place
 from .names import dotted, is_none
 from .patterns import CASTS, LAYER_LOOP_NAME, SYNC_METHODS, is_layer_class, is_seqlen_name
+from .summaries import defaulted_params
 from .values import Values
 from .walk import children
 
@@ -297,7 +298,7 @@ class PerLayerHostSync:
             if read is None or any(u in passed and not is_none(passed[u]) for u in read.unless):
                 continue
             v = model.of(arg)
-            if not (v.device and v.source):
+            if not (v.device and v.source) or ((callee.held or read.held) and self._passed_on(arg)):
                 continue
             written = f"{text[:-2]}[...]" if text and text.endswith("[]") else text
             short = f"{written}(...) reads {_metadata_name(arg) or _derived(model, arg) or v.source}"
@@ -311,9 +312,25 @@ class PerLayerHostSync:
                 if len(message) <= MESSAGE_WIDTH:
                     break
             entry = f" (as {callee.entry})" if callee.entry else ""
-            note = f"{callee.summary.name}(){entry} reads its {param} on the host ({read.kind}): {read.via()}."
+            source = f" (judged against {callee.summary.source})" if callee.summary.source else ""
+            note = f"{callee.summary.name}(){entry}{source} reads its {param} on the host ({read.kind}): {read.via()}."
             return message, note
         return None
+
+    def _passed_on(self, arg: cst.BaseExpression) -> bool:
+        """``arg`` holds what the enclosing def was given, not a value it makes: a parameter it does not
+        rebind (or rebinds only where it is None), or a name every assignment of which stores None, a
+        parameter or an attribute of one (``cu_seqlens = meta.cu_seqlens``)."""
+        func = self._funcs[-1][0] if getattr(self, "_funcs", None) else None
+        if not isinstance(arg, cst.Name) or func is None:
+            return False
+        p = func.params
+        params = {x.name.value for x in (*p.posonly_params, *p.params, *p.kwonly_params)}
+        name = arg.value
+        if name in params and (name not in _rebound(func) or name in defaulted_params(func)):
+            return True
+        values = _stored(func, name)
+        return values is not None and bool(values) and all(_given(v, params) for v in values)
 
     @staticmethod
     def _host_read(node: cst.Call, values: Optional[ValuesOf] = None, copies: bool = True) -> Optional[str]:
@@ -461,6 +478,78 @@ def _forward_targets(module: Optional[cst.Module], owner: cst.ClassDef, near: Op
         return frozenset()
     got = engine_defs.forward_targets(node, classes, engine_defs.imports_of(tree.body), None, False, near)
     return got or frozenset()
+
+
+def _rebound(func: cst.FunctionDef) -> frozenset:
+    """The names ``func``'s own body stores to (assignments, augmented ones, loop and ``with`` targets,
+    ``:=``), nested defs and classes left out."""
+    out: set = set()
+    stack: list = [func.body]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            continue
+        targets: list = []
+        if isinstance(node, cst.AssignTarget):
+            targets.append(node.target)
+        elif isinstance(node, (cst.AugAssign, cst.AnnAssign)) and (not isinstance(node, cst.AnnAssign) or node.value):
+            targets.append(node.target)
+        elif isinstance(node, (cst.For, cst.CompFor)):
+            targets.append(node.target)
+        elif isinstance(node, cst.AsName):
+            targets.append(node.name)
+        elif isinstance(node, cst.NamedExpr):
+            targets.append(node.target)
+        while targets:
+            t = targets.pop()
+            if isinstance(t, cst.Name):
+                out.add(t.value)
+            elif isinstance(t, (cst.Tuple, cst.List)):
+                targets.extend(e.value for e in t.elements)
+            elif isinstance(t, cst.StarredElement):
+                targets.append(t.value)
+        stack.extend(children(node))
+    return frozenset(out)
+
+
+def _stored(func: cst.FunctionDef, name: str) -> Optional[list]:
+    """The values ``func``'s own body assigns to ``name`` (``a, b = x, y`` pairwise); None where one is
+    stored otherwise (an augmented assignment, a loop or ``with`` target, an unpacked call)."""
+    out: list = []
+    stack: list = [func.body]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            continue
+        if isinstance(node, cst.Assign):
+            for target in node.targets:
+                t, v = target.target, node.value
+                if isinstance(t, cst.Name) and t.value == name:
+                    out.append(v)
+                elif isinstance(t, (cst.Tuple, cst.List)) and any(
+                        isinstance(e.value, cst.Name) and e.value.value == name for e in t.elements):
+                    if not isinstance(v, (cst.Tuple, cst.List)) or len(v.elements) != len(t.elements):
+                        return None
+                    out.extend(ve.value for te, ve in zip(t.elements, v.elements)
+                               if isinstance(te.value, cst.Name) and te.value.value == name)
+        elif isinstance(node, (cst.AugAssign, cst.For, cst.AsName, cst.NamedExpr)) and name in _rebound_in(node):
+            return None
+        stack.extend(children(node))
+    return out
+
+
+def _rebound_in(node: cst.CSTNode) -> frozenset:
+    target = getattr(node, "target", None) or getattr(node, "name", None)
+    return frozenset(n.value for n in _names_in(target, everywhere=True)) if target is not None else frozenset()
+
+
+def _given(value: cst.BaseExpression, params: set) -> bool:
+    """None, a parameter, or an attribute chain off one."""
+    if is_none(value):
+        return True
+    while isinstance(value, cst.Attribute):
+        value = value.value
+    return isinstance(value, cst.Name) and value.value in params
 
 
 def _build(func: cst.FunctionDef):

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate, takewhile
 from typing import Any, Callable, Optional
 
+from .engine_defs import class_forward_targets, engine_of, find
 from .patterns import PATTERNS, is_layer_class, names_metadata_per_layer, reached_places
 from .prefilter import HOST_SYNC, _NO_TAINT, _derives, _dotted, _loops_over_layers, _tainted
 
@@ -99,6 +100,11 @@ class FileFacts:
     classes: dict  # class qualname -> (bases as written, {method: parameters a call through self binds})
     functions: dict = field(default_factory=dict)  # qualname -> FuncFacts, those sketched so far
     roots: list = field(default_factory=list)
+    # class qualname -> {attribute: frozenset of (kind, constructor as written)}: what a method of the class
+    # stores in ``self.<attribute>``, ``("one", "Cls")`` for ``Cls(...)``, ``("each", "Cls")`` for a list of
+    # them (``nn.ModuleList([Cls(...) for _ in ...])``); only constructor calls are recorded
+    members: dict = field(default_factory=dict)
+    ops: dict = field(default_factory=dict)  # custom op name -> the def registered as it (``torch.ops.ns.<name>``)
 
 
 def sketch(tree: ast.Module, data: bytes, path: str, module: Optional[str], is_package: bool) -> FileFacts:
@@ -190,9 +196,19 @@ class _Sketch:
                 methods = {item.name: 0 if any(_dotted(d) == "staticmethod" for d in item.decorator_list) else 1
                            for item in node.body if type(item) in (ast.FunctionDef, ast.AsyncFunctionDef)}
                 self.facts.classes.setdefault(qual, (tuple(filter(None, map(_dotted, node.bases))), methods))
+                members = _members(node)
+                if members:
+                    self.facts.members.setdefault(qual, members)
                 self._index(node.body, qual + ".", qual)
             elif t is ast.FunctionDef or t is ast.AsyncFunctionDef:
                 self.defs[prefix + node.name] = (node, cls)
+                if cls is None:
+                    for name in _custom_op_names(node):
+                        self.facts.ops.setdefault(name, prefix + node.name)
+            elif t is ast.Expr and type(node.value) is ast.Call and cls is None:
+                registered = _registered_op(node.value)  # direct_register_custom_op(op_name=..., op_func=f)
+                if registered is not None:
+                    self.facts.ops.setdefault(*registered)
 
     # -- the roots -------------------------------------------------------------------------------------
     def roots(self, body, scope: list, owner, funcs: list, method, context: bool) -> None:
@@ -396,6 +412,75 @@ class _Sketch:
 
 
 _CALLEE_FORMS = (ast.Name, ast.Attribute, ast.Subscript, ast.Call)  # f(), m.f(), T[key](), T.get(key)()
+_CONTAINERS = ("ModuleList", "Sequential")  # torch.nn containers whose elements a loop over them calls
+
+
+def _constructed(value: Any) -> Optional[tuple]:
+    """(kind, constructor as written) of a value stored in an attribute: ``Cls(...)`` -> ("one", "Cls");
+    ``[Cls(...) for ...]``, ``[Cls(...), ...]`` or either in ``nn.ModuleList(...)`` -> ("each", "Cls")."""
+    t = type(value)
+    if t is ast.Call:
+        name = _dotted(value.func)
+        if name is None:
+            return None
+        if name.rpartition(".")[2] in _CONTAINERS and len(value.args) == 1 and not value.keywords:
+            inner = _constructed(value.args[0])
+            return ("each", inner[1]) if inner is not None and inner[0] == "each" else None
+        return ("one", name)
+    if t is ast.ListComp and type(value.elt) is ast.Call:
+        name = _dotted(value.elt.func)
+        return ("each", name) if name is not None else None
+    if t is ast.List and value.elts and all(type(e) is ast.Call for e in value.elts):
+        names = {_dotted(e.func) for e in value.elts}
+        return ("each", names.pop()) if len(names) == 1 and None not in names else None
+    return None
+
+
+def _members(cls: ast.ClassDef) -> dict:
+    """``FileFacts.members`` of one class: the constructor calls its methods store in ``self.<attribute>``
+    (every one where branches store different ones)."""
+    out: dict = {}
+    item: Any
+    for item in cls.body:
+        if type(item) not in (ast.FunctionDef, ast.AsyncFunctionDef):
+            continue
+        params = item.args.posonlyargs + item.args.args
+        if not params or any(_dotted(d) in ("staticmethod", "classmethod") for d in item.decorator_list):
+            continue
+        this = params[0].arg
+        for node in ast.walk(item):
+            if type(node) is ast.Assign and len(node.targets) == 1:
+                target, value = node.targets[0], node.value
+            elif type(node) is ast.AnnAssign and node.value is not None:
+                target, value = node.target, node.value
+            else:
+                continue
+            if type(target) is ast.Attribute and type(target.value) is ast.Name and target.value.id == this:
+                made = _constructed(value)
+                if made is not None:
+                    out.setdefault(target.attr, set()).add(made)
+    return {k: frozenset(v) for k, v in out.items()}
+
+
+def _registered_op(call: ast.Call) -> Optional[tuple]:
+    """(op name, def name) of a module-level registration naming both by keyword, as vLLM's
+    ``direct_register_custom_op(op_name="x", op_func=x, ...)`` does."""
+    got = {k.arg: k.value for k in call.keywords if k.arg in ("op_name", "op_func")}
+    name, func = got.get("op_name"), got.get("op_func")
+    if type(name) is ast.Constant and isinstance(name.value, str) and type(func) is ast.Name:
+        return name.value, func.id
+    return None
+
+
+def _custom_op_names(func: Any) -> list:
+    """The op names a def is registered as by its decorators: ``@torch.library.custom_op("ns::name", ...)``
+    (or ``@custom_op(...)``)."""
+    out = []
+    for d in func.decorator_list:
+        if type(d) is ast.Call and (_dotted(d.func) or "").rpartition(".")[2] == "custom_op" and d.args \
+                and type(d.args[0]) is ast.Constant and isinstance(d.args[0].value, str):
+            out.append(d.args[0].value.rpartition("::")[2])
+    return out
 
 
 def _entries(keys, values) -> tuple:
@@ -508,6 +593,7 @@ class Read:
     kind: str
     path: tuple
     unless: frozenset = frozenset()
+    held: bool = False  # the path goes through a module a caller holds (``Callee.held``)
 
     def via(self) -> str:
         return " -> ".join(f"`{name}()`{f' (as {entry})' if entry else ''} in {path}:{line}"
@@ -526,6 +612,7 @@ class Summary:
     forwards: frozenset
     requires: frozenset
     ignores: frozenset
+    source: str = ""  # where the function is not the tree's: the label of the engine source it was read from
 
 
 @dataclass(frozen=True)
@@ -536,6 +623,9 @@ class Callee:
     summary: Summary
     skip: int
     entry: str = ""
+    # reached through a module the caller holds (``self.attn(...)``): only an argument the calling function
+    # makes counts, not a parameter it passes on (that value's device is its caller's fact, judged there)
+    held: bool = False
 
     def bind(self, args) -> dict:
         """The parameter each argument of a call (libcst ``Arg``s) fills -> the argument's value; positions
@@ -568,6 +658,10 @@ class Summaries:
         self._by_module = {f.module: f for f in facts if f.module}
         self._sketches: dict = {}  # normalised path -> _Sketch of a file parsed here
         self._package_roots: dict = {}  # folders where a top-level package of the tree lies
+        # A module of an engine the tree does not hold is read where the tree's files would import it from
+        # (``engine_defs.find``: a copy above them, else the installed package), never imported.
+        self._near = next((f.path for f in facts), None)
+        self.labels: dict = {}  # path of an engine file read here -> its source's label
         for f in facts:
             if f.module:
                 root = os.path.dirname(os.path.normpath(f.path))
@@ -586,6 +680,15 @@ class Summaries:
                     path = os.path.normpath(os.path.join(root, candidate))
                     if path in self._files and self._by_module[name] is None:
                         self._by_module[name] = self._by_path.get(path) or self._parse(path, name, package)
+            if self._by_module[name] is None and engine_of(name) is not None:
+                source = find(name, self._near)
+                if source is not None:
+                    path = os.path.normpath(source.path)
+                    got = self._by_path.get(path) or self._parse(
+                        path, name, os.path.basename(path) == "__init__.py")
+                    if got is not None:
+                        self.labels[source.path] = source.label
+                        self._by_module[name] = got
         return self._by_module[name]
 
     def _parse(self, path: str, module: Optional[str], package: bool, facts: Optional[FileFacts] = None):
@@ -611,6 +714,8 @@ class Summaries:
         reaches from ``f``: one, or each function entry of a table."""
         if ref[0] != "table":
             got = self.resolve(f, ref)
+            if got is None and ref[0] in ("self", "each"):
+                return self._instance(f, ref[1], ref[2], "one" if ref[0] == "self" else "each")
             return [(*got, "")] if got is not None else []
         table = self._table(f, ref[1], 0)
         if table is None:
@@ -636,12 +741,14 @@ class Summaries:
 
     def resolve(self, f: FileFacts, ref: Ref) -> Optional[tuple]:
         """(file facts, qualname, parameters the call form binds) of the def ``ref`` reaches from ``f``."""
-        if ref[0] == "table":
+        if ref[0] in ("table", "each"):
             return None
         if ref[0] == "self":
             return self._method(f, ref[1], ref[2], set())
         if ref[0] == "name":
             return self._named(f, ref[1], "def", 0)
+        if ref[1].startswith("torch.ops.") and ref[1].count(".") == 2 and f.names.get("torch") == ("module", "torch"):
+            return self._op(f, ref[2])
         target = self._module_of(f, ref[1])
         return self._named(target, ref[2], "def", 0) if target is not None else None
 
@@ -664,6 +771,52 @@ class Summaries:
             return None
         base = binding[1] if binding[0] == "module" else f"{binding[1]}.{binding[2]}"
         return self.module(f"{base}.{rest}" if rest else base)
+
+    def _op(self, f: FileFacts, name: str) -> Optional[tuple]:
+        """The def registered as the custom op ``name`` (``torch.ops.<ns>.<name>(...)``): in the calling
+        module first, else in a module read so far that registers it (the one name, whatever the namespace)."""
+        for owner in (f, *self._by_path.values()):
+            if owner is not None and name in owner.ops:
+                return self._named(owner, owner.ops[name], "def", 0)
+        return None
+
+    def _class_of(self, f: FileFacts, written: str) -> Optional[tuple]:
+        """(file facts, class qualname) of a class as ``f`` writes its name (``Cls``, ``mod.Cls``)."""
+        if written in f.classes:
+            return f, written
+        owner, _, short = written.rpartition(".")
+        if owner:
+            module = self._module_of(f, owner)
+            return self._named(module, short, "class", 0) if module is not None else None
+        return self._named(f, written, "class", 0)
+
+    def _instance(self, f: FileFacts, cls: str, attr: str, kind: str) -> list:
+        """The methods a call of the module held in ``self.<attr>`` runs (``kind`` "one": the instance
+        itself; "each": an element of the container), where the class's methods store a constructor call
+        there: the constructed class's ``forward``, or, where that forward dispatches to a method the
+        instance picks (vLLM's CustomOp, ``engine_defs.class_forward_targets``), each of those."""
+        out: list = []
+        seen: set = set()
+        here: Optional[tuple] = (f, cls)
+        while here is not None and (here[0].path, here[1]) not in seen:
+            seen.add((here[0].path, here[1]))
+            owner, name = here
+            made = owner.members.get(name, {}).get(attr)
+            if made:
+                for k, written in sorted(made):
+                    found = self._class_of(owner, written) if k == kind else None
+                    if found is None:
+                        continue
+                    tf, tcls = found
+                    targets = class_forward_targets(f"{tf.module}.{tcls}", tf.path) if tf.module else None
+                    for method in sorted(targets) if targets else ("forward",):
+                        got = self._method(tf, tcls, method, set())
+                        if got is not None:
+                            out.append((*got, ""))
+                return out
+            bases = owner.classes.get(name, ((), {}))[0]
+            here = next(filter(None, (self._class_of(owner, b) for b in bases)), None)
+        return out
 
     def _method(self, f: FileFacts, cls: str, name: str, seen: set) -> Optional[tuple]:
         if (f.path, cls) in seen or cls not in f.classes:
@@ -709,14 +862,16 @@ class Summaries:
             funcs[key] = (tf, fn)
             edges = graph[key] = []
             for text, ref in fn.calls.items():
+                held = self._held(tf, ref)
                 for target in self.resolve_all(tf, ref):
-                    edges.append((text, (target[0].path, target[1]), target[2], target[3]))
+                    edges.append((text, (target[0].path, target[1]), target[2], target[3], held))
                     todo.append(target)
         summaries = self._exact({k: funcs[k] for k in _callers({k for k, (_, fn) in funcs.items() if fn.reads_text},
                                                                  graph)}, graph)
         out: dict = {}
         for f, root, targets in roots:
             found = []
+            held = self._held(f, root.ref)
             for tf, qual, skip, entry in targets:
                 s = summaries.get((tf.path, qual))
                 if s is None:
@@ -725,12 +880,17 @@ class Summaries:
                          for i in root.given}
                 hot = {s.params[i + skip] for i in root.positions if i + skip < len(s.params)} | set(root.keywords)
                 if any(p in s.reads and not s.reads[p].unless & named for p in hot):
-                    found.append(Callee(s, skip, entry))
+                    found.append(Callee(s, skip, entry, held))
             if found:
                 table, sites = out.setdefault(f.path, ({}, set()))
                 table[(root.scope, root.callee)] = tuple(found)
                 sites.add(root.at)
         return out
+
+    def _held(self, f: FileFacts, ref: Ref) -> bool:
+        """``ref`` calls a module the caller holds (``self.attn(...)``, an element of ``self.blocks``), not a
+        method or function."""
+        return ref[0] == "each" or (ref[0] == "self" and self.resolve(f, ref) is None)
 
     def _exact(self, funcs: dict, graph: dict) -> dict:
         """The summaries of ``funcs`` (those with a path to a host read) from the value model, to a fixed
@@ -744,30 +904,33 @@ class Summaries:
                 reads[key] = {p: Read(kind, ((fn.qualname, f.path, at, ""),), unless)
                               for p, (kind, unless, at) in got[0].items()}
                 targets: dict = {}
-                for text, t, skip, entry in graph.get(key, ()):
+                for text, t, skip, entry, held in graph.get(key, ()):
                     if t in funcs:
-                        targets.setdefault(text, []).append((t, skip, entry))
+                        targets.setdefault(text, []).append((t, skip, entry, held))
                 calls[key] = [(target, *c[1:]) for c in got[1] for target in targets.get(c[0], ())]
         changed = True
         while changed:
             changed = False
             for key, made in calls.items():
                 fn = funcs[key][1]
-                for (target, skip, entry), guard, positional, keywords, splat, at in made:
+                for (target, skip, entry, held), guard, positional, keywords, splat, at in made:
                     tfn = funcs[target][1]
                     for q, read in list(reads.get(target, {}).items()):
                         if entry:  # the path names the table entry the call reached
-                            read = Read(read.kind, ((*read.path[0][:3], entry), *read.path[1:]), read.unless)
+                            read = Read(read.kind, ((*read.path[0][:3], entry), *read.path[1:]), read.unless,
+                                        read.held)
+                        if held:
+                            read = Read(read.kind, read.path, read.unless, True)
                         new = _through(q, read, (fn.qualname, funcs[key][0].path, at, ""), guard,
                                        splat and fn.kwargs is not None, fn.keywords, tfn, skip, positional, keywords)
                         if new is not None:
                             source, new = new
                             old = reads[key].get(source)
-                            if old is None or (old.unless and not new.unless):
+                            if old is None or (old.unless and not new.unless) or (old.held and not new.held):
                                 reads[key][source] = new
                                 changed = True
         return {key: Summary(fn.qualname, f.path, fn.line, fn.params, fn.keywords, fn.kwargs, reads[key],
-                             fn.forwards, fn.requires, fn.ignores)
+                             fn.forwards, fn.requires, fn.ignores, self.labels.get(f.path, ""))
                 for key, (f, fn) in funcs.items() if key in reads}
 
 
@@ -789,7 +952,7 @@ def _through(q: str, read: Read, hop: tuple, guard: frozenset, splat: bool, own:
         return None
     if not source:
         return None
-    unless = set(guard)
+    unless = set(guard) | (arg[2] if arg is not None and len(arg) > 2 else set())
     for u in read.unless:
         passed = given(u)
         if passed is None and splat and u not in own:
@@ -798,7 +961,7 @@ def _through(q: str, read: Read, hop: tuple, guard: frozenset, splat: bool, own:
             return None  # the call passes a value: no read
         elif passed is not None and passed[1]:
             unless.add(passed[1])
-    return source, Read(read.kind, (hop, *read.path), frozenset(unless))
+    return source, Read(read.kind, (hop, *read.path), frozenset(unless), read.held)
 
 
 def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
@@ -837,10 +1000,17 @@ def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
     except (RecursionError, AttributeError):  # (not a def)
         return None
 
+    defaulted = _defaulted(node, params)
+
     def argument(expr) -> tuple:
         v = model.of(expr)
         passed = None if is_none(expr) else expr.value if isinstance(expr, cst.Name) and expr.value in params else ""
-        return (v.source if v.device and v.source in params else None, passed)
+        source = v.source if v.device and v.source in params else None
+        if source and isinstance(expr, cst.Name) and expr.value in defaulted and source != expr.value:
+            # ``if max_seqlen is None: max_seqlen = f(cu_seqlens)``: cu_seqlens reaches here only when the
+            # caller passes no max_seqlen
+            return (source, passed, frozenset({expr.value}))
+        return (source, passed)
 
     direct: dict = {}
     calls = []
@@ -863,9 +1033,10 @@ def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
                 copied = bare_copy(n)  # ``return cu.cpu()``: the copy waits for the device, read or not
                 if copied is not None:
                     read, kind = copied
-            source = argument(read)[0] if read is not None else None
-            if source and (source not in direct or (direct[source][1] and not guard)):
-                direct[source] = (kind, guard, line(n))
+            got = argument(read) if read is not None else (None,)
+            source, spared = got[0], guard | (got[2] if len(got) > 2 else frozenset())
+            if source and (source not in direct or (direct[source][1] and not spared)):
+                direct[source] = (kind, spared, line(n))
             text = callee_text(f)
             if text in fn.calls:
                 positional, keywords, splat, starred = [], {}, False, False
@@ -909,6 +1080,51 @@ def _branches(node, params: frozenset, children) -> list:
     return [(child, frozenset()) for child in children(node)]
 
 
+def defaulted_params(func) -> frozenset:
+    """``_defaulted`` of a libcst def over all its parameters."""
+    p = func.params
+    return _defaulted(func, frozenset(x.name.value for x in (*p.posonly_params, *p.params, *p.kwonly_params)))
+
+
+def _defaulted(func, params: frozenset) -> frozenset:
+    """The parameters of ``func`` (a libcst def) that its body stores to only where they are None: in the
+    body of ``if p is None:`` (or the else of ``if p is not None:``), and those it stores to nowhere are left
+    out. A value read from such a name after the store derives from the store only when the caller passed
+    None."""
+    import libcst as cst
+
+    from .walk import children
+
+    stores: dict = {}  # parameter -> stored to outside its own None branch
+    stack: list = [(func.body, frozenset())]
+    while stack:
+        node, none = stack.pop()
+        if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            continue
+        targets: list = []
+        if isinstance(node, cst.AssignTarget):
+            targets.append(node.target)
+        elif isinstance(node, cst.AugAssign) or (isinstance(node, cst.AnnAssign) and node.value is not None):
+            targets.append(node.target)
+        elif isinstance(node, (cst.For, cst.CompFor)):
+            targets.append(node.target)
+        elif isinstance(node, cst.AsName):
+            targets.append(node.name)
+        elif isinstance(node, cst.NamedExpr):
+            targets.append(node.target)
+        while targets:
+            t = targets.pop()
+            if isinstance(t, cst.Name) and t.value in params:
+                stores[t.value] = stores.get(t.value, False) or t.value not in none
+            elif isinstance(t, (cst.Tuple, cst.List)):
+                targets.extend(e.value for e in t.elements)
+            elif isinstance(t, cst.StarredElement):
+                targets.append(t.value)
+        for child, extra in _branches(node, params, children):
+            stack.append((child, none | extra))
+    return frozenset(p for p, outside in stores.items() if not outside)
+
+
 def _leaves(block) -> bool:
     """The block ends in a ``return`` or ``raise``."""
     import libcst as cst
@@ -948,7 +1164,7 @@ def _callers(seeds: set, graph: dict) -> set:
     """``seeds`` and every function with a path of calls to one of them."""
     callers: dict = {}
     for key, edges in graph.items():
-        for _, target, _, _ in edges:
+        for _, target, *_ in edges:
             callers.setdefault(target, set()).add(key)
     out, todo = set(seeds), list(seeds)
     while todo:

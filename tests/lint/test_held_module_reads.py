@@ -1,0 +1,246 @@
+"""GL104 through a module the layer holds: ``self.attn = Cls(...)`` in ``__init__``, then ``self.attn(...)`` in
+a per-layer forward runs ``Cls``'s forward, or the method its CustomOp forward dispatches to, as the tree, a
+copy above it or the installed engine defines it (never imported). A device value the layer makes and hands
+there is a per-layer read when that code reads it on the host, down to a ``torch.ops.<ns>.<name>`` call of a
+function registered as that op; a parameter the layer only passes on is its caller's fact, and the CPU
+platform's method reads host tensors only."""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from guardlint.lint import engine_defs
+from guardlint.lint.config import Settings
+from guardlint.lint.runner import lint_paths
+
+ROOT = Path(__file__).resolve().parents[2]
+PINNED_VLLM = ROOT / ".engines" / "vllm-0.33.0"
+
+# An engine as the layer's tree would import it: a CustomOp whose forward calls the method its instance
+# picked; the CUDA method reaches a read of max_seqlen through a module function and a registered op.
+ENGINE = {
+    "vllm/__init__.py": "",
+    "vllm/custom_op.py": """\
+        import torch.nn as nn
+
+
+        class CustomOp(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self._forward_method = self.dispatch_forward()
+
+            def forward(self, *args, **kwargs):
+                return self._forward_method(*args, **kwargs)
+
+            def dispatch_forward(self):
+                if self.on_cpu:
+                    return self.forward_cpu
+                return self.forward_cuda
+        """,
+    "vllm/wrappers.py": """\
+        import torch
+
+        from vllm.registry import direct_register_custom_op
+
+
+        def flash_wrapper(q, cu_seqlens, max_seqlen):
+            if max_seqlen is None:
+                max_seqlen = q.shape[0]
+            else:
+                max_seqlen = max_seqlen.item()
+            return q
+
+
+        direct_register_custom_op(op_name="flash_wrapper", op_func=flash_wrapper)
+
+
+        def sdpa_split(q, cu_seqlens):
+            lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+            return q
+
+
+        def vit_flash_wrapper(q, cu_seqlens=None, max_seqlen=None):
+            return torch.ops.vllm.flash_wrapper(q, cu_seqlens, max_seqlen)
+        """,
+    "vllm/attention.py": """\
+        from vllm.custom_op import CustomOp
+        from vllm.wrappers import sdpa_split, vit_flash_wrapper
+
+
+        class EncoderAttention(CustomOp):
+            def forward_cuda(self, query, cu_seqlens=None, max_seqlen=None):
+                return vit_flash_wrapper(query, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+
+            def forward_cpu(self, query, cu_seqlens=None, max_seqlen=None):
+                return int(max_seqlen) + sdpa_split(query, cu_seqlens)
+        """,
+}
+
+LAYER = """\
+    import torch
+    from torch import nn
+
+    from vllm.attention import EncoderAttention
+
+
+    class PatchAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = EncoderAttention()
+
+        def forward(self, q, cu_seqlens, max_seqlen=None, lengths=None, meta=None):
+    {body}
+    """
+
+
+def _write(root: Path, files: dict) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+def _layer(body: str) -> str:
+    return textwrap.dedent(LAYER).format(body=textwrap.indent(textwrap.dedent(body), " " * 8))
+
+
+def _gl104(root: Path) -> list:
+    report = lint_paths([str(root)], Settings(root=root))
+    return [f for f in report.findings if f.code == "GL104"]
+
+
+@pytest.fixture()
+def engine_tree(tmp_path):
+    """The engine as a copy in the scanned tree (a fork or a vendored engine)."""
+    engine_defs.clear()
+    _write(tmp_path, ENGINE)
+    yield tmp_path
+    engine_defs.clear()
+
+
+def test_a_device_max_made_per_layer_and_read_by_the_held_engine_module(engine_tree):
+    body = "m = (cu_seqlens[1:] - cu_seqlens[:-1]).max()\nreturn self.attn(q, cu_seqlens=cu_seqlens, max_seqlen=m)"
+    layer = _layer(body)
+    _write(engine_tree, {"model/__init__.py": "", "model/layer.py": layer})
+    (found,) = _gl104(engine_tree)
+    assert found.line == next(i for i, line in enumerate(layer.splitlines(), 1) if "return self.attn(" in line)
+    assert "self.attn(...) reads m (from cu_seqlens)" in found.message
+    # the path: the dispatched CUDA method, the module function, then the function registered as the op
+    assert found.note.startswith("EncoderAttention.forward_cuda() reads its max_seqlen on the host (.item()): ")
+    assert "`vit_flash_wrapper()` in" in found.note and "`flash_wrapper()` in" in found.note
+    assert found.note.index("`vit_flash_wrapper()`") < found.note.index("`flash_wrapper()`")
+
+
+@pytest.mark.parametrize("body", [
+    # a parameter passed on: where it lives is the caller's fact
+    "return self.attn(q, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)",
+    # ... also through an attribute of one, or defaulted only where it is None
+    "m = meta.max_seqlen if meta is not None else None\nreturn self.attn(q, cu_seqlens=cu_seqlens, max_seqlen=m)",
+    # a host value made here
+    "m = torch.tensor(max(lengths))\nreturn self.attn(q, cu_seqlens=cu_seqlens, max_seqlen=m)",
+    # nothing the engine reads
+    "return self.attn(q, cu_seqlens=cu_seqlens)",
+], ids=["parameter", "attribute-of-parameter", "host", "not-passed"])
+def test_what_the_layer_does_not_make_on_the_device_is_not_its_read(engine_tree, body):
+    _write(engine_tree, {"model/__init__.py": "", "model/layer.py": _layer(body)})
+    assert _gl104(engine_tree) == []
+
+
+def test_the_cpu_platform_method_reads_host_tensors_only(engine_tree):
+    """forward_cpu reads max_seqlen and cu_seqlens on the host: on the CPU platform no read waits for a device."""
+    engine = dict(ENGINE)
+    engine["vllm/custom_op.py"] = engine["vllm/custom_op.py"].replace("return self.forward_cuda",
+                                                                      "return self.forward_native")
+    engine["vllm/attention.py"] += ("\n    def forward_native(self, query, cu_seqlens=None, max_seqlen=None):\n"
+                                    "        return query\n")
+    _write(engine_tree, engine)
+    body = "m = (cu_seqlens[1:] - cu_seqlens[:-1]).max()\nreturn self.attn(q, cu_seqlens=cu_seqlens, max_seqlen=m)"
+    _write(engine_tree, {"model/__init__.py": "", "model/layer.py": _layer(body)})
+    assert _gl104(engine_tree) == []
+
+
+def test_an_op_registered_by_decorator_is_followed(engine_tree):
+    engine = dict(ENGINE)
+    engine["vllm/wrappers.py"] = engine["vllm/wrappers.py"].replace(
+        "        def flash_wrapper(",
+        '        @torch.library.custom_op("vllm::flash_wrapper", mutates_args=())\n        def flash_wrapper(')\
+        .replace('direct_register_custom_op(op_name="flash_wrapper", op_func=flash_wrapper)', "")
+    _write(engine_tree, engine)
+    body = "m = (cu_seqlens[1:] - cu_seqlens[:-1]).max()\nreturn self.attn(q, cu_seqlens=cu_seqlens, max_seqlen=m)"
+    _write(engine_tree, {"model/__init__.py": "", "model/layer.py": _layer(body)})
+    (found,) = _gl104(engine_tree)
+    assert "`flash_wrapper()` in" in found.note
+
+
+def test_an_unregistered_op_is_not_guessed(engine_tree):
+    engine = dict(ENGINE)
+    engine["vllm/wrappers.py"] = engine["vllm/wrappers.py"].replace(
+        'direct_register_custom_op(op_name="flash_wrapper", op_func=flash_wrapper)', "")
+    _write(engine_tree, engine)
+    body = "m = (cu_seqlens[1:] - cu_seqlens[:-1]).max()\nreturn self.attn(q, cu_seqlens=cu_seqlens, max_seqlen=m)"
+    _write(engine_tree, {"model/__init__.py": "", "model/layer.py": _layer(body)})
+    assert _gl104(engine_tree) == []
+
+
+def test_a_helper_that_defaults_a_parameter_reads_only_when_it_is_not_passed(tmp_path):
+    """``if max_seqlen is None: max_seqlen = f(cu)``: a read of the result is a read of cu only for callers
+    that pass no max_seqlen."""
+    helper = """\
+        def longest(cu, max_seqlen=None):
+            if max_seqlen is None:
+                max_seqlen = (cu[1:] - cu[:-1]).max()
+            return max_seqlen.item()
+        """
+    layer = """\
+        import torch
+        import torch.nn as nn
+
+        from lib.seq import longest
+
+
+        class VisionBlock(nn.Module):
+            def forward(self, x, cu_seqlens, lengths):
+                a = longest(cu_seqlens, max_seqlen=torch.tensor(max(lengths)))
+                b = longest(cu_seqlens)
+                return x
+        """
+    _write(tmp_path, {"lib/__init__.py": "", "lib/seq.py": helper, "lib/block.py": layer})
+    found = _gl104(tmp_path)
+    assert [f.line for f in found] == [10]
+    assert "longest(...) reads cu_seqlens" in found[0].message
+
+
+def test_the_pinned_vllm_encoder_attention_installed(tmp_path, monkeypatch):
+    """The real engine: vLLM 0.33.0's MMEncoderAttention on sys.path (as an installed package), a layer that
+    computes its max_seqlen on the device in every forward; the note names the release's read."""
+    if not (PINNED_VLLM / "vllm").is_dir():
+        pytest.skip("vLLM 0.33.0 is fetched by `make engines-vllm` (not committed)")
+    monkeypatch.syspath_prepend(str(PINNED_VLLM))
+    engine_defs.clear()
+    layer = """\
+        import torch
+        from torch import nn
+        from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
+
+
+        class PatchAttention(nn.Module):
+            def __init__(self, heads, dim):
+                super().__init__()
+                self.attn = MMEncoderAttention(heads, dim, scale=dim ** -0.5)
+
+            def forward(self, q, k, v, cu_seqlens, max_seqlen):
+                m = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
+                a = self.attn(query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=m)
+                return self.attn(query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        """
+    _write(tmp_path, {"model.py": layer})
+    try:
+        (found,) = _gl104(tmp_path)
+    finally:
+        engine_defs.clear()
+    assert found.line == 13
+    assert found.note.startswith("MMEncoderAttention.forward_cuda() (judged against vllm")
+    # (FlashAttention's or Triton's wrapper, whichever path the summary met first: both call .item())
+    assert "_wrapper()` in" in found.note and "vit_attn_wrappers.py:" in found.note
