@@ -36,8 +36,8 @@ from guardlint.contracts import Contract
 from .findings import MESSAGE_WIDTH, message, per_layer_place
 from .names import dotted, is_none
 from .patterns import CASTS, LAYER_LOOP_NAME, SYNC_METHODS, is_layer_class, is_seqlen_name
-from .summaries import defaulted_params
-from .values import Values
+from .summaries import reported_there, defaulted_params
+from .values import DEVICE, Values, join
 from .walk import children
 
 # The value map of a function when its reads need it: None where it cannot be built (too deep to walk).
@@ -295,13 +295,28 @@ class PerLayerHostSync:
         passed = callee.bind(node.args)
         for param, arg in passed.items():
             read = callee.summary.reads.get(param)
-            if read is None or any(u in passed and not is_none(passed[u]) for u in read.unless):
+            if read is None or any(u in passed and not is_none(passed[u]) for u in read.unless) \
+                    or reported_there(callee.deep, param, read):
                 continue
             v = model.of(arg)
-            if not (v.device and v.source) or ((callee.held or read.held) and self._passed_on(arg)):
+            held = callee.held or read.held
+            # Through a module the layer holds, the engine's code decides: a value the layer makes on the
+            # device (whatever its name) that the callee reads on the host, unless the callee also hands that
+            # parameter to a kernel (it needs it on the device: the read is its own, no caller spares it).
+            if not v.device or (held and (self._passed_on(arg) or param in callee.summary.uses)):
                 continue
+            w = self._unless_none(arg, model, v) if held else v
+            if held and not (w.where == DEVICE and (not w.source or self._handed_as_is(w.source, passed, callee))):
+                # on the device by a fact: made there (``device=``, ``.cuda()``), or derived from a tensor the
+                # same call hands, as the def was given it, to a kernel (``cu_seqlens``, which FlashAttention
+                # reads on the device)
+                continue
+            if not v.source and not held:
+                continue
+            shown = _metadata_name(arg) or _derived(model, arg) or v.source \
+                or (arg.value if isinstance(arg, cst.Name) else param)
             written = f"{text[:-2]}[...]" if text and text.endswith("[]") else text
-            short = f"{written}(...) reads {_metadata_name(arg) or _derived(model, arg) or v.source}"
+            short = f"{written}(...) reads {shown}"
             name, path, line, _ = read.path[-1]
             name = name.rsplit(".", 1)[-1]
             here = os.path.dirname(self.path)
@@ -316,6 +331,30 @@ class PerLayerHostSync:
             note = f"{callee.summary.name}(){entry}{source} reads its {param} on the host ({read.kind}): {read.via()}."
             return message, note
         return None
+
+    def _handed_as_is(self, source: str, passed: dict, callee) -> bool:
+        """The call hands ``source``, a parameter the def never rebinds, to a parameter the callee needs on
+        the device (``Summary.uses``)."""
+        func = self._funcs[-1][0] if getattr(self, "_funcs", None) else None
+        if func is None or source in _rebound(func):
+            return False
+        return any(q in callee.summary.uses and isinstance(a, cst.Name) and a.value == source
+                   for q, a in passed.items())
+
+    def _unless_none(self, arg: cst.BaseExpression, model: Values, v):
+        """What ``arg`` holds when it is not None: for a name the def also sets to None
+        (``m = None; if cu is not None: m = ...``), the values of its other assignments; else ``v``."""
+        func = self._funcs[-1][0] if getattr(self, "_funcs", None) else None
+        if not isinstance(arg, cst.Name) or func is None:
+            return v
+        values = _stored(func, arg.value)
+        others = [e for e in values or () if not is_none(e)]
+        if not values or len(others) == len(values) or not others:
+            return v
+        out = model.of(others[0])
+        for e in others[1:]:
+            out = join(out, model.of(e))
+        return out
 
     def _passed_on(self, arg: cst.BaseExpression) -> bool:
         """``arg`` holds what the enclosing def was given, not a value it makes: a parameter it does not
@@ -532,6 +571,9 @@ def _stored(func: cst.FunctionDef, name: str) -> Optional[list]:
                         return None
                     out.extend(ve.value for te, ve in zip(t.elements, v.elements)
                                if isinstance(te.value, cst.Name) and te.value.value == name)
+        elif isinstance(node, cst.AnnAssign) and isinstance(node.target, cst.Name) and node.target.value == name:
+            if node.value is not None:
+                out.append(node.value)
         elif isinstance(node, (cst.AugAssign, cst.For, cst.AsName, cst.NamedExpr)) and name in _rebound_in(node):
             return None
         stack.extend(children(node))
@@ -540,7 +582,7 @@ def _stored(func: cst.FunctionDef, name: str) -> Optional[list]:
 
 def _rebound_in(node: cst.CSTNode) -> frozenset:
     target = getattr(node, "target", None) or getattr(node, "name", None)
-    return frozenset(n.value for n in _names_in(target, everywhere=True)) if target is not None else frozenset()
+    return frozenset(_names_in(target, everywhere=True)) if target is not None else frozenset()
 
 
 def _given(value: cst.BaseExpression, params: set) -> bool:

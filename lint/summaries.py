@@ -31,7 +31,7 @@ from itertools import accumulate, takewhile
 from typing import Any, Callable, Optional
 
 from .engine_defs import class_forward_targets, engine_of, find
-from .patterns import PATTERNS, is_layer_class, names_metadata_per_layer, reached_places
+from .patterns import PATTERNS, is_layer_class, is_seqlen_name, names_metadata_per_layer, reached_places
 from .prefilter import HOST_SYNC, _NO_TAINT, _derives, _dotted, _loops_over_layers, _tainted
 
 # A host read in a function's text: what GL104 reads (``host_sync._host_read``) and no more (``x.float()``
@@ -135,6 +135,7 @@ class _Sketch:
         self._body = tree.body
         self._targets: dict = {}  # id(class) -> the methods its forward dispatches to
         self._tables: dict = {}  # (id(def), name) -> the table the name is bound to from there
+        self._loops: dict = {}  # (id(def), name) -> X where the name is the element of a loop over self.X
         self.defs: dict = {}  # qualname -> (def, its class's qualname or None)
         self._bindings: dict = {}
         self._taints: dict = {}
@@ -287,6 +288,9 @@ class _Sketch:
             return None if any(table in self._bound(f) for f in funcs) else ("table", table)
         t = type(func)
         if t is ast.Name:
+            member = self._loop_member(funcs[-1], func.id, method[0]) if funcs and method is not None else None
+            if member is not None:  # ``for blk in self.blocks: blk(...)``
+                return ("each", method[1], member)
             if any(func.id in self._bound(f) for f in funcs):
                 # ``fn = TABLE[key]`` and nothing else binds fn: a call of fn is a call of an entry
                 table = self._bound_table(funcs[-1], func.id) if funcs else None
@@ -301,6 +305,13 @@ class _Sketch:
         if any(base.split(".")[0] in self._bound(f) for f in funcs):
             return None
         return ("attr", base, func.attr)
+
+    def _loop_member(self, func: Any, name: str, this: str) -> Optional[str]:
+        """``_loop_member``, once per def and name."""
+        key = (id(func), name)
+        if key not in self._loops:
+            self._loops[key] = _loop_member(func, name, this) if name in self._bound(func) else None
+        return self._loops[key]
 
     def _bound_table(self, func: Any, name: str) -> Optional[str]:
         """``_bound_to_table``, once per def and name."""
@@ -413,6 +424,26 @@ class _Sketch:
 
 _CALLEE_FORMS = (ast.Name, ast.Attribute, ast.Subscript, ast.Call)  # f(), m.f(), T[key](), T.get(key)()
 _CONTAINERS = ("ModuleList", "Sequential")  # torch.nn containers whose elements a loop over them calls
+
+
+def _loop_member(func: Any, name: str, this: str) -> Optional[str]:
+    """``X`` where ``name`` is bound in ``func`` only as the element of a loop over ``self.X`` (``for blk in
+    self.blocks``, ``for i, blk in enumerate(self.blocks)``), ``this`` being the method's ``self``."""
+    found, stores = None, 0
+    node: Any
+    for node in ast.walk(func):
+        t = type(node)
+        if t is ast.Name and node.id == name and type(node.ctx) is not ast.Load:
+            stores += 1
+        elif (t is ast.For or t is ast.AsyncFor) and found is None:
+            target, it = node.target, node.iter
+            if type(it) is ast.Call and _dotted(it.func) == "enumerate" and len(it.args) == 1 \
+                    and type(target) is ast.Tuple and len(target.elts) == 2:
+                target, it = target.elts[1], it.args[0]
+            if type(target) is ast.Name and target.id == name and type(it) is ast.Attribute \
+                    and type(it.value) is ast.Name and it.value.id == this:
+                found = it.attr
+    return found if stores == 1 else None
 
 
 def _constructed(value: Any) -> Optional[tuple]:
@@ -613,6 +644,9 @@ class Summary:
     requires: frozenset
     ignores: frozenset
     source: str = ""  # where the function is not the tree's: the label of the engine source it was read from
+    # parameters it (or a callee) hands to a kernel the summaries cannot follow: it needs them on the device,
+    # so a host read of one on another path is its own cost, which no caller can spare
+    uses: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
@@ -626,6 +660,10 @@ class Callee:
     # reached through a module the caller holds (``self.attn(...)``): only an argument the calling function
     # makes counts, not a parameter it passes on (that value's device is its caller's fact, judged there)
     held: bool = False
+    # a held module's forward in the scanned tree: a per-layer place GL104 checks itself, where a parameter
+    # named as metadata is taken for device metadata (``values.seed``): its reads of one are reported there,
+    # and only those beyond a module it holds in turn (``Read.held``) are this call's
+    deep: bool = False
 
     def bind(self, args) -> dict:
         """The parameter each argument of a call (libcst ``Arg``s) fills -> the argument's value; positions
@@ -866,8 +904,12 @@ class Summaries:
                 for target in self.resolve_all(tf, ref):
                     edges.append((text, (target[0].path, target[1]), target[2], target[3], held))
                     todo.append(target)
-        summaries = self._exact({k: funcs[k] for k in _callers({k for k, (_, fn) in funcs.items() if fn.reads_text},
-                                                                 graph)}, graph)
+        exact = _callers({k for k, (_, fn) in funcs.items() if fn.reads_text}, graph)
+        # and what those call that reads nothing, two calls down: a path that hands a parameter to a kernel
+        # (``Summary.uses``) beside the one that reads it
+        for _ in range(2):
+            exact |= {t for k in exact for _, t, *_ in graph.get(k, ()) if t in funcs}
+        summaries = self._exact({k: funcs[k] for k in exact}, graph)
         out: dict = {}
         for f, root, targets in roots:
             found = []
@@ -879,13 +921,30 @@ class Summaries:
                 named = {s.params[i + skip] if isinstance(i, int) and i + skip < len(s.params) else i
                          for i in root.given}
                 hot = {s.params[i + skip] for i in root.positions if i + skip < len(s.params)} | set(root.keywords)
-                if any(p in s.reads and not s.reads[p].unless & named for p in hot):
-                    found.append(Callee(s, skip, entry, held))
+                deep = held and os.path.normpath(tf.path) in self._files
+                if any(p in s.reads and not s.reads[p].unless & named and not reported_there(deep, p, s.reads[p])
+                       for p in hot):
+                    found.append(Callee(s, skip, entry, held, deep))
             if found:
                 table, sites = out.setdefault(f.path, ({}, set()))
                 table[(root.scope, root.callee)] = tuple(found)
                 sites.add(root.at)
         return out
+
+    def _checked_place(self, f: FileFacts, fn: FuncFacts) -> bool:
+        """``fn`` is the forward of a layer class of the scanned tree: a per-layer place GL104 checks."""
+        cls, _, name = fn.qualname.rpartition(".")
+        if name != "forward" or not cls or os.path.normpath(f.path) not in self._files:
+            return False
+        bases = f.classes.get(cls, ((), {}))[0]
+        return is_layer_class(cls.rpartition(".")[2], list(bases))
+
+    def _label(self, path: str, reads: dict) -> str:
+        """The engine source a summary was judged against: its own file's, else the first engine file on a
+        path to one of its reads; "" where every function is the tree's."""
+        if path in self.labels:
+            return self.labels[path]
+        return next((self.labels[p] for r in reads.values() for _, p, _, _ in r.path if p in self.labels), "")
 
     def _held(self, f: FileFacts, ref: Ref) -> bool:
         """``ref`` calls a module the caller holds (``self.attn(...)``, an element of ``self.blocks``), not a
@@ -895,7 +954,7 @@ class Summaries:
     def _exact(self, funcs: dict, graph: dict) -> dict:
         """The summaries of ``funcs`` (those with a path to a host read) from the value model, to a fixed
         point over their calls: a read reaches the caller whose parameter the call passes to it."""
-        reads, calls = {}, {}
+        reads, calls, uses = {}, {}, {}
         keys = list(funcs)
         found = self._read_all([(self._read(funcs[k][0].path), funcs[k][1]) for k in keys]) if keys else []
         for key, got in zip(keys, found):
@@ -903,6 +962,7 @@ class Summaries:
             if got is not None:
                 reads[key] = {p: Read(kind, ((fn.qualname, f.path, at, ""),), unless)
                               for p, (kind, unless, at) in got[0].items()}
+                uses[key] = set(got[2])
                 targets: dict = {}
                 for text, t, skip, entry, held in graph.get(key, ()):
                     if t in funcs:
@@ -915,7 +975,16 @@ class Summaries:
                 fn = funcs[key][1]
                 for (target, skip, entry, held), guard, positional, keywords, splat, at in made:
                     tfn = funcs[target][1]
+                    for q in uses.get(target, ()):
+                        at_q = tfn.params.index(q) - skip if q in tfn.params[skip:] else len(positional)
+                        arg = positional[at_q] if at_q < len(positional) else keywords.get(q)
+                        if arg is not None and arg[0] and arg[0] not in uses[key]:
+                            uses[key].add(arg[0])
+                            changed = True
+                    place = held and self._checked_place(*funcs[target])
                     for q, read in list(reads.get(target, {}).items()):
+                        if place and is_seqlen_name(q):
+                            continue  # reported at that layer's forward, where q is taken for device metadata
                         if entry:  # the path names the table entry the call reached
                             read = Read(read.kind, ((*read.path[0][:3], entry), *read.path[1:]), read.unless,
                                         read.held)
@@ -930,8 +999,14 @@ class Summaries:
                                 reads[key][source] = new
                                 changed = True
         return {key: Summary(fn.qualname, f.path, fn.line, fn.params, fn.keywords, fn.kwargs, reads[key],
-                             fn.forwards, fn.requires, fn.ignores, self.labels.get(f.path, ""))
+                             fn.forwards, fn.requires, fn.ignores, self._label(f.path, reads[key]),
+                             frozenset(uses.get(key, ())))
                 for key, (f, fn) in funcs.items() if key in reads}
+
+
+def reported_there(deep: bool, param: str, read: Read) -> bool:
+    """``Callee.deep``'s test: the held forward's own check reports this read of ``param``."""
+    return deep and not read.held and is_seqlen_name(param)
 
 
 def _through(q: str, read: Read, hop: tuple, guard: frozenset, splat: bool, own: frozenset, target: FuncFacts,
@@ -1014,6 +1089,7 @@ def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
 
     direct: dict = {}
     calls = []
+    uses: set = set()
     stack: list = [(node.body, False, frozenset())]  # (children are pushed reversed: source order)
     while stack:
         n, fallback, guard = stack.pop()
@@ -1050,8 +1126,22 @@ def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
                     else:
                         positional.append(argument(arg.value))
                 calls.append((text, guard, positional, keywords, splat, line(n)))
+            elif text is not None and text.split(".", 1)[0] not in _NOT_KERNELS:
+                for arg in args:  # handed to a kernel the summaries cannot follow: needed on the device
+                    source = argument(arg.value)[0] if not arg.star else None
+                    if source:
+                        uses.add(source)
         stack.extend((child, fallback, guard | extra) for child, extra in reversed(_branches(n, params, children)))
-    return direct, calls
+    return direct, calls, frozenset(uses)
+
+
+# Callees that are no kernel: torch's and numpy's generic functions and Python's builtins. A parameter handed to
+# any other callee the summaries cannot follow (``flash_attn_varlen_func(..., cu_seqlens_q=cu_seqlens)``, an
+# extension's op) is a parameter the code needs on the device (``Summary.uses``).
+_NOT_KERNELS = frozenset({"torch", "F", "nn", "np", "numpy", "math", "einops", "rearrange", "len", "int", "float",
+                          "bool", "max", "min", "sum", "list", "tuple", "dict", "set", "range", "enumerate", "zip",
+                          "isinstance", "print", "str", "repr", "getattr", "hasattr", "sorted", "abs", "any", "all",
+                          "super", "type", "iter", "next", "map", "filter", "round", "logger", "warnings"})
 
 
 def _branches(node, params: frozenset, children) -> list:

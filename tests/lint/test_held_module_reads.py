@@ -46,11 +46,13 @@ ENGINE = {
 
 
         def flash_wrapper(q, cu_seqlens, max_seqlen):
+            from vllm.kernels import varlen_kernel
+
             if max_seqlen is None:
                 max_seqlen = q.shape[0]
             else:
                 max_seqlen = max_seqlen.item()
-            return q
+            return varlen_kernel(q, cu_seqlens_q=cu_seqlens, max_seqlen_q=max_seqlen)
 
 
         direct_register_custom_op(op_name="flash_wrapper", op_func=flash_wrapper)
@@ -244,3 +246,118 @@ def test_the_pinned_vllm_encoder_attention_installed(tmp_path, monkeypatch):
     assert found.note.startswith("MMEncoderAttention.forward_cuda() (judged against vllm")
     # (FlashAttention's or Triton's wrapper, whichever path the summary met first: both call .item())
     assert "_wrapper()` in" in found.note and "vit_attn_wrappers.py:" in found.note
+
+
+# -- a loop over the layers the model holds -----------------------------------------------------------------
+TOWER = """\
+    import torch
+    from torch import nn
+
+    from vllm.attention import EncoderAttention
+
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = EncoderAttention()
+
+        def forward(self, x, cu_seqlens, max_seqlen=None):
+            return self.attn(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+
+
+    class Tower(nn.Module):
+        def __init__(self, depth):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(depth)])
+
+        def forward(self, x, grid, lengths):
+    {body}
+            for i, blk in enumerate(self.blocks):
+                x = blk(x, cu_seqlens, max_seqlen=m)
+            return x
+    """
+
+
+def _tower(body: str) -> str:
+    return textwrap.dedent(TOWER).format(body=textwrap.indent(textwrap.dedent(body), " " * 8))
+
+
+def test_a_device_max_made_once_and_read_by_every_block_is_reported_at_the_loop(engine_tree):
+    tower = _tower("cu_seqlens = torch.tensor(grid, device=x.device).cumsum(0)\n"
+                   "m = (cu_seqlens[1:] - cu_seqlens[:-1]).max()")
+    _write(engine_tree, {"model/__init__.py": "", "model/tower.py": tower})
+    (found,) = _gl104(engine_tree)
+    assert found.line == next(i for i, line in enumerate(tower.splitlines(), 1) if "x = blk(" in line)
+    assert "blk(...) reads m with .item()" in found.message and "inside a loop over" in found.message
+    assert found.note.startswith("Block.forward() reads its max_seqlen on the host (.item()): `Block.forward()` in ")
+    assert "`flash_wrapper()` in" in found.note
+
+
+@pytest.mark.parametrize("body", [
+    # the maximum on the host, then handed over: no device read
+    "cu_seqlens = torch.tensor(grid, device=x.device).cumsum(0)\nm = torch.tensor(max(lengths))",
+    # a maximum derived from a parameter that is copied to the device afterwards: its own location is the
+    # caller's fact, not this def's (the tensor the engine needs on the device is the copy)
+    "m = (grid[1:] - grid[:-1]).max()\ncu_seqlens = grid.to(x.device)",
+], ids=["host-max", "max-before-the-copy"])
+def test_what_the_loop_does_not_make_on_the_device_is_not_reported(engine_tree, body):
+    _write(engine_tree, {"model/__init__.py": "", "model/tower.py": _tower(body)})
+    assert _gl104(engine_tree) == []
+
+
+def test_a_read_of_what_the_engine_also_hands_to_a_kernel_is_the_engine_s_own(engine_tree):
+    """The engine's SDPA path reads cu_seqlens with .tolist(), its FlashAttention path hands it to the kernel:
+    it needs cu_seqlens on the device, so no caller can spare that read."""
+    engine = dict(ENGINE)
+    engine["vllm/wrappers.py"] += textwrap.indent(textwrap.dedent("""\
+
+
+        def flash_attn_varlen(q, cu_seqlens):
+            from vllm.kernels import varlen_kernel
+
+            return varlen_kernel(q, cu_seqlens_q=cu_seqlens)
+        """), " " * 8)
+    engine["vllm/attention.py"] = engine["vllm/attention.py"].replace(
+        "from vllm.wrappers import sdpa_split, vit_flash_wrapper",
+        "from vllm.wrappers import flash_attn_varlen, sdpa_split, vit_flash_wrapper").replace(
+        "return vit_flash_wrapper(query, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)",
+        "if self.sdpa:\n                    return sdpa_split(query, cu_seqlens)\n"
+        "                return flash_attn_varlen(query, cu_seqlens)")
+    _write(engine_tree, engine)
+    tower = _tower("cu_seqlens = torch.tensor(grid, device=x.device).cumsum(0)\nm = None")
+    _write(engine_tree, {"model/__init__.py": "", "model/tower.py": tower})
+    # (the engine's own per-layer method is a place of its own: the read is reported there, in vllm/)
+    assert [Path(f.path).parent.name for f in _gl104(engine_tree)] == ["vllm"]
+    # without the kernel path the .tolist() is the only use: the caller's device offsets are read per layer
+    engine["vllm/attention.py"] = engine["vllm/attention.py"].replace(
+        "return flash_attn_varlen(query, cu_seqlens)", "return query")
+    _write(engine_tree, engine)
+    (found,) = [f for f in _gl104(engine_tree) if Path(f.path).parent.name == "model"]
+    assert "blk(...) reads cu_seqlens with .tolist()" in found.message
+
+
+def test_a_block_s_own_read_is_reported_in_the_block_not_again_at_the_loop(tmp_path):
+    model = """\
+        import torch
+        from torch import nn
+
+
+        class Block(nn.Module):
+            def forward(self, x, cu_seqlens):
+                n = (cu_seqlens[1:] - cu_seqlens[:-1]).max().item()
+                return x * n
+
+
+        class Tower(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = nn.ModuleList([Block() for _ in range(4)])
+
+            def forward(self, x, grid):
+                cu_seqlens = torch.tensor(grid, device=x.device).cumsum(0)
+                for blk in self.blocks:
+                    x = blk(x, cu_seqlens)
+                return x
+        """
+    _write(tmp_path, {"model.py": model})
+    assert [f.line for f in _gl104(tmp_path)] == [7]
