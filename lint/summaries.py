@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate, takewhile
 from typing import Any, Callable, Optional
 
-from .engine_defs import class_forward_targets, engine_of, find
+from .engine_defs import class_forward_targets, engine_of, find, forward_targets, imports_of
 from .patterns import PATTERNS, is_layer_class, is_seqlen_name, names_metadata_per_layer, reached_places
 from .prefilter import HOST_SYNC, _NO_TAINT, _derives, _dotted, _loops_over_layers, _tainted
 
@@ -75,6 +75,15 @@ class FuncFacts:
     forwards: frozenset  # parameters passed on to a callee under their own name (``**`` for **kwargs)
     requires: frozenset  # parameters it raises or asserts on when None
     ignores: frozenset  # parameters its body never names
+    # parameters it hands, as it was given them, to a callee the summaries cannot follow and that is no
+    # torch or builtin function (``_NOT_KERNELS``): a kernel, which needs them on the device
+    kernel: frozenset = frozenset()
+    # callee as written -> (the parameter each positional argument passes as given, or None; keyword ->
+    # parameter): how its parameters reach its callees' (for ``kernel`` across calls)
+    passes: dict = field(default_factory=dict)
+    # calls of its own body with an argument that may derive from metadata (the pre-filter's taint): the
+    # held modules (``self.attn(...)``) followed from it are those it calls so
+    metadata_calls: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,9 @@ class Root:
     keywords: tuple
     given: tuple  # positions (ints) and keywords (names)
     at: tuple  # line and column (1-based) of the call
+    # of ``positions`` and ``keywords``, those that pass a parameter of the def it never stores to: through a
+    # held module such an argument is its caller's fact (``Callee.held``), so no reason to check the call
+    passed_on: tuple = ()
 
 
 @dataclass
@@ -100,10 +112,6 @@ class FileFacts:
     classes: dict  # class qualname -> (bases as written, {method: parameters a call through self binds})
     functions: dict = field(default_factory=dict)  # qualname -> FuncFacts, those sketched so far
     roots: list = field(default_factory=list)
-    # class qualname -> {attribute: frozenset of (kind, constructor as written)}: what a method of the class
-    # stores in ``self.<attribute>``, ``("one", "Cls")`` for ``Cls(...)``, ``("each", "Cls")`` for a list of
-    # them (``nn.ModuleList([Cls(...) for _ in ...])``); only constructor calls are recorded
-    members: dict = field(default_factory=dict)
     ops: dict = field(default_factory=dict)  # custom op name -> the def registered as it (``torch.ops.ns.<name>``)
 
 
@@ -137,6 +145,7 @@ class _Sketch:
         self._tables: dict = {}  # (id(def), name) -> the table the name is bound to from there
         self._loops: dict = {}  # (id(def), name) -> X where the name is the element of a loop over self.X
         self.defs: dict = {}  # qualname -> (def, its class's qualname or None)
+        self.class_nodes: dict = {}  # class qualname -> its node
         self._bindings: dict = {}
         self._taints: dict = {}
         self._starts: Optional[list] = None
@@ -197,9 +206,7 @@ class _Sketch:
                 methods = {item.name: 0 if any(_dotted(d) == "staticmethod" for d in item.decorator_list) else 1
                            for item in node.body if type(item) in (ast.FunctionDef, ast.AsyncFunctionDef)}
                 self.facts.classes.setdefault(qual, (tuple(filter(None, map(_dotted, node.bases))), methods))
-                members = _members(node)
-                if members:
-                    self.facts.members.setdefault(qual, members)
+                self.class_nodes.setdefault(qual, node)
                 self._index(node.body, qual + ".", qual)
             elif t is ast.FunctionDef or t is ast.AsyncFunctionDef:
                 self.defs[prefix + node.name] = (node, cls)
@@ -260,8 +267,12 @@ class _Sketch:
             if ref is not None and callee is not None:
                 given = tuple(i for i, a in enumerate(args) if not _is_none(a)) \
                     + tuple(k.arg for k in node.keywords if k.arg and not _is_none(k.value))
+                fixed = self._fixed_params(funcs[-1]) if funcs else frozenset()
+                passed_on = tuple(i for i in positions if _name_of(args[i]) in fixed) \
+                    + tuple(k.arg for k in node.keywords if k.arg in keywords and type(k.value) is ast.Name
+                            and k.value.id in fixed)
                 self.facts.roots.append(Root(".".join(scope), callee, ref, positions, keywords, given,
-                                             (node.lineno, node.col_offset + 1)))
+                                             (node.lineno, node.col_offset + 1), passed_on))
 
     def _taint(self, func) -> Callable:
         """What ``_derives`` asks of ``func`` (the prefilter's ``_tainted``), once a def."""
@@ -305,6 +316,25 @@ class _Sketch:
         if any(base.split(".")[0] in self._bound(f) for f in funcs):
             return None
         return ("attr", base, func.attr)
+
+    def _fixed_params(self, func: Any) -> frozenset:
+        """The parameters of ``func`` its body stores to nowhere but where they are None (the body of
+        ``if p is None:``): what they hold when given is what the caller gave."""
+        key = (id(func), "")
+        if key not in self._loops:
+            a = func.args
+            params = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
+            stores = [n for n in ast.walk(func) if type(n) is ast.Name and type(n.ctx) is not ast.Load]
+            defaults = set()
+            n: Any
+            for n in ast.walk(func):
+                test = n.test if type(n) is ast.If else None
+                if type(test) is ast.Compare and type(test.left) is ast.Name and len(test.ops) == 1 \
+                        and type(test.ops[0]) is ast.Is and _is_none(test.comparators[0]):
+                    defaults |= {id(m) for stmt in n.body for m in ast.walk(stmt)
+                                 if type(m) is ast.Name and m.id == test.left.id}
+            self._loops[key] = frozenset(params - {n.id for n in stores if id(n) not in defaults})
+        return self._loops[key]
 
     def _loop_member(self, func: Any, name: str, this: str) -> Optional[str]:
         """``_loop_member``, once per def and name."""
@@ -398,6 +428,11 @@ class _Sketch:
         calls: dict = {}
         forwards: set = set()
         used: set = set()
+        kernel: set = set()
+        passes: dict = {}
+        fixed = self._fixed_params(node) & params
+        metadata_calls: set = set()
+        taint = self._taint(node)
         for sub in _own_nodes(node):
             t = type(sub)
             if t is ast.Name:
@@ -407,6 +442,15 @@ class _Sketch:
                 text = callee_text(sub.func)
                 if ref is not None and text is not None:
                     calls[text] = ref
+                    if any(_derives(a, taint) for a in (*sub.args, *(k.value for k in sub.keywords))):
+                        metadata_calls.add(text)
+                    passes[text] = (tuple(a.id if type(a) is ast.Name and a.id in fixed else None
+                                          for a in takewhile(_not_starred, sub.args)),
+                                    {k.arg: k.value.id for k in sub.keywords
+                                     if k.arg and type(k.value) is ast.Name and k.value.id in fixed})
+                elif ref is None and (_dotted(sub.func) or "").split(".", 1)[0] not in _NOT_KERNELS | {""}:
+                    kernel.update(a.id for a in (*sub.args, *(k.value for k in sub.keywords))
+                                  if type(a) is ast.Name and a.id in fixed)
                 for k in sub.keywords:
                     name = k.value.id if type(k.value) is ast.Name else None
                     if k.arg is None and a.kwarg is not None and name == a.kwarg.arg:
@@ -418,12 +462,17 @@ class _Sketch:
         reads = _READ.search(self.data, *_span(self._lines(), node.lineno, last)) is not None
         fn = self.facts.functions[qual] = FuncFacts(
             qual, node.lineno, (first, last), positional, params, a.kwarg.arg if a.kwarg else None, bound, reads,
-            calls, frozenset(forwards), frozenset(_required(node) & params), params - used)
+            calls, frozenset(forwards), frozenset(_required(node) & params), params - used, frozenset(kernel), passes,
+            frozenset(metadata_calls))
         return fn
 
 
 _CALLEE_FORMS = (ast.Name, ast.Attribute, ast.Subscript, ast.Call)  # f(), m.f(), T[key](), T.get(key)()
 _CONTAINERS = ("ModuleList", "Sequential")  # torch.nn containers whose elements a loop over them calls
+
+
+def _name_of(node: Any) -> Optional[str]:
+    return node.id if type(node) is ast.Name else None
 
 
 def _loop_member(func: Any, name: str, this: str) -> Optional[str]:
@@ -700,6 +749,7 @@ class Summaries:
         # (``engine_defs.find``: a copy above them, else the installed package), never imported.
         self._near = next((f.path for f in facts), None)
         self.labels: dict = {}  # path of an engine file read here -> its source's label
+        self._member_cache: dict = {}  # (path, class qualname) -> _members of it
         for f in facts:
             if f.module:
                 root = os.path.dirname(os.path.normpath(f.path))
@@ -828,6 +878,37 @@ class Summaries:
             return self._named(module, short, "class", 0) if module is not None else None
         return self._named(f, written, "class", 0)
 
+    def _members(self, f: FileFacts, cls: str) -> dict:
+        """{attribute: frozenset of (kind, constructor as written)} of the class ``cls`` of ``f``: what its
+        methods store in ``self.<attribute>``, ``("one", "Cls")`` for ``Cls(...)``, ``("each", "Cls")`` for a
+        list of them (``nn.ModuleList([Cls(...) for _ in ...])``); only constructor calls; read once a class."""
+        key = (f.path, cls)
+        if key not in self._member_cache:
+            path = os.path.normpath(f.path)
+            if path not in self._sketches:
+                self._parse(path, f.module, f.module == f.package, f)
+            sketch = self._sketches.get(path)
+            node = sketch.class_nodes.get(cls) if sketch is not None else None
+            self._member_cache[key] = _members(node) if node is not None else {}
+        return self._member_cache[key]
+
+    def _dispatch_targets(self, f: FileFacts, cls: str) -> Optional[frozenset]:
+        """The methods a call of an instance of ``cls`` runs in place of its forward where that forward
+        dispatches (``engine_defs.forward_targets``), read from this run's tree of its file."""
+        path = os.path.normpath(f.path)
+        if path not in self._sketches:
+            self._parse(path, f.module, f.module == f.package, f)
+        sketch = self._sketches.get(path)
+        node = sketch.class_nodes.get(cls) if sketch is not None else None
+        if sketch is None or node is None or "." in cls:
+            return class_forward_targets(f"{f.module}.{cls}", f.path) if f.module else None
+        key = (path, cls, "dispatch")
+        if key not in self._member_cache:
+            classes = {c.name: c for c in sketch._body if type(c) is ast.ClassDef}
+            self._member_cache[key] = forward_targets(node, classes, imports_of(sketch._body), f.module,
+                                                      f.module == f.package, f.path)
+        return self._member_cache[key]
+
     def _instance(self, f: FileFacts, cls: str, attr: str, kind: str) -> list:
         """The methods a call of the module held in ``self.<attr>`` runs (``kind`` "one": the instance
         itself; "each": an element of the container), where the class's methods store a constructor call
@@ -839,14 +920,14 @@ class Summaries:
         while here is not None and (here[0].path, here[1]) not in seen:
             seen.add((here[0].path, here[1]))
             owner, name = here
-            made = owner.members.get(name, {}).get(attr)
+            made = self._members(owner, name).get(attr)
             if made:
                 for k, written in sorted(made):
                     found = self._class_of(owner, written) if k == kind else None
                     if found is None:
                         continue
                     tf, tcls = found
-                    targets = class_forward_targets(f"{tf.module}.{tcls}", tf.path) if tf.module else None
+                    targets = self._dispatch_targets(tf, tcls)
                     for method in sorted(targets) if targets else ("forward",):
                         got = self._method(tf, tcls, method, set())
                         if got is not None:
@@ -901,15 +982,13 @@ class Summaries:
             edges = graph[key] = []
             for text, ref in fn.calls.items():
                 held = self._held(tf, ref)
+                if held and text not in fn.metadata_calls:
+                    continue  # a module it hands no metadata (``self.norm(x)``)
                 for target in self.resolve_all(tf, ref):
                     edges.append((text, (target[0].path, target[1]), target[2], target[3], held))
                     todo.append(target)
         exact = _callers({k for k, (_, fn) in funcs.items() if fn.reads_text}, graph)
-        # and what those call that reads nothing, two calls down: a path that hands a parameter to a kernel
-        # (``Summary.uses``) beside the one that reads it
-        for _ in range(2):
-            exact |= {t for k in exact for _, t, *_ in graph.get(k, ()) if t in funcs}
-        summaries = self._exact({k: funcs[k] for k in exact}, graph)
+        summaries = self._exact({k: funcs[k] for k in exact}, graph, _kernel_uses(funcs, graph))
         out: dict = {}
         for f, root, targets in roots:
             found = []
@@ -920,7 +999,9 @@ class Summaries:
                     continue
                 named = {s.params[i + skip] if isinstance(i, int) and i + skip < len(s.params) else i
                          for i in root.given}
-                hot = {s.params[i + skip] for i in root.positions if i + skip < len(s.params)} | set(root.keywords)
+                own = [i for i in root.positions if not (held and i in root.passed_on)]
+                hot = {s.params[i + skip] for i in own if i + skip < len(s.params)} \
+                    | {k for k in root.keywords if not (held and k in root.passed_on)}
                 deep = held and os.path.normpath(tf.path) in self._files
                 if any(p in s.reads and not s.reads[p].unless & named and not reported_there(deep, p, s.reads[p])
                        for p in hot):
@@ -951,10 +1032,10 @@ class Summaries:
         method or function."""
         return ref[0] == "each" or (ref[0] == "self" and self.resolve(f, ref) is None)
 
-    def _exact(self, funcs: dict, graph: dict) -> dict:
+    def _exact(self, funcs: dict, graph: dict, uses: dict) -> dict:
         """The summaries of ``funcs`` (those with a path to a host read) from the value model, to a fixed
         point over their calls: a read reaches the caller whose parameter the call passes to it."""
-        reads, calls, uses = {}, {}, {}
+        reads, calls = {}, {}
         keys = list(funcs)
         found = self._read_all([(self._read(funcs[k][0].path), funcs[k][1]) for k in keys]) if keys else []
         for key, got in zip(keys, found):
@@ -962,7 +1043,6 @@ class Summaries:
             if got is not None:
                 reads[key] = {p: Read(kind, ((fn.qualname, f.path, at, ""),), unless)
                               for p, (kind, unless, at) in got[0].items()}
-                uses[key] = set(got[2])
                 targets: dict = {}
                 for text, t, skip, entry, held in graph.get(key, ()):
                     if t in funcs:
@@ -975,12 +1055,6 @@ class Summaries:
                 fn = funcs[key][1]
                 for (target, skip, entry, held), guard, positional, keywords, splat, at in made:
                     tfn = funcs[target][1]
-                    for q in uses.get(target, ()):
-                        at_q = tfn.params.index(q) - skip if q in tfn.params[skip:] else len(positional)
-                        arg = positional[at_q] if at_q < len(positional) else keywords.get(q)
-                        if arg is not None and arg[0] and arg[0] not in uses[key]:
-                            uses[key].add(arg[0])
-                            changed = True
                     place = held and self._checked_place(*funcs[target])
                     for q, read in list(reads.get(target, {}).items()):
                         if place and is_seqlen_name(q):
@@ -1002,6 +1076,29 @@ class Summaries:
                              fn.forwards, fn.requires, fn.ignores, self._label(f.path, reads[key]),
                              frozenset(uses.get(key, ())))
                 for key, (f, fn) in funcs.items() if key in reads}
+
+
+def _kernel_uses(funcs: dict, graph: dict) -> dict:
+    """Per function key, the parameters it needs on the device: those it hands to a kernel
+    (``FuncFacts.kernel``), and, to a fixed point, those it passes as given to a callee that needs them."""
+    uses = {key: set(fn.kernel) for key, (_, fn) in funcs.items()}
+    changed = True
+    while changed:
+        changed = False
+        for key, edges in graph.items():
+            fn = funcs[key][1]
+            for text, target, skip, _, _ in edges:
+                if target not in funcs or not uses.get(target):
+                    continue
+                positional, keywords = fn.passes.get(text, ((), {}))
+                tparams = funcs[target][1].params
+                for q in uses[target]:
+                    at = tparams.index(q) - skip if q in tparams[skip:] else len(positional)
+                    p = positional[at] if at < len(positional) else keywords.get(q)
+                    if p and p not in uses[key]:
+                        uses[key].add(p)
+                        changed = True
+    return uses
 
 
 def reported_there(deep: bool, param: str, read: Read) -> bool:
@@ -1089,7 +1186,6 @@ def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
 
     direct: dict = {}
     calls = []
-    uses: set = set()
     stack: list = [(node.body, False, frozenset())]  # (children are pushed reversed: source order)
     while stack:
         n, fallback, guard = stack.pop()
@@ -1126,13 +1222,8 @@ def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
                     else:
                         positional.append(argument(arg.value))
                 calls.append((text, guard, positional, keywords, splat, line(n)))
-            elif text is not None and text.split(".", 1)[0] not in _NOT_KERNELS:
-                for arg in args:  # handed to a kernel the summaries cannot follow: needed on the device
-                    source = argument(arg.value)[0] if not arg.star else None
-                    if source:
-                        uses.add(source)
         stack.extend((child, fallback, guard | extra) for child, extra in reversed(_branches(n, params, children)))
-    return direct, calls, frozenset(uses)
+    return direct, calls
 
 
 # Callees that are no kernel: torch's and numpy's generic functions and Python's builtins. A parameter handed to

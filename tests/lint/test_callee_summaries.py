@@ -399,8 +399,8 @@ def test_callee_summaries_read_facts_follow_values_not_names():
     data = source.encode()
     facts = summaries.sketch(ast.parse(data), data, "m.py", "m", False)
     fn = summaries._Sketch(ast.parse(data), data, "m.py", "m", False, facts).function("f")
-    direct, calls, uses = summaries.read_facts(data, fn)
-    assert uses == frozenset()  # g is the file's (followed), cu goes to no kernel
+    direct, calls = summaries.read_facts(data, fn)
+    assert fn.kernel == frozenset()  # g is the file's (followed): cu goes to no kernel
     # (``host.cpu()`` copies what the caller passes: a sync where that is a device tensor)
     assert direct == {"cu": (".tolist()", frozenset({"bounds"}), 5), "host": (".cpu()", frozenset(), 2)}
     # per call: (callee, None-branch, positional (parameter carried, what is passed), keywords, **kwargs on, line)
