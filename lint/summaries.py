@@ -968,6 +968,8 @@ class Summaries:
         funcs: dict = {}  # key -> (FileFacts, FuncFacts)
         for f in list(self._by_path.values()):
             for root in f.roots:
+                if len(root.passed_on) == len(root.positions) + len(root.keywords) and self._held(f, root.ref):
+                    continue  # a held module handed only what the def was given: its caller's fact
                 targets = self.resolve_all(f, root.ref)
                 if targets:
                     roots.append((f, root, targets))
