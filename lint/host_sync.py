@@ -300,6 +300,8 @@ class PerLayerHostSync:
                 continue
             v = model.of(arg)
             held = callee.held or read.held
+            if read.allowed and self._passed_on(arg):
+                continue  # a sync the engine allows, on what this def was given: its caller's to judge
             # Through a module the layer holds, the engine's code decides: a value the layer makes on the
             # device (whatever its name) that the callee reads on the host, unless the callee also hands that
             # parameter to a kernel (it needs it on the device: the read is its own, no caller spares it).

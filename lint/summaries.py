@@ -674,6 +674,10 @@ class Read:
     path: tuple
     unless: frozenset = frozenset()
     held: bool = False  # the path goes through a module a caller holds (``Callee.held``)
+    # the read is inside the engine's own allowance for a sync (``with gpu_sync_allowed():``): known to its
+    # maintainers, so a caller that passes on what it was given is not reported, one that makes the device
+    # value is
+    allowed: bool = False
 
     def via(self) -> str:
         return " -> ".join(f"`{name}()`{f' (as {entry})' if entry else ''} in {path}:{line}"
@@ -1043,8 +1047,8 @@ class Summaries:
         for key, got in zip(keys, found):
             f, fn = funcs[key]
             if got is not None:
-                reads[key] = {p: Read(kind, ((fn.qualname, f.path, at, ""),), unless)
-                              for p, (kind, unless, at) in got[0].items()}
+                reads[key] = {p: Read(kind, ((fn.qualname, f.path, at, ""),), unless, False, allowed)
+                              for p, (kind, unless, at, allowed) in got[0].items()}
                 targets: dict = {}
                 for text, t, skip, entry, held in graph.get(key, ()):
                     if t in funcs:
@@ -1063,9 +1067,9 @@ class Summaries:
                             continue  # reported at that layer's forward, where q is taken for device metadata
                         if entry:  # the path names the table entry the call reached
                             read = Read(read.kind, ((*read.path[0][:3], entry), *read.path[1:]), read.unless,
-                                        read.held)
+                                        read.held, read.allowed)
                         if held:
-                            read = Read(read.kind, read.path, read.unless, True)
+                            read = Read(read.kind, read.path, read.unless, True, read.allowed)
                         new = _through(q, read, (fn.qualname, funcs[key][0].path, at, ""), guard,
                                        splat and fn.kwargs is not None, fn.keywords, tfn, skip, positional, keywords)
                         if new is not None:
@@ -1135,7 +1139,7 @@ def _through(q: str, read: Read, hop: tuple, guard: frozenset, splat: bool, own:
             return None  # the call passes a value: no read
         elif passed is not None and passed[1]:
             unless.add(passed[1])
-    return source, Read(read.kind, (hop, *read.path), frozenset(unless), read.held)
+    return source, Read(read.kind, (hop, *read.path), frozenset(unless), read.held, read.allowed)
 
 
 def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
@@ -1150,7 +1154,7 @@ def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
     from libcst.metadata import PositionProvider
 
     from .host_sync import _prepared, _tests_metadata, bare_copy, callee_text, host_copy
-    from .names import is_none
+    from .names import dotted, is_none
     from .patterns import CASTS, SYNC_METHODS
     from .values import DEVICE, UNKNOWN_VALUE, Value, Values
     from .walk import children
@@ -1188,12 +1192,15 @@ def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
 
     direct: dict = {}
     calls = []
-    stack: list = [(node.body, False, frozenset())]  # (children are pushed reversed: source order)
+    stack: list = [(node.body, False, frozenset(), False)]  # (children are pushed reversed: source order)
     while stack:
-        n, fallback, guard = stack.pop()
+        n, fallback, guard, allowed = stack.pop()
         if isinstance(n, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
             continue
         fallback = fallback or (isinstance(n, cst.If) and _tests_metadata(n.test))
+        allowed = allowed or (isinstance(n, cst.With) and any(
+            isinstance(i.item, cst.Call) and (dotted(i.item.func) or "").rpartition(".")[2] in SYNC_ALLOWED
+            for i in n.items))
         if isinstance(n, cst.Call) and not fallback:
             f, args = n.func, n.args
             kind, read = None, None
@@ -1210,7 +1217,7 @@ def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
             got = argument(read) if read is not None else (None,)
             source, spared = got[0], guard | (got[2] if len(got) > 2 else frozenset())
             if source and (source not in direct or (direct[source][1] and not spared)):
-                direct[source] = (kind, spared, line(n))
+                direct[source] = (kind, spared, line(n), allowed)
             text = callee_text(f)
             if text in fn.calls:
                 positional, keywords, splat, starred = [], {}, False, False
@@ -1224,13 +1231,17 @@ def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
                     else:
                         positional.append(argument(arg.value))
                 calls.append((text, guard, positional, keywords, splat, line(n)))
-        stack.extend((child, fallback, guard | extra) for child, extra in reversed(_branches(n, params, children)))
+        stack.extend((child, fallback, guard | extra, allowed)
+                     for child, extra in reversed(_branches(n, params, children)))
     return direct, calls
 
 
 # Callees that are no kernel: torch's and numpy's generic functions and Python's builtins. A parameter handed to
 # any other callee the summaries cannot follow (``flash_attn_varlen_func(..., cu_seqlens_q=cu_seqlens)``, an
 # extension's op) is a parameter the code needs on the device (``Summary.uses``).
+# Context managers by which an engine marks a host sync as allowed (vLLM's ``gpu_sync_allowed()``, which its sync
+# checker honours).
+SYNC_ALLOWED = frozenset({"gpu_sync_allowed"})
 _NOT_KERNELS = frozenset({"torch", "F", "nn", "np", "numpy", "math", "einops", "rearrange", "len", "int", "float",
                           "bool", "max", "min", "sum", "list", "tuple", "dict", "set", "range", "enumerate", "zip",
                           "isinstance", "print", "str", "repr", "getattr", "hasattr", "sorted", "abs", "any", "all",

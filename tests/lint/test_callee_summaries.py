@@ -402,7 +402,7 @@ def test_callee_summaries_read_facts_follow_values_not_names():
     direct, calls = summaries.read_facts(data, fn)
     assert fn.kernel == frozenset()  # g is the file's (followed): cu goes to no kernel
     # (``host.cpu()`` copies what the caller passes: a sync where that is a device tensor)
-    assert direct == {"cu": (".tolist()", frozenset({"bounds"}), 5), "host": (".cpu()", frozenset(), 2)}
+    assert direct == {"cu": (".tolist()", frozenset({"bounds"}), 5, False), "host": (".cpu()", frozenset(), 2, False)}
     # per call: (callee, None-branch, positional (parameter carried, what is passed), keywords, **kwargs on, line)
     assert ("g", frozenset(), [("cu", "")], {"other": ("cu", "cu")}, False, 6) in calls
 
@@ -439,7 +439,7 @@ def test_callee_summaries_reads_on_the_path_of_a_missing_parameter(body, unless)
     data = source.encode()
     facts = summaries.sketch(ast.parse(data), data, "m.py", "m", False)
     fn = summaries._Sketch(ast.parse(data), data, "m.py", "m", False, facts).function("f")
-    ((kind, spared, _),) = summaries.read_facts(data, fn)[0].values()
+    ((kind, spared, _, _),) = summaries.read_facts(data, fn)[0].values()
     assert (kind, spared) == (".tolist()", frozenset(unless))
 
 

@@ -361,3 +361,23 @@ def test_a_block_s_own_read_is_reported_in_the_block_not_again_at_the_loop(tmp_p
         """
     _write(tmp_path, {"model.py": model})
     assert [f.line for f in _gl104(tmp_path)] == [7]
+
+
+def test_a_sync_the_engine_allows_is_reported_only_where_the_device_value_is_made(engine_tree):
+    """vLLM wraps its .tolist() of cu_seqlens in ``with gpu_sync_allowed():``: its own per-layer method,
+    passing on the offsets it was given, is not reported; a model that makes device offsets and hands them
+    there still is."""
+    engine = dict(ENGINE)
+    engine["vllm/wrappers.py"] = engine["vllm/wrappers.py"].replace(
+        "            lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()",
+        "            with gpu_sync_allowed():\n                lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()")
+    engine["vllm/attention.py"] = engine["vllm/attention.py"].replace(
+        "return vit_flash_wrapper(query, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)",
+        "return sdpa_split(query, cu_seqlens)")
+    _write(engine_tree, engine)
+    assert "gpu_sync_allowed" in (engine_tree / "vllm" / "wrappers.py").read_text()
+    tower = _tower("cu_seqlens = torch.tensor(grid, device=x.device).cumsum(0)\nm = None")
+    _write(engine_tree, {"model/__init__.py": "", "model/tower.py": tower})
+    found = _gl104(engine_tree)
+    assert [(Path(f.path).parent.name, "blk(...) reads cu_seqlens with .tolist()" in f.message) for f in found] \
+        == [("model", True)]
