@@ -30,7 +30,10 @@ from dataclasses import dataclass, field
 from itertools import accumulate, takewhile
 from typing import Any, Callable, Optional
 
-from .engine_defs import class_forward_targets, engine_of, find, forward_targets, imports_of
+from guardlint.contracts import catalog
+
+from .engine_defs import (catalog_label, class_forward_targets, engine_of, find, forward_targets,
+                          imports_of)
 from .patterns import PATTERNS, is_layer_class, is_seqlen_name, names_metadata_per_layer, reached_places
 from .prefilter import HOST_SYNC, _NO_TAINT, _derives, _dotted, _loops_over_layers, _tainted
 
@@ -754,6 +757,8 @@ class Summaries:
         self._near = next((f.path for f in facts), None)
         self.labels: dict = {}  # path of an engine file read here -> its source's label
         self._member_cache: dict = {}  # (path, class qualname) -> _members of it
+        self._catalog: dict = {}  # catalog label -> FileFacts standing for the pinned layers it describes
+        self._pinned_reads: dict = {}  # (catalog label, method) -> its reads, as the catalog pins them
         for f in facts:
             if f.module:
                 root = os.path.dirname(os.path.normpath(f.path))
@@ -794,7 +799,7 @@ class Summaries:
         return s.facts
 
     def function(self, f: FileFacts, qual: str) -> Optional[FuncFacts]:
-        if qual not in f.functions:
+        if qual not in f.functions and f.path not in self._catalog:
             path = os.path.normpath(f.path)
             if path not in self._sketches and self._parse(path, f.module, f.module == f.package, f) is None:
                 return None
@@ -896,6 +901,37 @@ class Summaries:
             self._member_cache[key] = _members(node) if node is not None else {}
         return self._member_cache[key]
 
+    def _pinned(self, f: FileFacts, written: str) -> Optional[tuple]:
+        """The catalog's picture of an engine layer no source of which is found (``PINNED_HOST_READS``), as a
+        target: (file facts standing for the catalog, the method, 1, "")."""
+        first, _, rest = written.partition(".")
+        binding = f.names.get(first)
+        if binding is None or binding[0] not in ("from", "module"):
+            return None
+        base = f"{binding[1]}.{binding[2]}" if binding[0] == "from" else binding[1]
+        qual = f"{base}.{rest}" if rest else base
+        qual = catalog.REEXPORTS.get(qual, qual)
+        fact = catalog.PINNED_HOST_READS.get(qual)
+        if fact is None or engine_of(qual) is None or find(qual.rpartition(".")[0], self._near) is not None:
+            return None
+        label = catalog_label(qual)
+        facts = self._catalog.get(label)
+        if facts is None:
+            facts = self._catalog[label] = FileFacts(label, None, None, {}, {})
+            self.labels[label] = label
+        cls = qual.rpartition(".")[2]
+        method = f"{cls}.{fact['method']}"
+        if method not in facts.functions:
+            params = ("self", *catalog.VLLM_MM_PARAMS) if qual == catalog.VLLM_MM else None
+            if params is None:
+                return None
+            facts.functions[method] = FuncFacts(method, 0, (0, 0), params, frozenset(params[1:]), None, 1, False, {},
+                                                frozenset(), frozenset(), frozenset(), frozenset(fact["uses"]))
+            self._pinned_reads[(label, method)] = {
+                p: Read(kind, ((name, path, line, ""),), frozenset(), False, True)
+                for p, (kind, name, path, line) in fact["reads"].items()}
+        return facts, method, 1, ""
+
     def _dispatch_targets(self, f: FileFacts, cls: str) -> Optional[frozenset]:
         """The methods a call of an instance of ``cls`` runs in place of its forward where that forward
         dispatches (``engine_defs.forward_targets``), read from this run's tree of its file."""
@@ -929,6 +965,9 @@ class Summaries:
                 for k, written in sorted(made):
                     found = self._class_of(owner, written) if k == kind else None
                     if found is None:
+                        pinned = self._pinned(owner, written) if k == kind else None
+                        if pinned is not None:
+                            out.append(pinned)
                         continue
                     tf, tcls = found
                     targets = self._dispatch_targets(tf, tcls)
@@ -993,7 +1032,7 @@ class Summaries:
                 for target in self.resolve_all(tf, ref):
                     edges.append((text, (target[0].path, target[1]), target[2], target[3], held))
                     todo.append(target)
-        exact = _callers({k for k, (_, fn) in funcs.items() if fn.reads_text}, graph)
+        exact = _callers({k for k, (_, fn) in funcs.items() if fn.reads_text or k in self._pinned_reads}, graph)
         summaries = self._exact({k: funcs[k] for k in exact}, graph, _kernel_uses(funcs, graph))
         out: dict = {}
         for f, root, targets in roots:
@@ -1042,7 +1081,8 @@ class Summaries:
         """The summaries of ``funcs`` (those with a path to a host read) from the value model, to a fixed
         point over their calls: a read reaches the caller whose parameter the call passes to it."""
         reads, calls = {}, {}
-        keys = list(funcs)
+        keys = [k for k in funcs if k not in self._pinned_reads]
+        reads.update({k: dict(v) for k, v in self._pinned_reads.items() if k in funcs})
         found = self._read_all([(self._read(funcs[k][0].path), funcs[k][1]) for k in keys]) if keys else []
         for key, got in zip(keys, found):
             f, fn = funcs[key]

@@ -90,3 +90,22 @@ def test_vllm_reexports_are_imports_of_the_target():
         tree = ast.parse(init.read_bytes())
         assert any(isinstance(n, ast.ImportFrom) and f"{n.module}.{name}" == target
                    and any(a.name == name and a.asname is None for a in n.names) for n in ast.walk(tree)), alias
+
+
+def test_vllm_pinned_host_reads_are_the_release_s():
+    """``PINNED_HOST_READS`` (what a tree scanned without vLLM is judged against): each read is on the pinned
+    line, inside the named function; the method takes the catalog's parameters."""
+    import ast
+
+    if not release_dir("vllm-0.33.0").is_dir() and not os.environ.get("GUARDLINT_ENGINE_VLLM"):
+        pytest.skip("vLLM 0.33.0 is not fetched (make engines-vllm; GUARDLINT_ENGINE_VLLM=1 makes this an error)")
+    for target, fact in catalog.PINNED_HOST_READS.items():
+        module = target.rsplit(".", 1)[0]
+        cls = target.rsplit(".", 1)[1]
+        params = _own(source.parameters("vllm-0.33.0", module, f"{cls}.{fact['method']}"))
+        assert set(fact["uses"]) | set(fact["reads"]) <= set(params)
+        for param, (kind, function, path, line) in fact["reads"].items():
+            text = release_dir("vllm-0.33.0").joinpath(path).read_text()
+            assert f"{param}{kind}" in text.splitlines()[line - 1]
+            defs = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef) and n.name == function]
+            assert any(d.lineno <= line <= d.end_lineno for d in defs)

@@ -381,3 +381,31 @@ def test_a_sync_the_engine_allows_is_reported_only_where_the_device_value_is_mad
     found = _gl104(engine_tree)
     assert [(Path(f.path).parent.name, "blk(...) reads cu_seqlens with .tolist()" in f.message) for f in found] \
         == [("model", True)]
+
+
+def test_without_the_engine_installed_the_catalog_s_release_is_the_judge(tmp_path):
+    """vLLM not installed, no copy in the tree: MMEncoderAttention is judged by the catalog's pinned picture
+    (its wrappers call max_seqlen.item(), FlashAttention needs cu_seqlens on the device), and says so."""
+    engine_defs.clear()
+    layer = """\
+        import torch
+        from torch import nn
+        from vllm.model_executor.layers.attention import MMEncoderAttention
+
+
+        class PatchAttention(nn.Module):
+            def __init__(self, heads, dim):
+                super().__init__()
+                self.attn = MMEncoderAttention(heads, dim, scale=dim ** -0.5)
+
+            def forward(self, q, k, v, cu_seqlens, max_seqlen):
+                m = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
+                a = self.attn(query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=m)
+                return self.attn(query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        """
+    _write(tmp_path, {"model.py": layer})
+    (found,) = _gl104(tmp_path)
+    assert found.line == 13
+    assert found.note.startswith("MMEncoderAttention.forward_cuda() (judged against catalog: vllm 0.33.0) reads "
+                                 "its max_seqlen on the host (.item()): `flash_attn_maxseqlen_wrapper()` in "
+                                 "vllm/v1/attention/ops/vit_attn_wrappers.py:58.")
