@@ -96,6 +96,25 @@ READINGS = {
         "real under the FlashInfer encoder backend (chosen globally for every MMEncoderAttention): "
         "vit_flashinfer_wrapper asserts sequence_lengths is not None; FunASR's audio attention passes "
         "cu_seqlens and max_seqlen only",
+    ("vllm/model_executor/models/dots_ocr.py", 567, "GL104"):
+        "real: DotsVisionTransformer.forward builds cu_seqlens from grid_thw_tensor, made on hidden_states.device "
+        "(line 551), and compute_attn_mask_seqlen returns its device max under FLASH_ATTN/ROCM_AITER_FA/"
+        "TRITON_ATTN; every block hands it to MMEncoderAttention, whose wrappers call .item(): one sync per "
+        "block, which paddleocr_vl.py avoids by taking the max before the copy",
+    ("vllm/model_executor/models/funaudiochat.py", 168, "GL104"):
+        "real: FunAudioChatAudioAttention.forward computes max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max() "
+        "in every layer on the device offsets the encoder builds from its padded mask (line 345) and hands it to "
+        "MMEncoderAttention, whose FlashAttention and Triton wrappers call max_seqlen.item(): one sync per layer, "
+        "the thing paddleocr_vl.py's comment (line 799) says it avoids by computing max_seqlen before the copy",
+    ("vllm/model_executor/models/keye.py", 431, "GL104"):
+        "real: KeyeSiglipAttention.forward takes the max of the device cu_seqlens (async_tensor_h2d, line 1287) in "
+        "every layer (line 402) and MMEncoderAttention reads it with .item() on the FA/Triton paths",
+    ("vllm/model_executor/models/openpangu_vl.py", 155, "GL104"):
+        "real: the vision attention takes the max of cu_seqlens, which the tower moves .to(x.device) (line 563), "
+        "in every block and MMEncoderAttention reads it with .item() on the FA/Triton paths",
+    ("vllm/model_executor/models/siglip2navit.py", 263, "GL104"):
+        "real: Siglip2Attention.forward takes the max of the device cu_seqlens (repeat_interleave of the device "
+        "grid, line 520) in every layer; MMEncoderAttention reads it with .item() on the FA/Triton paths",
     ("vllm/model_executor/models/funaudiochat.py", 168, "GL101"):
         "real under the FlashInfer backend: the audio attention passes no sequence_lengths (bare assert)",
     ("vllm/model_executor/models/glm_ocr.py", 196, "GL101"):
@@ -203,7 +222,19 @@ def measure_one_file(label: str, path: Path, repeat: int) -> dict:
 
 # What changed in the findings since the previous committed reading, and why.
 CHANGES = (
-    "Changes from the reading of 2026-12-02 16:46 UTC: sglang-0.5.23 `midashenglm.py:189` GL109 is no longer "
+    "Changes from the reading of 2026-12-03 (commit 0cdb2e0): GL104 now follows a module a layer holds "
+    "(`self.attn = MMEncoderAttention(...)`, then `self.attn(...)`) into the method its CustomOp forward "
+    "dispatches to, the engine modules it imports and `torch.ops.vllm.*` calls to the function registered as "
+    "that op, layer loops over `self.blocks` into the block class, and what a helper returns "
+    "(`max_seqlen = self.compute_attn_mask_seqlen(cu_seqlens)`). vLLM 0.33.0: 19 -> 24, the 5 new findings "
+    "one pattern (a device max of the offsets handed to MMEncoderAttention, which calls .item() on it in every "
+    "layer: 4 computed in the layer, dots_ocr once before the block loop), all real. Read and kept out by a fact, not a "
+    "name: MMEncoderAttention's own SDPA path (.tolist() of the offsets it was given, inside vLLM's "
+    "`with gpu_sync_allowed():`), the CPU platform's forward_cpu (host tensors), moonvit/kimi_k25_vit (the "
+    "maximum is computed only when the caller passes none, and the caller passes one), radio (offsets from "
+    "its caller's metadata), paddleocr_vl (the maximum is taken before the copy to the device, as its "
+    "comment says). sglang 0.5.23 and 0.5.10.post1: unchanged. "
+    "Before that, from the reading of 2026-12-02 16:46 UTC: sglang-0.5.23 `midashenglm.py:189` GL109 is no longer "
     "reported: DashengAttention builds its VisionAttention with the constant `qkv_backend=\"sdpa\"`, whose "
     "forward does no host read when handed a padding mask (sglang's `--mm-attention-backend` can override that "
     "constant at run time, and under a varlen backend the per-block `.item()` would be real; the linter judges "

@@ -213,7 +213,10 @@ class PerLayerHostSync:
             return None
         entry = self._funcs[-1]
         if entry[1] is None:
-            entry[1] = _build(entry[0])
+            scope = ".".join(self._scope)
+            returns = {text: r for (kind, where, text), r in (
+                (k, v) for k, v in (self.callees or {}).items() if len(k) == 3) if kind == "=" and where == scope}
+            entry[1] = _build(entry[0], (lambda call: _returned(returns, call)) if returns else None)
         return entry[1] or None
 
     def visit_For(self, node: cst.For) -> None:
@@ -596,14 +599,21 @@ def _given(value: cst.BaseExpression, params: set) -> bool:
     return isinstance(value, cst.Name) and value.value in params
 
 
-def _build(func: cst.FunctionDef):
+def _build(func: cst.FunctionDef, returns=None):
     """``Values(func)``, or False where the walk is too deep for the interpreter's stack. Past a test of
     prepared metadata (``if forward_metadata is not None:``) values are those of the prepared branch:
-    the fallback branch runs for callers that pass no metadata, and those are reported (GL109)."""
+    the fallback branch runs for callers that pass no metadata, and those are reported (GL109).
+    ``returns``: what the callee summaries know of the values some calls return (``summaries.Returns``)."""
     try:
-        return Values(func, _prepared)
+        return Values(func, _prepared, returns=returns)
     except RecursionError:
         return False
+
+
+def _returned(returns: dict, call: cst.Call) -> Optional[list]:
+    """The arguments of ``call`` its definition's device result derives from, where the summaries know."""
+    got = returns.get(callee_text(call.func))
+    return got.bind(call.args) if got is not None else None
 
 
 def _prepared(test: cst.BaseExpression) -> Optional[bool]:

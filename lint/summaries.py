@@ -104,6 +104,10 @@ class Root:
     # of ``positions`` and ``keywords``, those that pass a parameter of the def it never stores to: through a
     # held module such an argument is its caller's fact (``Callee.held``), so no reason to check the call
     passed_on: tuple = ()
+    # a call whose result the def hands to a layer-loop call (``m = self.compute_max(cu)``, then ``blk(x, m)``):
+    # not a read, a value; the run asks whether its definition returns a device value derived from what it
+    # is handed (``Returns``)
+    value: bool = False
 
 
 @dataclass
@@ -267,6 +271,11 @@ class _Sketch:
             keywords = tuple(k.arg for k in node.keywords if k.arg and _derives(k.value, taint))
             ref = self._ref(node.func, funcs, method) if positions or keywords else None
             callee = callee_text(node.func)
+            if ref is not None and callee is not None and ref[0] == "each" and funcs:
+                made = self._value_roots(funcs[-1], node, scope, method)
+                positions = tuple(sorted({*positions, *(i for i, a in enumerate(args) if _name_of(a) in made)}))
+                keywords = tuple(k.arg for k in node.keywords if k.arg and (
+                    k.arg in keywords or _name_of(k.value) in made))
             if ref is not None and callee is not None:
                 given = tuple(i for i, a in enumerate(args) if not _is_none(a)) \
                     + tuple(k.arg for k in node.keywords if k.arg and not _is_none(k.value))
@@ -319,6 +328,36 @@ class _Sketch:
         if any(base.split(".")[0] in self._bound(f) for f in funcs):
             return None
         return ("attr", base, func.attr)
+
+    def _value_roots(self, func: Any, call: ast.Call, scope: list, method) -> set:
+        """The calls of ``func`` whose result alone is assigned to a name the layer-loop call ``call`` hands
+        on (``m = self.compute_max(cu)``), as value roots (once per def); the names so assigned."""
+        handed = {a.id for a in (*call.args, *(k.value for k in call.keywords)) if type(a) is ast.Name}
+        key = (id(func), "values")
+        done = self._loops.setdefault(key, {})
+        taint = self._taint(func)
+        made: set = set()
+        for node in ast.walk(func):
+            if type(node) is not ast.Assign or len(node.targets) != 1 or type(node.targets[0]) is not ast.Name \
+                    or node.targets[0].id not in handed or type(node.value) is not ast.Call or node.value is call:
+                continue
+            if id(node) in done:
+                if done[id(node)]:
+                    made.add(node.targets[0].id)
+                continue
+            done[id(node)] = False
+            value = node.value
+            ref = self._ref(value.func, [func], method) if type(value.func) in _CALLEE_FORMS else None
+            callee = callee_text(value.func)
+            args = list(takewhile(_not_starred, value.args))
+            positions = tuple(i for i, arg in enumerate(args) if _derives(arg, taint))
+            keywords = tuple(k.arg for k in value.keywords if k.arg and _derives(k.value, taint))
+            if ref is not None and callee is not None and (positions or keywords):
+                self.facts.roots.append(Root(".".join(scope), callee, ref, positions, keywords, (),
+                                             (value.lineno, value.col_offset + 1), (), True))
+                done[id(node)] = True
+                made.add(node.targets[0].id)
+        return made
 
     def _fixed_params(self, func: Any) -> frozenset:
         """The parameters of ``func`` its body stores to nowhere but where they are None (the body of
@@ -703,6 +742,33 @@ class Summary:
     # parameters it (or a callee) hands to a kernel the summaries cannot follow: it needs them on the device,
     # so a host read of one on another path is its own cost, which no caller can spare
     uses: frozenset = frozenset()
+    returns: frozenset = frozenset()  # parameters a device value it returns derives from
+
+
+@dataclass(frozen=True)
+class Returns:
+    """What a call's definition returns: a device value derived from the arguments it binds to ``params``
+    (of the definition's ``all_params``, the first ``skip`` bound by the call form itself)."""
+
+    all_params: tuple
+    skip: int
+    params: frozenset
+
+    def bind(self, args) -> list:
+        """The arguments (libcst ``Arg``s) of a call that fill the returned parameters."""
+        out = []
+        at: Optional[int] = self.skip
+        for arg in args:
+            if arg.keyword is not None:
+                if arg.keyword.value in self.params:
+                    out.append(arg.value)
+            elif arg.star:
+                at = None
+            elif at is not None:
+                if at < len(self.all_params) and self.all_params[at] in self.params:
+                    out.append(arg.value)
+                at += 1
+        return out
 
 
 @dataclass(frozen=True)
@@ -1033,9 +1099,17 @@ class Summaries:
                     edges.append((text, (target[0].path, target[1]), target[2], target[3], held))
                     todo.append(target)
         exact = _callers({k for k, (_, fn) in funcs.items() if fn.reads_text or k in self._pinned_reads}, graph)
+        exact |= {(t[0].path, t[1]) for _, root, targets in roots if root.value for t in targets} & funcs.keys()
         summaries = self._exact({k: funcs[k] for k in exact}, graph, _kernel_uses(funcs, graph))
         out: dict = {}
         for f, root, targets in roots:
+            if root.value:  # what the definition returns, for the value model at the def
+                for tf, qual, skip, _ in targets[:1]:
+                    s = summaries.get((tf.path, qual))
+                    if s is not None and s.returns:
+                        table, _ = out.setdefault(f.path, ({}, set()))
+                        table[("=", root.scope, root.callee)] = Returns(s.params, skip, s.returns)
+                continue
             found = []
             held = self._held(f, root.ref)
             for tf, qual, skip, entry in targets:
@@ -1080,7 +1154,7 @@ class Summaries:
     def _exact(self, funcs: dict, graph: dict, uses: dict) -> dict:
         """The summaries of ``funcs`` (those with a path to a host read) from the value model, to a fixed
         point over their calls: a read reaches the caller whose parameter the call passes to it."""
-        reads, calls = {}, {}
+        reads, calls, returns = {}, {}, {}
         keys = [k for k in funcs if k not in self._pinned_reads]
         reads.update({k: dict(v) for k, v in self._pinned_reads.items() if k in funcs})
         found = self._read_all([(self._read(funcs[k][0].path), funcs[k][1]) for k in keys]) if keys else []
@@ -1089,6 +1163,7 @@ class Summaries:
             if got is not None:
                 reads[key] = {p: Read(kind, ((fn.qualname, f.path, at, ""),), unless, False, allowed)
                               for p, (kind, unless, at, allowed) in got[0].items()}
+                returns[key] = got[2]
                 targets: dict = {}
                 for text, t, skip, entry, held in graph.get(key, ()):
                     if t in funcs:
@@ -1120,7 +1195,7 @@ class Summaries:
                                 changed = True
         return {key: Summary(fn.qualname, f.path, fn.line, fn.params, fn.keywords, fn.kwargs, reads[key],
                              fn.forwards, fn.requires, fn.ignores, self._label(f.path, reads[key]),
-                             frozenset(uses.get(key, ())))
+                             frozenset(uses.get(key, ())), returns.get(key, frozenset()))
                 for key, (f, fn) in funcs.items() if key in reads}
 
 
@@ -1193,10 +1268,10 @@ def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
     import libcst as cst
     from libcst.metadata import PositionProvider
 
-    from .host_sync import _prepared, _tests_metadata, bare_copy, callee_text, host_copy
+    from .host_sync import _prepared, _stored, _tests_metadata, bare_copy, callee_text, host_copy
     from .names import dotted, is_none
     from .patterns import CASTS, SYNC_METHODS
-    from .values import DEVICE, UNKNOWN_VALUE, Value, Values
+    from .values import DEVICE, UNKNOWN_VALUE, Value, Values, join
     from .walk import children
 
     start, end = _span(_line_starts(data), *fn.lines)
@@ -1232,12 +1307,23 @@ def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
 
     direct: dict = {}
     calls = []
+    returned: set = set()
     stack: list = [(node.body, False, frozenset(), False)]  # (children are pushed reversed: source order)
     while stack:
         n, fallback, guard, allowed = stack.pop()
         if isinstance(n, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
             continue
         fallback = fallback or (isinstance(n, cst.If) and _tests_metadata(n.test))
+        if isinstance(n, cst.Return) and n.value is not None and not is_none(n.value):
+            v = model.of(n.value)
+            stores = _stored(node, n.value.value) if isinstance(n.value, cst.Name) else None
+            others = [e for e in stores or () if not is_none(e)]
+            if others and len(others) < len(stores or ()):  # ``m = None; if ...: m = f(cu); return m``
+                v = model.of(others[0])
+                for e in others[1:]:
+                    v = join(v, model.of(e))
+            if v.where == DEVICE and v.source in params:
+                returned.add(v.source)
         allowed = allowed or (isinstance(n, cst.With) and any(
             isinstance(i.item, cst.Call) and (dotted(i.item.func) or "").rpartition(".")[2] in SYNC_ALLOWED
             for i in n.items))
@@ -1273,7 +1359,7 @@ def read_facts(data: bytes, fn: FuncFacts) -> Optional[tuple]:
                 calls.append((text, guard, positional, keywords, splat, line(n)))
         stack.extend((child, fallback, guard | extra, allowed)
                      for child, extra in reversed(_branches(n, params, children)))
-    return direct, calls
+    return direct, calls, frozenset(returned)
 
 
 # Callees that are no kernel: torch's and numpy's generic functions and Python's builtins. A parameter handed to

@@ -262,8 +262,12 @@ class Values:
     ``seed``); a callee's summary asks "if this parameter were a device tensor" (``summaries.py``)."""
 
     def __init__(self, func: cst.FunctionDef, assume: Optional[Callable[[cst.BaseExpression], Optional[bool]]] = None,
-                 param_seed: Callable[[str], Value] = seed):
+                 param_seed: Callable[[str], Value] = seed,
+                 returns: Optional[Callable[[cst.Call], Optional[list]]] = None):
         self._assume = assume
+        # ``returns(call)``: the arguments of a call whose definition returns a device value derived from
+        # them (the callee summaries' ``Returns``), or None where nothing is known of it
+        self._returns = returns
         self._uses: dict[int, Value] = {}
         self._scoped: set[str] = set()  # global and nonlocal names: not this function's to follow
         self._loops: list[tuple[list, list]] = []  # (envs at break, envs at continue) per enclosing loop
@@ -673,6 +677,13 @@ class Values:
                 positional.append(v)
             else:
                 positional.append(element(v) if arg.star == "*" else UNKNOWN_VALUE)
+        returned = self._returns(node) if self._returns is not None else None
+        if returned:
+            out: Optional[Value] = None
+            for expr in returned:
+                out = join(out, self._value(expr, env))
+            if out is not None and out.where == DEVICE:
+                return Value(DEVICE, out.source)
         if isinstance(func, cst.Name):
             return self._builtin(func.value, node, positional, env)
         if not isinstance(func, cst.Attribute):

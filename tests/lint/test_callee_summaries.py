@@ -399,7 +399,8 @@ def test_callee_summaries_read_facts_follow_values_not_names():
     data = source.encode()
     facts = summaries.sketch(ast.parse(data), data, "m.py", "m", False)
     fn = summaries._Sketch(ast.parse(data), data, "m.py", "m", False, facts).function("f")
-    direct, calls = summaries.read_facts(data, fn)
+    direct, calls, returned = summaries.read_facts(data, fn)
+    assert returned == frozenset()  # g's result: not known here
     assert fn.kernel == frozenset()  # g is the file's (followed): cu goes to no kernel
     # (``host.cpu()`` copies what the caller passes: a sync where that is a device tensor)
     assert direct == {"cu": (".tolist()", frozenset({"bounds"}), 5, False), "host": (".cpu()", frozenset(), 2, False)}

@@ -409,3 +409,28 @@ def test_without_the_engine_installed_the_catalog_s_release_is_the_judge(tmp_pat
     assert found.note.startswith("MMEncoderAttention.forward_cuda() (judged against catalog: vllm 0.33.0) reads "
                                  "its max_seqlen on the host (.item()): `flash_attn_maxseqlen_wrapper()` in "
                                  "vllm/v1/attention/ops/vit_attn_wrappers.py:58.")
+
+
+# -- a value the model's helper returns ------------------------------------------------------------------------
+HELPER = """\
+
+
+        def compute_max(self, cu_seqlens):
+            max_seqlen = None
+            if self.flash:
+                max_seqlen = {made}
+            return max_seqlen
+"""
+
+
+@pytest.mark.parametrize("made, reported", [
+    ("(cu_seqlens[1:] - cu_seqlens[:-1]).max()", True),  # a device maximum (or None)
+    ("int((cu_seqlens[1:] - cu_seqlens[:-1]).max())", False),  # read once per forward: a host int
+], ids=["device", "host"])
+def test_a_helper_s_returned_device_max_handed_to_every_block(engine_tree, made, reported):
+    tower = _tower("cu_seqlens = torch.tensor(grid, device=x.device).cumsum(0)\nm = self.compute_max(cu_seqlens)")
+    tower = tower.replace("\n    def forward(self, x, grid, lengths):", textwrap.indent(
+        textwrap.dedent(HELPER).format(made=made), "    ") + "\n    def forward(self, x, grid, lengths):")
+    _write(engine_tree, {"model/__init__.py": "", "model/tower.py": tower})
+    found = [f for f in _gl104(engine_tree) if Path(f.path).parent.name == "model"]
+    assert [("blk(...) reads m with .item()" in f.message) for f in found] == ([True] if reported else [])
