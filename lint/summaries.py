@@ -119,6 +119,10 @@ class FileFacts:
     classes: dict  # class qualname -> (bases as written, {method: parameters a call through self binds})
     functions: dict = field(default_factory=dict)  # qualname -> FuncFacts, those sketched so far
     roots: list = field(default_factory=list)
+    # class qualname -> its ``_members``, for the classes whose held modules this file's roots call (read
+    # where the file is parsed anyway, so the run need not parse it again)
+    members: dict = field(default_factory=dict)
+    plain: set = field(default_factory=set)  # classes whose own forward dispatches to nothing (no CustomOp)
     ops: dict = field(default_factory=dict)  # custom op name -> the def registered as it (``torch.ops.ns.<name>``)
 
 
@@ -214,6 +218,9 @@ class _Sketch:
                            for item in node.body if type(item) in (ast.FunctionDef, ast.AsyncFunctionDef)}
                 self.facts.classes.setdefault(qual, (tuple(filter(None, map(_dotted, node.bases))), methods))
                 self.class_nodes.setdefault(qual, node)
+                forward = next((i for i in node.body if type(i) is ast.FunctionDef and i.name == "forward"), None)
+                if forward is not None and not _may_dispatch(forward):
+                    self.facts.plain.add(qual)
                 self._index(node.body, qual + ".", qual)
             elif t is ast.FunctionDef or t is ast.AsyncFunctionDef:
                 self.defs[prefix + node.name] = (node, cls)
@@ -433,7 +440,16 @@ class _Sketch:
 
     # -- functions -------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Sketches the functions of this file its roots reach without leaving it (``build`` goes on)."""
+        """Sketches the functions of this file its roots reach without leaving it (``build`` goes on), and
+        reads the members of the classes whose held modules the roots call (and of the file's classes those
+        hold, in turn)."""
+        owners = [r.ref[1] for r in self.facts.roots if r.ref[0] in ("self", "each")]
+        while owners:
+            cls = owners.pop()
+            if cls in self.facts.members or cls not in self.class_nodes:
+                continue
+            got = self.facts.members[cls] = _members(self.class_nodes[cls])
+            owners.extend(written for made in got.values() for _, written in made if written in self.class_nodes)
         todo = [r.ref for r in self.facts.roots]
         seen: set = set()
         while todo:
@@ -511,6 +527,14 @@ class _Sketch:
 
 _CALLEE_FORMS = (ast.Name, ast.Attribute, ast.Subscript, ast.Call)  # f(), m.f(), T[key](), T.get(key)()
 _CONTAINERS = ("ModuleList", "Sequential")  # torch.nn containers whose elements a loop over them calls
+
+
+def _may_dispatch(forward: Any) -> bool:
+    """A forward whose body (docstring aside) is one ``return <receiver>.<attribute>(...)``: it may call the
+    method its instance picked (``engine_defs._dispatch`` decides)."""
+    body = [b for b in forward.body if not (type(b) is ast.Expr and type(b.value) is ast.Constant)]
+    return len(body) == 1 and type(body[0]) is ast.Return and type(body[0].value) is ast.Call \
+        and type(body[0].value.func) is ast.Attribute
 
 
 def _name_of(node: Any) -> Optional[str]:
@@ -957,6 +981,8 @@ class Summaries:
         """{attribute: frozenset of (kind, constructor as written)} of the class ``cls`` of ``f``: what its
         methods store in ``self.<attribute>``, ``("one", "Cls")`` for ``Cls(...)``, ``("each", "Cls")`` for a
         list of them (``nn.ModuleList([Cls(...) for _ in ...])``); only constructor calls; read once a class."""
+        if cls in f.members:
+            return f.members[cls]
         key = (f.path, cls)
         if key not in self._member_cache:
             path = os.path.normpath(f.path)
@@ -1001,6 +1027,8 @@ class Summaries:
     def _dispatch_targets(self, f: FileFacts, cls: str) -> Optional[frozenset]:
         """The methods a call of an instance of ``cls`` runs in place of its forward where that forward
         dispatches (``engine_defs.forward_targets``), read from this run's tree of its file."""
+        if cls in f.plain:
+            return frozenset()
         path = os.path.normpath(f.path)
         if path not in self._sketches:
             self._parse(path, f.module, f.module == f.package, f)
