@@ -766,7 +766,6 @@ class Summary:
     # parameters it (or a callee) hands to a kernel the summaries cannot follow: it needs them on the device,
     # so a host read of one on another path is its own cost, which no caller can spare
     uses: frozenset = frozenset()
-    returns: frozenset = frozenset()  # parameters a device value it returns derives from
 
 
 @dataclass(frozen=True)
@@ -1103,8 +1102,12 @@ class Summaries:
         roots: list = []
         graph: dict = {}  # key (path, qualname) -> [(callee as written, key, skip)]
         funcs: dict = {}  # key -> (FileFacts, FuncFacts)
+        values: list = []  # value roots: resolved only for a def that has a site (below)
         for f in list(self._by_path.values()):
             for root in f.roots:
+                if root.value:
+                    values.append((f, root))
+                    continue
                 if len(root.passed_on) == len(root.positions) + len(root.keywords) and self._held(f, root.ref):
                     continue  # a held module handed only what the def was given: its caller's fact
                 targets = self.resolve_all(f, root.ref)
@@ -1127,17 +1130,9 @@ class Summaries:
                     edges.append((text, (target[0].path, target[1]), target[2], target[3], held))
                     todo.append(target)
         exact = _callers({k for k, (_, fn) in funcs.items() if fn.reads_text or k in self._pinned_reads}, graph)
-        exact |= {(t[0].path, t[1]) for _, root, targets in roots if root.value for t in targets} & funcs.keys()
         summaries = self._exact({k: funcs[k] for k in exact}, graph, _kernel_uses(funcs, graph))
         out: dict = {}
         for f, root, targets in roots:
-            if root.value:  # what the definition returns, for the value model at the def
-                for tf, qual, skip, _ in targets[:1]:
-                    s = summaries.get((tf.path, qual))
-                    if s is not None and s.returns:
-                        table, _ = out.setdefault(f.path, ({}, set()))
-                        table[("=", root.scope, root.callee)] = Returns(s.params, skip, s.returns)
-                continue
             found = []
             held = self._held(f, root.ref)
             for tf, qual, skip, entry in targets:
@@ -1157,7 +1152,23 @@ class Summaries:
                 table, sites = out.setdefault(f.path, ({}, set()))
                 table[(root.scope, root.callee)] = tuple(found)
                 sites.add(root.at)
+        self._returns(values, out)
         return out
+
+    def _returns(self, values: list, out: dict) -> None:
+        """What the definitions of the value roots return (``Returns``), for the defs where a call is checked
+        (a site): a device value derived from which parameters, read from each definition alone."""
+        wanted = []
+        for f, root in values:
+            if f.path in out and any(len(k) == 2 and k[0] == root.scope for k in out[f.path][0]):
+                for tf, qual, skip, _ in self.resolve_all(f, root.ref)[:1]:
+                    fn = self.function(tf, qual)
+                    if fn is not None:
+                        wanted.append((f, root, tf, fn, skip))
+        found = self._read_all([(self._read(tf.path), fn) for _, _, tf, fn, _ in wanted]) if wanted else []
+        for (f, root, _, fn, skip), got in zip(wanted, found):
+            if got is not None and got[2]:
+                out[f.path][0][("=", root.scope, root.callee)] = Returns(fn.params, skip, got[2])
 
     def _checked_place(self, f: FileFacts, fn: FuncFacts) -> bool:
         """``fn`` is the forward of a layer class of the scanned tree: a per-layer place GL104 checks."""
@@ -1182,7 +1193,7 @@ class Summaries:
     def _exact(self, funcs: dict, graph: dict, uses: dict) -> dict:
         """The summaries of ``funcs`` (those with a path to a host read) from the value model, to a fixed
         point over their calls: a read reaches the caller whose parameter the call passes to it."""
-        reads, calls, returns = {}, {}, {}
+        reads, calls = {}, {}
         keys = [k for k in funcs if k not in self._pinned_reads]
         reads.update({k: dict(v) for k, v in self._pinned_reads.items() if k in funcs})
         found = self._read_all([(self._read(funcs[k][0].path), funcs[k][1]) for k in keys]) if keys else []
@@ -1191,7 +1202,6 @@ class Summaries:
             if got is not None:
                 reads[key] = {p: Read(kind, ((fn.qualname, f.path, at, ""),), unless, False, allowed)
                               for p, (kind, unless, at, allowed) in got[0].items()}
-                returns[key] = got[2]
                 targets: dict = {}
                 for text, t, skip, entry, held in graph.get(key, ()):
                     if t in funcs:
@@ -1223,7 +1233,7 @@ class Summaries:
                                 changed = True
         return {key: Summary(fn.qualname, f.path, fn.line, fn.params, fn.keywords, fn.kwargs, reads[key],
                              fn.forwards, fn.requires, fn.ignores, self._label(f.path, reads[key]),
-                             frozenset(uses.get(key, ())), returns.get(key, frozenset()))
+                             frozenset(uses.get(key, ())))
                 for key, (f, fn) in funcs.items() if key in reads}
 
 
