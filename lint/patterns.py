@@ -308,6 +308,15 @@ def names_metadata_per_layer(data: bytes) -> bool:
     return False
 
 
+def may_call(data: bytes) -> bool:
+    """A file that the textual pre-filter has just turned down (``RuleSet.may_match``) can hold a per-layer
+    call with metadata (the callee summaries' roots, ``summaries.py``): GL104's part of it got to its per-layer
+    test (the text names metadata and has a per-layer place), and a name of metadata is in code run per layer
+    (``names_metadata_per_layer``). (The files parsed anyway are sketched whatever their text: the sketch finds
+    its places itself.)"""
+    return reached_places(data) and names_metadata_per_layer(data)
+
+
 # GL104 per-layer-host-sync. Names of host-read metadata: cu_seqlens, cu_seqlens_q, seq_lens,
 # extend_seq_lens, seqlens, seg_lens, seg_indptr ... Names ending in _cpu/_host/_list already live on
 # the host (sglang's seq_lens_cpu), so reading them back is no sync.

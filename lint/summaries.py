@@ -34,7 +34,7 @@ from guardlint.contracts import catalog
 
 from .engine_defs import (catalog_label, class_forward_targets, engine_of, find, forward_targets,
                           imports_of)
-from .patterns import PATTERNS, is_layer_class, is_seqlen_name, names_metadata_per_layer, reached_places
+from .patterns import PATTERNS, is_layer_class, is_seqlen_name
 from .prefilter import HOST_SYNC, _NO_TAINT, _derives, _dotted, _loops_over_layers, _tainted
 
 # A host read in a function's text: what GL104 reads (``host_sync._host_read``) and no more (``x.float()``
@@ -53,14 +53,6 @@ _LARGE = 512 * 1024
 # ("self", class qualname, method) | ("name", name) | ("attr", dotted base, name) | ("table", name): every
 # function entry of the module-level dict ``name`` (``TABLE[key](...)``, ``TABLE.get(key)(...)``, ``fn = TABLE[key]``)
 Ref = tuple
-
-
-def may_call(data: bytes) -> bool:
-    """A file that the textual pre-filter has just turned down (``RuleSet.may_match``) can hold a per-layer
-    call with metadata: GL104's part of it got to its per-layer test (the text names metadata and has a
-    per-layer place), and a name of metadata is in code run per layer (``names_metadata_per_layer``).
-    (The files parsed anyway are sketched whatever their text: the sketch finds its places itself.)"""
-    return reached_places(data) and names_metadata_per_layer(data)
 
 
 # -- facts of one file (CPython's tree) ------------------------------------------------------------------
