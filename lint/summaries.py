@@ -445,11 +445,23 @@ class _Sketch:
         todo = [r.ref for r in self.facts.roots]
         seen: set = set()
         while todo:
-            qual = self._local(todo.pop())
-            if qual is not None and qual not in seen:
-                seen.add(qual)
-                fn = self.function(qual)
-                todo.extend(fn.calls.values() if fn is not None else ())
+            ref = todo.pop()
+            local = self._local(ref)
+            for qual in [local] if local is not None else self._held_local(ref):
+                if qual not in seen:
+                    seen.add(qual)
+                    fn = self.function(qual)
+                    todo.extend(fn.calls.values() if fn is not None else ())
+
+    def _held_local(self, ref: Ref) -> list:
+        """The forwards of this file's classes that a held module of ``ref`` runs, where a class of this file
+        constructs it and defines a forward that dispatches to nothing (the run reads the rest)."""
+        if ref[0] not in ("self", "each") or ref[1] not in self.facts.members:
+            return []
+        kind = "one" if ref[0] == "self" else "each"
+        made = self.facts.members[ref[1]].get(ref[2], ())
+        return [f"{written}.forward" for k, written in made
+                if k == kind and written in self.facts.plain and f"{written}.forward" in self.defs]
 
     def _local(self, ref: Ref) -> Optional[str]:
         if ref[0] == "table":
