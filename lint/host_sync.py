@@ -34,7 +34,7 @@ import libcst as cst
 from guardlint.contracts import Contract
 
 from .findings import MESSAGE_WIDTH, message, per_layer_place
-from .names import dotted, is_none
+from .names import dotted, is_none, stored_names
 from .patterns import CASTS, LAYER_LOOP_NAME, SYNC_METHODS, is_layer_class, is_seqlen_name
 from .summaries import reported_there, defaulted_params
 from .values import DEVICE, Values, join
@@ -525,33 +525,14 @@ def _forward_targets(module: Optional[cst.Module], owner: cst.ClassDef, near: Op
 
 
 def _rebound(func: cst.FunctionDef) -> frozenset:
-    """The names ``func``'s own body stores to (assignments, augmented ones, loop and ``with`` targets,
-    ``:=``), nested defs and classes left out."""
+    """The names ``func``'s own body stores to (``names.stored_names``), nested defs and classes left out."""
     out: set = set()
     stack: list = [func.body]
     while stack:
         node = stack.pop()
         if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
             continue
-        targets: list = []
-        if isinstance(node, cst.AssignTarget):
-            targets.append(node.target)
-        elif isinstance(node, (cst.AugAssign, cst.AnnAssign)) and (not isinstance(node, cst.AnnAssign) or node.value):
-            targets.append(node.target)
-        elif isinstance(node, (cst.For, cst.CompFor)):
-            targets.append(node.target)
-        elif isinstance(node, cst.AsName):
-            targets.append(node.name)
-        elif isinstance(node, cst.NamedExpr):
-            targets.append(node.target)
-        while targets:
-            t = targets.pop()
-            if isinstance(t, cst.Name):
-                out.add(t.value)
-            elif isinstance(t, (cst.Tuple, cst.List)):
-                targets.extend(e.value for e in t.elements)
-            elif isinstance(t, cst.StarredElement):
-                targets.append(t.value)
+        out.update(n.value for n in stored_names(node))
         stack.extend(children(node))
     return frozenset(out)
 

@@ -100,6 +100,33 @@ def dotted(expr: cst.BaseExpression) -> Optional[str]:
     return None
 
 
+def stored_names(node: cst.CSTNode) -> list:
+    """The names ``node`` itself stores to, if it is a binding: an assignment's target, an augmented or
+    annotated one (with a value), a loop's or comprehension's target, ``with ... as``/``except ... as`` names and
+    ``:=`` (tuple and starred targets unpacked); [] for any other node."""
+    targets: list = []
+    if isinstance(node, cst.AssignTarget):
+        targets.append(node.target)
+    elif isinstance(node, cst.AugAssign) or (isinstance(node, cst.AnnAssign) and node.value is not None):
+        targets.append(node.target)
+    elif isinstance(node, (cst.For, cst.CompFor)):
+        targets.append(node.target)
+    elif isinstance(node, cst.AsName):
+        targets.append(node.name)
+    elif isinstance(node, cst.NamedExpr):
+        targets.append(node.target)
+    out: list = []
+    while targets:
+        t = targets.pop()
+        if isinstance(t, cst.Name):
+            out.append(t)
+        elif isinstance(t, (cst.Tuple, cst.List)):
+            targets.extend(e.value for e in t.elements)
+        elif isinstance(t, cst.StarredElement):
+            targets.append(t.value)
+    return out
+
+
 def is_none(expr: Optional[cst.BaseExpression]) -> bool:
     return isinstance(expr, cst.Name) and expr.value == "None"
 

@@ -1455,6 +1455,7 @@ def _defaulted(func, params: frozenset) -> frozenset:
     None."""
     import libcst as cst
 
+    from .names import stored_names
     from .walk import children
 
     stores: dict = {}  # parameter -> stored to outside its own None branch
@@ -1463,25 +1464,9 @@ def _defaulted(func, params: frozenset) -> frozenset:
         node, none = stack.pop()
         if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
             continue
-        targets: list = []
-        if isinstance(node, cst.AssignTarget):
-            targets.append(node.target)
-        elif isinstance(node, cst.AugAssign) or (isinstance(node, cst.AnnAssign) and node.value is not None):
-            targets.append(node.target)
-        elif isinstance(node, (cst.For, cst.CompFor)):
-            targets.append(node.target)
-        elif isinstance(node, cst.AsName):
-            targets.append(node.name)
-        elif isinstance(node, cst.NamedExpr):
-            targets.append(node.target)
-        while targets:
-            t = targets.pop()
-            if isinstance(t, cst.Name) and t.value in params:
+        for t in stored_names(node):
+            if t.value in params:
                 stores[t.value] = stores.get(t.value, False) or t.value not in none
-            elif isinstance(t, (cst.Tuple, cst.List)):
-                targets.extend(e.value for e in t.elements)
-            elif isinstance(t, cst.StarredElement):
-                targets.append(t.value)
         for child, extra in _branches(node, params, children):
             stack.append((child, none | extra))
     return frozenset(p for p, outside in stores.items() if not outside)
