@@ -101,6 +101,14 @@ READINGS = {
         "(line 551), and compute_attn_mask_seqlen returns its device max under FLASH_ATTN/ROCM_AITER_FA/"
         "TRITON_ATTN; every block hands it to MMEncoderAttention, whose wrappers call .item(): one sync per "
         "block, which paddleocr_vl.py avoids by taking the max before the copy",
+    ("vllm/model_executor/models/qwen3_omni_moe_thinker.py", 553, "GL104"):
+        "real: the audio encoder puts cu_seqlens on the device (async_tensor_h2d(..., device=aftercnn_lens.device), "
+        "line 545) and compute_attn_mask_seqlen returns its device max under the FA/Triton backends; every "
+        "encoder layer's MMEncoderAttention reads it with .item()",
+    ("vllm/model_executor/models/qwen3_omni_moe_thinker.py", 1038, "GL104"):
+        "real: the vision tower moves cu_seqlens to the device (async_tensor_h2d, line 1017; the comment above the "
+        "numpy copy says it avoids a GPU->CPU sync), but max_seqlen = compute_attn_mask_seqlen(cu_seqlens) is a "
+        "device max under the FA/Triton backends, read with .item() by every block's MMEncoderAttention",
     ("vllm/model_executor/models/funaudiochat.py", 168, "GL104"):
         "real: FunAudioChatAudioAttention.forward computes max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max() "
         "in every layer on the device offsets the encoder builds from its padded mask (line 345) and hands it to "
@@ -226,9 +234,10 @@ CHANGES = (
     "(`self.attn = MMEncoderAttention(...)`, then `self.attn(...)`) into the method its CustomOp forward "
     "dispatches to, the engine modules it imports and `torch.ops.vllm.*` calls to the function registered as "
     "that op, layer loops over `self.blocks` into the block class, and what a helper returns "
-    "(`max_seqlen = self.compute_attn_mask_seqlen(cu_seqlens)`). vLLM 0.33.0: 19 -> 24, the 5 new findings "
+    "(`max_seqlen = self.compute_attn_mask_seqlen(cu_seqlens)`). vLLM 0.33.0: 19 -> 26, the 7 new findings "
     "one pattern (a device max of the offsets handed to MMEncoderAttention, which calls .item() on it in every "
-    "layer: 4 computed in the layer, dots_ocr once before the block loop), all real. Read and kept out by a "
+    "layer: 4 computed in the layer, dots_ocr and qwen3_omni_moe_thinker's two towers once before the loop), "
+    "all real. Read and kept out by a "
     "fact, not a name: MMEncoderAttention's own SDPA path (.tolist() of the offsets it was given, inside vLLM's "
     "`with gpu_sync_allowed():`), the CPU platform's forward_cpu (host tensors), moonvit/kimi_k25_vit (the "
     "maximum is computed only when the caller passes none, and the caller passes one), radio (offsets from "

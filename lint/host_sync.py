@@ -37,7 +37,7 @@ from .findings import MESSAGE_WIDTH, message, per_layer_place
 from .names import dotted, is_none, stored_names
 from .patterns import CASTS, LAYER_LOOP_NAME, SYNC_METHODS, is_layer_class, is_seqlen_name
 from .summaries import reported_there, defaulted_params
-from .values import DEVICE, Values, join
+from .values import DEVICE, UNKNOWN_VALUE, Values, join
 from .walk import children
 
 # The value map of a function when its reads need it: None where it cannot be built (too deep to walk).
@@ -311,10 +311,12 @@ class PerLayerHostSync:
             if not v.device or (held and (self._passed_on(arg) or param in callee.summary.uses)):
                 continue
             w = self._unless_none(arg, model, v) if held else v
-            if held and not (w.where == DEVICE and (not w.source or self._handed_as_is(w.source, passed, callee))):
-                # on the device by a fact: made there (``device=``, ``.cuda()``), or derived from a tensor the
-                # same call hands, as the def was given it, to a kernel (``cu_seqlens``, which FlashAttention
-                # reads on the device)
+            if held and not (w.where == DEVICE and (self._by_fact(arg) or not w.source
+                                                    or self._handed_as_is(w.source, passed, callee))):
+                # on the device by a fact: so even with no parameter taken for device metadata by its name
+                # (``device=``, ``.cuda()``, ``.to(self.device)``), or derived from a tensor the same call
+                # hands, as the def was given it, to a kernel (``cu_seqlens``, which FlashAttention reads on the
+                # device)
                 continue
             if not v.source and not held:
                 continue
@@ -336,6 +338,26 @@ class PerLayerHostSync:
             note = f"{callee.summary.name}(){entry}{source} reads its {param} on the host ({read.kind}): {read.via()}."
             return message, note
         return None
+
+    def _by_fact(self, arg: cst.BaseExpression) -> bool:
+        """``arg`` is on the device by what the def does, not by a name: the value model of the def with no
+        parameter seeded as device metadata still finds it there."""
+        entry = self._funcs[-1] if getattr(self, "_funcs", None) else None
+        if entry is None:
+            return False
+        facts = self.__dict__.setdefault("_fact_models", {})
+        if id(entry[0]) not in facts:
+            model = self._values()
+            try:
+                facts[id(entry[0])] = Values(entry[0], _prepared, param_seed=lambda name: UNKNOWN_VALUE,
+                                             returns=model._returns if model is not None else None)
+            except RecursionError:
+                facts[id(entry[0])] = None
+        got = facts[id(entry[0])]
+        if got is None:
+            return False
+        w = self._unless_none(arg, got, got.of(arg))
+        return w.where == DEVICE
 
     def _handed_as_is(self, source: str, passed: dict, callee) -> bool:
         """The call hands ``source``, a parameter the def never rebinds, to a parameter the callee needs on

@@ -434,3 +434,19 @@ def test_a_helper_s_returned_device_max_handed_to_every_block(engine_tree, made,
     _write(engine_tree, {"model/__init__.py": "", "model/tower.py": tower})
     found = [f for f in _gl104(engine_tree) if Path(f.path).parent.name == "model"]
     assert [("blk(...) reads m with .item()" in f.message) for f in found] == ([True] if reported else [])
+
+
+def test_offsets_moved_to_the_model_s_device_are_on_the_device_whatever_they_derive_from(engine_tree):
+    """``.to(self.device)`` places the offsets by a fact, though they derive from a parameter named like
+    metadata (whose own place is its caller's): the helper's maximum of them is a device value."""
+    tower = _tower("cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(self.device)\n"
+                   "m = self.compute_max(cu_seqlens)")
+    tower = tower.replace("def forward(self, x, grid, lengths):", "def forward(self, x, grid, seq_lens):") \
+        .replace("lengths.cumsum(0)", "seq_lens.cumsum(0)").replace("from torch import nn", "from torch import nn\n"
+                                                                    "import torch.nn.functional as F")
+    tower = tower.replace("\n    def forward(self, x, grid, seq_lens):", textwrap.indent(
+        textwrap.dedent(HELPER).format(made="(cu_seqlens[1:] - cu_seqlens[:-1]).max()"), "    ")
+        + "\n    def forward(self, x, grid, seq_lens):")
+    _write(engine_tree, {"model/__init__.py": "", "model/tower.py": tower})
+    found = [f for f in _gl104(engine_tree) if Path(f.path).parent.name == "model"]
+    assert [("blk(...) reads m" in f.message) for f in found] == [True]
