@@ -17,7 +17,13 @@ or asserts when None) and those it never reads. ``sketch`` takes a file's facts 
 # ``m.f()`` the def in the module ``m`` is bound to (absolute and relative imports; a module is a file
 # under the package root of the file that imports it, so a src/ layout works). ``T[key]()``, ``T.get(key)()``
 # and ``fn()`` after ``fn = T[key]`` reach every function entry of ``T``, a module-level dict display (in the
-# file or imported), each named in the path. Any other name bound in the calling function, a class (a
+# file or imported), each named in the path. ``self.attn()`` where a method of the class stores a constructor
+# call in ``self.attn`` runs that class's forward (or each method its CustomOp forward dispatches to), and
+# ``blk()`` in ``for blk in self.blocks`` the forward of the class ``self.blocks`` holds a list of: "held"
+# modules, whose reads count only for values the caller makes on the device (``host_sync``). A module the tree
+# does not hold is read from where its files would import it (``engine_defs.find``: a copy above them, else the
+# installed engine; the catalog's ``PINNED_HOST_READS`` where neither is found), and ``torch.ops.<ns>.<name>()``
+# reaches the def registered as that op. Any other name bound in the calling function, a class (a
 # constructor), anything else: no summary, no finding.
 # A read on a path taken only when another parameter is None (``bounds if bounds is not None else
 # cu.tolist()``) is the callee's fallback: a call that passes that parameter is not reported.
