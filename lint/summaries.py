@@ -1023,9 +1023,7 @@ class Summaries:
         cls = qual.rpartition(".")[2]
         method = f"{cls}.{fact['method']}"
         if method not in facts.functions:
-            params = ("self", *catalog.VLLM_MM_PARAMS) if qual == catalog.VLLM_MM else None
-            if params is None:
-                return None
+            params = ("self", *fact["params"])
             facts.functions[method] = FuncFacts(method, 0, (0, 0), params, frozenset(params[1:]), None, 1, False, {},
                                                 frozenset(), frozenset(), frozenset(), frozenset(fact["uses"]))
             self._pinned_reads[(label, method)] = {

@@ -44,19 +44,6 @@ REEXPORTS = {"vllm.model_executor.layers.attention.MMEncoderAttention": VLLM_MM}
 # The methods an instance call runs where the class defines no forward of its own (vLLM's CustomOp dispatches
 # forward to the one of the platform): what the call may pass is read from them.
 CALLED_METHODS = {VLLM_MM: ("forward_native", "forward_cuda")}
-# What an instance call of a pinned engine layer does with its arguments on CUDA, for trees scanned where that
-# engine is not installed (the callee summaries read the source when it is): the parameters it reads on the host
-# (kind, the function, file and line of the read; vLLM 0.33 marks them ``with gpu_sync_allowed():``), and those it
-# hands to a kernel (needed on the device: a host read of one elsewhere is its own). tests/engines/
-# test_catalog_drift.py checks each read against the release's line.
-PINNED_HOST_READS: dict[str, dict[str, Any]] = {
-    VLLM_MM: {
-        "method": "forward_cuda",
-        "reads": {"max_seqlen": (".item()", "flash_attn_maxseqlen_wrapper", "vllm/v1/attention/ops/vit_attn_wrappers.py",
-                                 58)},
-        "uses": ("query", "key", "value", "cu_seqlens", "sequence_lengths"),
-    },
-}
 OUR_CUDNN = "guardlint.kernels.cudnn_vision_attention"
 ENGINE_LORA_INFO = "sglang.srt.lora.utils.LoRABatchInfo"
 OUR_LORA_INFO = "guardlint.kernels.lora.LoRABatchInfo"
@@ -72,6 +59,20 @@ VISION_ATTENTION_PARAMS = (
 )
 # vLLM 0.33 MMEncoderAttention.forward_native / forward_cuda.
 VLLM_MM_PARAMS = ("query", "key", "value", "cu_seqlens", "max_seqlen", "sequence_lengths")
+# What an instance call of a pinned engine layer does with its arguments on CUDA, for trees scanned where that
+# engine is not installed (the callee summaries read the source when it is): the parameters it reads on the host
+# (kind, the function, file and line of the read; vLLM 0.33 marks them ``with gpu_sync_allowed():``), and those it
+# hands to a kernel (needed on the device: a host read of one elsewhere is its own). tests/engines/
+# test_catalog_drift.py checks each read against the release's line.
+PINNED_HOST_READS: dict[str, dict[str, Any]] = {
+    VLLM_MM: {
+        "method": "forward_cuda",
+        "params": VLLM_MM_PARAMS,
+        "reads": {"max_seqlen": (".item()", "flash_attn_maxseqlen_wrapper", "vllm/v1/attention/ops/vit_attn_wrappers.py",
+                                 58)},
+        "uses": ("query", "key", "value", "cu_seqlens", "sequence_lengths"),
+    },
+}
 # Engine field order of LoRABatchInfo in sglang 0.5.23 (it changed between releases: positional
 # construction is a trap). Ours has the first ten.
 LORA_FIELDS = (

@@ -103,6 +103,7 @@ def test_vllm_pinned_host_reads_are_the_release_s():
         module = target.rsplit(".", 1)[0]
         cls = target.rsplit(".", 1)[1]
         params = _own(source.parameters("vllm-0.33.0", module, f"{cls}.{fact['method']}"))
+        assert list(fact["params"]) == params
         assert set(fact["uses"]) | set(fact["reads"]) <= set(params)
         for param, (kind, function, path, line) in fact["reads"].items():
             text = release_dir("vllm-0.33.0").joinpath(path).read_text()

@@ -214,6 +214,26 @@ def test_a_helper_that_defaults_a_parameter_reads_only_when_it_is_not_passed(tmp
     assert "longest(...) reads cu_seqlens" in found[0].message
 
 
+# A layer on vLLM's MMEncoderAttention (imported from ``module``): line 13 hands it a maximum it takes of the
+# offsets on the device in every forward, line 14 the max_seqlen its caller gave.
+VLLM_LAYER = textwrap.dedent("""\
+    import torch
+    from torch import nn
+    from {module} import MMEncoderAttention
+
+
+    class PatchAttention(nn.Module):
+        def __init__(self, heads, dim):
+            super().__init__()
+            self.attn = MMEncoderAttention(heads, dim, scale=dim ** -0.5)
+
+        def forward(self, q, k, v, cu_seqlens, max_seqlen):
+            m = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
+            a = self.attn(query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=m)
+            return self.attn(query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    """)
+
+
 def test_the_pinned_vllm_encoder_attention_installed(tmp_path, monkeypatch):
     """The real engine: vLLM 0.33.0's MMEncoderAttention on sys.path (as an installed package), a layer that
     computes its max_seqlen on the device in every forward; the note names the release's read."""
@@ -221,23 +241,8 @@ def test_the_pinned_vllm_encoder_attention_installed(tmp_path, monkeypatch):
         pytest.skip("vLLM 0.33.0 is fetched by `make engines-vllm` (not committed)")
     monkeypatch.syspath_prepend(str(PINNED_VLLM))
     engine_defs.clear()
-    layer = """\
-        import torch
-        from torch import nn
-        from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
-
-
-        class PatchAttention(nn.Module):
-            def __init__(self, heads, dim):
-                super().__init__()
-                self.attn = MMEncoderAttention(heads, dim, scale=dim ** -0.5)
-
-            def forward(self, q, k, v, cu_seqlens, max_seqlen):
-                m = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
-                a = self.attn(query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=m)
-                return self.attn(query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        """
-    _write(tmp_path, {"model.py": layer})
+    module = "vllm.model_executor.layers.attention.mm_encoder_attention"
+    _write(tmp_path, {"model.py": VLLM_LAYER.format(module=module)})
     try:
         (found,) = _gl104(tmp_path)
     finally:
@@ -387,23 +392,7 @@ def test_without_the_engine_installed_the_catalog_s_release_is_the_judge(tmp_pat
     """vLLM not installed, no copy in the tree: MMEncoderAttention is judged by the catalog's pinned picture
     (its wrappers call max_seqlen.item(), FlashAttention needs cu_seqlens on the device), and says so."""
     engine_defs.clear()
-    layer = """\
-        import torch
-        from torch import nn
-        from vllm.model_executor.layers.attention import MMEncoderAttention
-
-
-        class PatchAttention(nn.Module):
-            def __init__(self, heads, dim):
-                super().__init__()
-                self.attn = MMEncoderAttention(heads, dim, scale=dim ** -0.5)
-
-            def forward(self, q, k, v, cu_seqlens, max_seqlen):
-                m = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
-                a = self.attn(query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=m)
-                return self.attn(query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        """
-    _write(tmp_path, {"model.py": layer})
+    _write(tmp_path, {"model.py": VLLM_LAYER.format(module="vllm.model_executor.layers.attention")})
     (found,) = _gl104(tmp_path)
     assert found.line == 13
     assert found.note.startswith("MMEncoderAttention.forward_cuda() (judged against catalog: vllm 0.33.0) reads "
