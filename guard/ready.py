@@ -129,13 +129,14 @@ def _fresh(meta: Any, cu: Any, q: Any) -> bool:
     if fast is None or fast[0]() is not cu or not _cache.enabled:
         return False
     fp = fast[1]
-    # unchanged(cu, fp), with its two common kinds inline: a device tensor (version, data pointer and sizes) and a
-    # few host ints. Strides and dtype are not compared here: with the pointer and sizes kept they change only by a
-    # ``.data =`` reassignment (set_, resize_ and as_strided_ bump the version), which no version check sees (the
-    # cache's documented blind spot; set_cache(False) re-derives every call for callers who write that way).
+    # unchanged(cu, fp), with its two common kinds inline: a device tensor (version counter and data pointer) and a
+    # few host ints. Sizes, strides and dtype are not compared here: with the counter and pointer kept they change
+    # only by a ``.data =`` reassignment (set_, resize_, as_strided_ and the in-place view ops bump the version),
+    # which no version check sees (the cache's documented blind spot; set_cache(False) re-derives every call for
+    # callers who write that way).
     kind = fp[0]
     if kind == _VERSION:
-        if cu._version != fp[1] or cu.data_ptr() != fp[4] or cu.shape != fp[5]:
+        if cu._version != fp[1] or cu.data_ptr() != fp[4]:
             return False
     elif not (cu.tolist() == fp[1] if kind == _VALUES else unchanged(cu, fp)):
         return False

@@ -299,3 +299,37 @@ def test_adversarial_cache_setting_from_the_environment():
     with pytest.raises(GuardError) as error:
         set_cache("no")
     assert error.value.code == "GL002"
+
+
+# The prepared path's check of a device tensor (version counter and data pointer), run here on host tensors with the
+# cache told to compare them as it compares device ones.
+IN_PLACE = {
+    "copy_": lambda t: t.copy_(torch.tensor([0, 2, t.numel() and 8], dtype=t.dtype)[:t.numel()]),
+    "resize_": lambda t: t.resize_(2),
+    "as_strided_": lambda t: t.as_strided_((2,), (1,)),
+    "set_": lambda t: t.set_(torch.tensor([0, 8], dtype=t.dtype)),
+    ".data = other": lambda t: setattr(t, "data", torch.tensor([0, 5, 8], dtype=t.dtype)),
+}
+
+
+@pytest.mark.parametrize("how", sorted(IN_PLACE))
+@pytest.mark.parametrize("layout", ["tokens", "cudnn"])
+def test_adversarial_prepared_metadata_compared_as_on_the_device(monkeypatch, how, layout):
+    from guardlint.guard import _cache
+    monkeypatch.setattr(_cache, "HOST_VALUES_MAX", 0)
+    monkeypatch.setattr(_cache, "HOST_BYTES_MAX", 0)
+    clear_cache()
+    q = torch.randn(8, H, D)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    meta = prepare_varlen_metadata(cu, q, layout=layout, bucket=layout == "cudnn")
+    assert meta._fast is not None and meta._fast[1][0] == _cache._VERSION  # the device comparison
+    if layout == "tokens":
+        call = lambda: varlen_attention(q, q, q, cu, metadata=meta, backend="sdpa")  # noqa: E731
+    else:
+        call = lambda: cudnn_vision_attention(q, q, q, cu, 1, 8, forward_metadata=meta, backend="sdpa")  # noqa: E731
+    settle(call, reference(q, q, q, [0, 3, 8]))
+    IN_PLACE[how](cu)
+    now = cu.tolist()
+    # The plan describes [0, 3, 8]; after the change it runs only if that is still what cu holds.
+    settle(call, reference(q, q, q, now) if now == [0, 3, 8] else None,
+           codes=frozenset({("GL103", "cu_seqlens"), ("GL107", "cu_seqlens")}))
