@@ -31,9 +31,12 @@ for s in "$@"; do
     tests-flashinfer) STEP_TIMEOUT=${FI_TIMEOUT:-540} step tests-flashinfer python3 -m pytest -q -m gpu -p no:cacheprovider -k flashinfer tests/kernels/test_attention_gpu.py tests/guard/test_guard_vit.py ;;
     lora) step lora python3 bench/lora.py --write ;;
     # The adversarial GPU suites: hints the guard did not verify, LoRA metadata of every shape.
+    tests-hint) step tests-hint python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_attention_hint_gpu.py ;;
     tests-adversarial) step tests-adversarial python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_attention_hint_gpu.py tests/kernels/test_lora_adversarial_gpu.py ;;
     # The kernels of an earlier revision (.base, from bench/kernel_regression.py --extract REV) beside today's.
     regression) STEP_TIMEOUT=420 step regression python3 bench/kernel_regression.py --base .base --write ;;
+    # The Triton forward on verified and unverified hints beside the kernel that trusted its hint (--extract 03e9d41638).
+    regression-hint) step regression-hint python3 bench/kernel_regression.py --base .base --attention-only --rounds 7 --name kernel_regression_hint --write ;;
     regression-lora) step regression-lora python3 bench/kernel_regression.py --base .base --lora-only --rounds 9 ;;
     # The guard's host cost per call with every tensor on the GPU.
     guard-overhead) step guard-overhead python3 bench/guard_overhead.py --device cuda --batches 200 --write ;;

@@ -376,7 +376,8 @@ def write(torch, args, rows: list) -> None:
           "", f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {args.rounds} rounds in shuffled "
           "order; the ratio is the median of the rounds' new/old ratios (the expand times include a clone of its "
           "base output in both). Command: `python3 bench/kernel_regression.py --base .base --write"
-          + (" --attention-only" if args.attention_only else "") + "`.", "",
+          + (" --attention-only" if args.attention_only else "") + f" --rounds {args.rounds}"
+          + (f" --name {args.name}" if args.name != "kernel_regression" else "") + "`.", "",
           "Graph rows also give the profiler's kernel time per call (old / new) and the kernels each side ran.", "",
           "| kernel | case | old µs | new µs | new/old (min-max) | profiler old / new µs | kernels (new) "
           "| same output |",

@@ -13,10 +13,12 @@ so q/k/v are read in place and never copied into padded buffers. Kernel, launche
 # max_seqlen only sizes the launch; no row depends on it. The grid covers query tiles 0 .. G-1 of each sequence,
 # one per program (in the causal order above). Where the launcher cannot know that the hint covers every
 # sequence (not verified against the offsets, and below the token count), a second launch follows on the same
-# stream: the same kernel with TILE_LOOP, one program per (head, sequence), looping over that sequence's tiles
-# G, G + 1, ... with the first launch's BLOCK_M, so both launches split one set of tiles. With a right hint each
-# of those programs reads its sequence's two offsets and exits; with a short one it computes the tiles the
-# first launch left, so a short hint costs time, never a row. The tile loop lives only in that second kernel:
+# stream: ``_varlen_attention_rest``, one wave of programs per sequence (a few heads each, ``rest_grid``), looping
+# over that sequence's tiles G, G + 1, ... with the first launch's BLOCK_M, so both launches split one set of
+# tiles. With a right hint each of those programs reads its sequence's two offsets and exits (one program per
+# head and sequence instead cost 64 x 16 programs, 3.5% of a 64 x 256 batch's forward); with a short one it
+# computes the tiles the first launch left, so a short hint costs time, never a row. The tile loop lives only
+# in that second kernel (the first one's TILE_LOOP variant serves a tuned launch that left no record of its tiles):
 # in a loop LLVM hoists the pipelined key loops' prologue addresses and keeps them in registers (D=64,
 # BLOCK_M=64: 122 -> 225 registers; spills at D=80/128 with 128x128 tiles, ptxas sm_90a), which made a
 # looping first launch 1.04-1.28x slower on right hints (H200, bf16).
@@ -233,6 +235,25 @@ def _attend_query_tile(
         tl.store(lse_base + offs_m * stride_lt, lse.to(lse_base.dtype.element_ty), mask=row_ok)
 
 
+@triton.jit
+def _sequence_span(cu_seqlens, seq_order, total_tokens, SORTED: tl.constexpr):
+    """(first token, length) of this program's sequence, ``program_id(2)`` in the visiting order."""
+    seq = tl.program_id(2)
+    if SORTED:
+        # Blocks start in grid order, so the longest sequences' programs go first and the last wave
+        # holds short ones (instead of an 8k-token image's tiles starting last and running alone).
+        # Clamped: the order is a device tensor, and no content of it may address outside cu_seqlens.
+        seq = tl.minimum(tl.maximum(tl.load(seq_order + seq), 0), tl.num_programs(2) - 1)
+
+    # Clamped so that any cu_seqlens content stays inside q/k/v/o: a wrong prefix sum gives a wrong
+    # answer (the guard's strict mode reports it), never an out-of-bounds access.
+    seq_start = tl.load(cu_seqlens + seq).to(tl.int64)
+    seq_end = tl.load(cu_seqlens + seq + 1).to(tl.int64)
+    seq_start = tl.minimum(tl.maximum(seq_start, 0), total_tokens)
+    seq_end = tl.minimum(tl.maximum(seq_end, seq_start), total_tokens)
+    return seq_start, (seq_end - seq_start).to(tl.int32)
+
+
 @triton.jit(do_not_specialize=["length_class", "tile_base"])
 def _varlen_attention_fwd(
     Q, K, V, O, LSE, cu_seqlens, seq_order,
@@ -252,20 +273,7 @@ def _varlen_attention_fwd(
     if TILE_LOOP:
         pid_m += tile_base
     head = tl.program_id(1)
-    seq = tl.program_id(2)
-    if SORTED:
-        # Blocks start in grid order, so the longest sequences' programs go first and the last wave
-        # holds short ones (instead of an 8k-token image's tiles starting last and running alone).
-        # Clamped: the order is a device tensor, and no content of it may address outside cu_seqlens.
-        seq = tl.minimum(tl.maximum(tl.load(seq_order + seq), 0), tl.num_programs(2) - 1)
-
-    # Clamped so that any cu_seqlens content stays inside q/k/v/o: a wrong prefix sum gives a wrong
-    # answer (the guard's strict mode reports it), never an out-of-bounds access.
-    seq_start = tl.load(cu_seqlens + seq).to(tl.int64)
-    seq_end = tl.load(cu_seqlens + seq + 1).to(tl.int64)
-    seq_start = tl.minimum(tl.maximum(seq_start, 0), total_tokens)
-    seq_end = tl.minimum(tl.maximum(seq_end, seq_start), total_tokens)
-    seq_len = (seq_end - seq_start).to(tl.int32)
+    seq_start, seq_len = _sequence_span(cu_seqlens, seq_order, total_tokens, SORTED)
     if pid_m * BLOCK_M >= seq_len:
         return
     n_tiles = tl.cdiv(seq_len, BLOCK_M)
@@ -289,6 +297,40 @@ def _varlen_attention_fwd(
                            stride_lt, tile_m, seq_len, qk_scale, D0, D1, D2, D3, CAUSAL, UPCAST, PRECISION, BLOCK_M,
                            BLOCK_N, STORE_LSE)
 
+
+
+@triton.jit(do_not_specialize=["length_class", "tile_base", "num_heads"])
+def _varlen_attention_rest(
+    Q, K, V, O, LSE, cu_seqlens, seq_order,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
+    total_tokens, qk_scale,
+    length_class,  # unused: the argument list is the first launch's
+    tile_base,  # the first query tile of each sequence this launch computes (the first launch's grid width)
+    num_heads,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+    D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
+    CAUSAL: tl.constexpr, SORTED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    STORE_LSE: tl.constexpr = False,
+):
+    """The tiles an unverified hint left out: query tiles tile_base + program_id(0), + num_programs(0), ... of
+    heads program_id(1), + num_programs(1), ... of one sequence. Grid (1, a few heads, batch): one wave, whose
+    programs read two offsets and exit when the hint was right."""
+    seq_start, seq_len = _sequence_span(cu_seqlens, seq_order, total_tokens, SORTED)
+    n_tiles = tl.cdiv(seq_len, BLOCK_M)
+    if tile_base + tl.program_id(0) >= n_tiles:
+        return
+    for head in range(tl.program_id(1), num_heads, tl.num_programs(1)):
+        kv_head = head // GROUP
+        q_base = Q + seq_start * stride_qt + head * stride_qh
+        k_base = K + seq_start * stride_kt + kv_head * stride_kh
+        v_base = V + seq_start * stride_vt + kv_head * stride_vh
+        o_base = O + seq_start * stride_ot + head * stride_oh
+        lse_base = LSE + seq_start * stride_lt + head
+        for tile in range(tile_base + tl.program_id(0), n_tiles, tl.num_programs(0)):
+            _attend_query_tile(q_base, k_base, v_base, o_base, lse_base, stride_qt, stride_kt, stride_vt, stride_ot,
+                               stride_lt, _heavy_first(tile, n_tiles, CAUSAL), seq_len, qk_scale, D0, D1, D2, D3,
+                               CAUSAL, UPCAST, PRECISION, BLOCK_M, BLOCK_N, STORE_LSE)
 
 # Hopper (H100/H200) choices, one line each (register and shared-memory figures from ptxas for sm_90a):
 # - BLOCK_M=128 with num_warps=8: two warpgroups, each owning 64 query rows = one m64 wgmma row block.
@@ -425,8 +467,27 @@ _rests: dict = {}
 def _rest(key: tuple, kwargs: dict) -> DirectLaunch:
     got = _rests.get(key)
     if got is None:
-        got = _rests[key] = DirectLaunch(_varlen_attention_fwd, dict(kwargs, TILE_LOOP=True), INTERPRET)
+        got = _rests[key] = DirectLaunch(_varlen_attention_rest, _rest_options(kwargs), INTERPRET)
     return got
+
+
+def _rest_options(kwargs: dict) -> dict:
+    """The first launch's tiles and options for the launch after it (which has no tile-loop switch)."""
+    return {k: v for k, v in kwargs.items() if k != "TILE_LOOP"}
+
+
+_SM_COUNTS: dict = {}
+
+
+def rest_grid(num_heads: int, batch: int, device: torch.device) -> tuple:
+    """The grid of the launch after an unverified hint: (1, heads, batch), with as few head programs per sequence
+    as fill one wave of the device's SMs (each loops over the rest), since with a right hint every program only
+    reads its offsets and exits, and a launch of one program per head and sequence costs waves of that."""
+    sms = _SM_COUNTS.get(device)
+    if sms is None:
+        sms = _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count \
+            if device.type == "cuda" else 1
+    return 1, max(1, min(num_heads, sms // batch)), batch
 
 
 def launch_rows(max_seqlen: int, total_tokens: int) -> int:
@@ -496,7 +557,7 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         tiles = -(-max_seqlen // block_m)
         direct(args, (tiles, num_heads, batch))
         if unverified:  # the tiles past the hint, if a sequence has any (see the header)
-            _rest(key, kwargs)(args[:-1] + (tiles,), (1, num_heads, batch))
+            _rest(key, kwargs)(args[:-1] + (tiles, num_heads), rest_grid(num_heads, batch, q.device))
         return out
     d0, d1, d2, d3 = head_dim_parts(head_dim)
     meta = dict(HEAD_DIM=head_dim, GROUP=key[1], D0=d0, D1=d1, D2=d2, D3=d3, CAUSAL=bool(causal),
@@ -517,7 +578,7 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
             _launches[key] = _settings(best.kwargs["BLOCK_M"], dict(meta, **best.all_kwargs()))
             if unverified:
                 tiles = triton.cdiv(max_seqlen, best.kwargs["BLOCK_M"])
-                _rest(key, _launches[key][1])(args[:-1] + (tiles,), (1, num_heads, batch))
+                _rest(key, _launches[key][1])(args[:-1] + (tiles, num_heads), rest_grid(num_heads, batch, q.device))
         elif unverified:
             # No record of the tiles the tuned launch used: every tile again, each program looping over its
             # sequence's tiles from its own (right, if slower).
@@ -528,7 +589,8 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         options = dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
         _varlen_attention_fwd[(tiles, num_heads, batch)](*args, **options)
         if unverified:
-            _varlen_attention_fwd[(1, num_heads, batch)](*args[:-1], tiles, **dict(options, TILE_LOOP=True))
+            _varlen_attention_rest[rest_grid(num_heads, batch, q.device)](*args[:-1], tiles, num_heads,
+                                                                             **_rest_options(options))
     return out
 
 
@@ -568,7 +630,7 @@ def plan_launch(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, max_
                 total_tokens, qk_scale, size_class)
         direct(args + (0,), (tiles, num_heads, batch))
         if rest is not None:
-            rest(args + (tiles,), (1, num_heads, batch))
+            rest(args + (tiles, num_heads), rest_grid(num_heads, batch, q.device))
         return out
 
     return launch

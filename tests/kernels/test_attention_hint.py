@@ -94,27 +94,31 @@ def test_launch_rows_are_the_hint_clamped_to_the_token_count():
     assert not triton_path.covers(39, 40, False) and not triton_path.covers(0, 40, True)
 
 
-def test_only_an_unverified_hint_adds_the_launch_of_the_tiles_past_it(monkeypatch):
+@pytest.mark.parametrize("sms, head_programs", [(1, 1), (4, 2), (1000, 4)])
+def test_only_an_unverified_hint_adds_the_launch_of_the_tiles_past_it(monkeypatch, sms, head_programs):
     q, k, v, cu, offsets = make_batch([21, 3], head_dim=32)
     rests = []
     rest = triton_path._rest
     monkeypatch.setattr(triton_path, "_launches", {})
     monkeypatch.setattr(triton_path, "_rests", {})
+    monkeypatch.setattr(triton_path, "_SM_COUNTS", {q.device: sms})
 
     def recorded(key, kwargs):
         launch = rest(key, kwargs)
-        return lambda args, grid: rests.append((args[-1], grid, launch.options["TILE_LOOP"])) or launch(args, grid)
+        return lambda args, grid: rests.append((args[-2:], grid, launch.fn.__name__)) or launch(args, grid)
 
     monkeypatch.setattr(triton_path, "_rest", recorded)
     for hint, verified in ((21, False), (21, True), (24, False), (10 ** 9, False), (1, False)):
         out = triton_path.varlen_attention_triton(q, k, v, cu, hint, 0.1, False, max_seqlen_verified=verified)
         assert_matches(out, q, k, v, offsets, False, 0.1)
     # One first-launch kernel (one tile per program, no loop) for every hint; the looping kernel runs after it
-    # only for the hints nothing verified below the token count (21 and 1): one program per head and sequence,
-    # from the first tile the first launch left (16-row tiles: 2 of them for 21 rows, 1 for 1).
+    # only for the hints nothing verified below the token count (21 and 1), from the first tile the first launch
+    # left (16-row tiles: 2 of them for 21 rows, 1 for 1): per sequence as many head programs as fill the SMs
+    # (each looping over heads h, h + programs, ...), at least one, at most one per head.
     assert [key[-2] for key in triton_path._launches] == [True]  # visited longest first
     assert all(kwargs["TILE_LOOP"] is False for _, kwargs, _ in triton_path._launches.values())
-    assert rests == [(2, (1, 4, 2), True), (1, (1, 4, 2), True)]
+    grid = (1, head_programs, 2)
+    assert rests == [((2, 4), grid, "_varlen_attention_rest"), ((1, 4), grid, "_varlen_attention_rest")]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
