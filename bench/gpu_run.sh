@@ -37,6 +37,8 @@ for s in "$@"; do
     regression) STEP_TIMEOUT=420 step regression python3 bench/kernel_regression.py --base .base --write ;;
     # The Triton forward on verified and unverified hints beside the kernel that trusted its hint (--extract 03e9d41638).
     regression-hint) step regression-hint python3 bench/kernel_regression.py --base .base --attention-only --rounds 7 --name kernel_regression_hint --write ;;
+    # What the launch after an unverified hint costs, against an empty kernel (bench/attention_hint_launch.py).
+    hint-launch) step hint-launch python3 bench/attention_hint_launch.py --write ;;
     regression-lora) step regression-lora python3 bench/kernel_regression.py --base .base --lora-only --rounds 9 ;;
     # The guard's host cost per call with every tensor on the GPU.
     guard-overhead) step guard-overhead python3 bench/guard_overhead.py --device cuda --batches 200 --write ;;

@@ -201,11 +201,19 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
         from .summaries import sketch as sketch_file
 
         facts = sketch_file(tree, data, path, module_name, is_package)
+    kernel_facts: Optional[tuple] = None
     if prefilter and tree is not None:
         from .prefilter import tree_filter
 
-        if not tree_filter(rules).may_report(tree, data):
-            return FileResult(path, [], facts=facts)
+        gate = tree_filter(rules)
+        if not gate.may_report(tree, data):
+            # A call of a known varlen kernel states facts no name carries (``kernel_facts``): GL104 reads it.
+            if gate.host_sync:
+                from .kernel_facts import file_facts
+
+                kernel_facts = file_facts(tree, data, module_name, is_package)
+            if not (kernel_facts and kernel_facts[0]):
+                return FileResult(path, [], facts=facts)
     _load()
     # libcst's parse allocates a node object per token and per grammar rule and makes no cycles: the
     # collector passes it triggers cost ~10% of the parse (65 files of sglang 0.5.23: 2.26 -> 2.04 s).
@@ -237,6 +245,12 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
             node, c, message, c.severity, note="\n".join(filter(None, (note, pattern_note(c)))))))
         if callees and hasattr(visitor, "callees"):
             visitor.callees, visitor.path = callees, path
+        if hasattr(visitor, "kernels"):
+            if kernel_facts is None:
+                from .kernel_facts import file_facts
+
+                kernel_facts = file_facts(tree, data, module_name, is_package)
+            visitor.kernels, visitor.kernel_seeds = kernel_facts
         visitors.append(visitor)
     Walker(visitors).walk(module)
     raw.extend(Checker(rules, collector, strict, path=path).run())

@@ -37,7 +37,7 @@ from .findings import MESSAGE_WIDTH, message, per_layer_place
 from .names import dotted, is_none, stored_names
 from .patterns import CASTS, LAYER_LOOP_NAME, SYNC_METHODS, is_layer_class, is_seqlen_name
 from .summaries import reported_there, defaulted_params
-from .values import DEVICE, UNKNOWN_VALUE, Values, join
+from .values import DEVICE, UNKNOWN_VALUE, Value, Values, join, seed
 from .walk import children
 
 # The value map of a function when its reads need it: None where it cannot be built (too deep to walk).
@@ -116,6 +116,10 @@ class PerLayerHostSync:
         self._scope: list[str] = []  # names of the enclosing classes and defs
         self._indices: list[Optional[str]] = []  # the index name of each enclosing for loop over layers
         self._once: set[int] = set()  # ids of bodies that run at most once per loop (``if i == k:``)
+        # The known varlen kernels the file's imports bind, and per def the parameters that are device metadata
+        # because it hands what derives from them to a kernel's offsets (``kernel_facts.file_facts``).
+        self.kernels: dict = {}
+        self.kernel_seeds: dict = {}
 
     def _message(self, what: str, context: str) -> str:
         # The headline says "per layer"; the line names the read and where it is.
@@ -216,7 +220,8 @@ class PerLayerHostSync:
             scope = ".".join(self._scope)
             returns = {text: r for (kind, where, text), r in (
                 (k, v) for k, v in (self.callees or {}).items() if len(k) == 3) if kind == "=" and where == scope}
-            entry[1] = _build(entry[0], (lambda call: _returned(returns, call)) if returns else None)
+            entry[1] = _build(entry[0], (lambda call: _returned(returns, call)) if returns else None,
+                              self.kernel_seeds.get(scope, frozenset()))
         return entry[1] or None
 
     def visit_For(self, node: cst.For) -> None:
@@ -260,6 +265,12 @@ class PerLayerHostSync:
         if getattr(self, "_fallback", 0):
             return
         what = self._host_read(node, self._values)
+        if what is None and self.kernels:
+            found = self._kernel_int(node)
+            if found is not None:
+                self.report(node, self._message(found[0], context), found[1])
+                self._inside_report = 1
+                return
         if what is None and isinstance(node.func, cst.Name) and node.func.value in getattr(self, "_helpers", {}) \
                 and not self._fallback:
             what = f"{node.func.value}(...), which reads {self._helpers[node.func.value]}"
@@ -339,6 +350,37 @@ class PerLayerHostSync:
             return message, note
         return None
 
+    def _kernel_int(self, node: cst.Call) -> Optional[tuple[str, str]]:
+        """(message, note) of a call of a known varlen kernel (``kernel_facts``) that hands a device tensor of
+        metadata to one of its int parameters, which its binding converts on the host at every call."""
+        found = self.kernels.get(dotted(node.func) or "")
+        if found is None:
+            return None
+        model = self._values()
+        if model is None:
+            return None
+        qualified, entry = found
+        positional = []
+        for a in node.args:
+            if a.star or a.keyword is not None:
+                break
+            positional.append(a.value)
+        keywords = {a.keyword.value: a.value for a in node.args if a.keyword is not None}
+        for position, param in entry["ints"]:
+            arg = keywords.get(param, positional[position] if position < len(positional) else None)
+            if arg is None:
+                continue
+            v = model.of(arg)
+            if v.where != DEVICE or not v.source:
+                continue
+            name = _metadata_name(arg) or (arg.value if isinstance(arg, cst.Name) else v.source)
+            origin = f" (from {v.source})" if v.source != name else ""
+            kernel = qualified.rsplit(".", 1)[1]
+            note = (f"{qualified} takes {param} as a Python int: a device tensor handed there is converted on the "
+                    f"host, a device read at every call. Pass an int computed once per forward from host lengths.")
+            return f"{name}{origin}, a device tensor, as {kernel}'s int {param}", note
+        return None
+
     def _by_fact(self, arg: cst.BaseExpression) -> bool:
         """``arg`` is on the device by what the def does, not by a name: the value model of the def with no
         parameter seeded as device metadata still finds it there."""
@@ -348,8 +390,12 @@ class PerLayerHostSync:
         facts = self.__dict__.setdefault("_fact_models", {})
         if id(entry[0]) not in facts:
             model = self._values()
+            seeds = self.kernel_seeds.get(".".join(self._scope), frozenset())
             try:
-                facts[id(entry[0])] = Values(entry[0], _prepared, param_seed=lambda name: UNKNOWN_VALUE,
+                # (a parameter the def hands, derived, to a kernel's offsets is on the device by that fact)
+                facts[id(entry[0])] = Values(entry[0], _prepared,
+                                             param_seed=lambda name: Value(DEVICE, name) if name in seeds
+                                             else UNKNOWN_VALUE,
                                              returns=model._returns if model is not None else None)
             except RecursionError:
                 facts[id(entry[0])] = None
@@ -602,12 +648,17 @@ def _given(value: cst.BaseExpression, params: set) -> bool:
     return isinstance(value, cst.Name) and value.value in params
 
 
-def _build(func: cst.FunctionDef, returns=None):
+def _build(func: cst.FunctionDef, returns=None, seeds: frozenset = frozenset()):
     """``Values(func)``, or False where the walk is too deep for the interpreter's stack. Past a test of
     prepared metadata (``if forward_metadata is not None:``) values are those of the prepared branch:
     the fallback branch runs for callers that pass no metadata, and those are reported (GL109).
-    ``returns``: what the callee summaries know of the values some calls return (``summaries.Returns``)."""
+    ``returns``: what the callee summaries know of the values some calls return (``summaries.Returns``);
+    ``seeds``: parameters that are device metadata by a fact (``kernel_facts.offset_params``), whatever their
+    names."""
     try:
+        if seeds:
+            return Values(func, _prepared, returns=returns,
+                          param_seed=lambda name: Value(DEVICE, name) if name in seeds else seed(name))
         return Values(func, _prepared, returns=returns)
     except RecursionError:
         return False

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from guardlint.contracts.catalog import HOST_SUFFIXES, SEQLEN_STEMS
+from guardlint.contracts.catalog import HOST_SUFFIXES, SEQLEN_STEMS, VARLEN_KERNELS
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,11 @@ def _offsets(data: bytes, needle: bytes) -> list[int]:
     return out
 
 
-# GL104's needles as one pattern: cu_seqlens contains seqlens, so the shorter stems cover every name.
-_NEEDLES = re.compile(b"|".join(re.escape(stem.encode()) for stem in SEQLEN_STEMS if stem != "cu_seqlens"))
+# GL104's needles: cu_seqlens contains seqlens, so the shorter stems cover every name; and the names of the known
+# varlen kernels (``kernel_facts``), whose calls make metadata of values named anyhow.
+_GL104_NEEDLES = tuple(stem.encode() for stem in SEQLEN_STEMS if stem != "cu_seqlens") \
+    + tuple(sorted(q.rsplit(".", 1)[1].encode() for q in VARLEN_KERNELS))
+_NEEDLES = re.compile(b"|".join(re.escape(n) for n in dict.fromkeys(_GL104_NEEDLES)))
 
 # The first line of a for, def or class statement (or what looks like one: a line of a string or of a
 # bracket that starts with such a word only adds a place), its indentation, keyword and the name it
@@ -340,8 +343,7 @@ PATTERNS: dict[str, PatternSpec] = {
     "GL104": PatternSpec(
         code="GL104",
         visitor="host_sync:PerLayerHostSync",
-        # cu_seqlens contains seqlens: the shorter stems cover every name
-        needles=tuple(stem.encode() for stem in SEQLEN_STEMS if stem != "cu_seqlens"),
+        needles=tuple(dict.fromkeys(_GL104_NEEDLES)),
         # seqlens, seq_lens, seg_lens, seg_indptr: one search for "se" and what follows (on vLLM 0.33's
         # 50 MB, 0.026 s against 0.063 s for four substring searches)
         needle_pattern=_NEEDLES,
@@ -366,8 +368,10 @@ PATTERNS: dict[str, PatternSpec] = {
         # the cast (or the next one: ``int(`` and its argument below it), and ``if``/``while`` tests of
         # lengths (``if seq_lens:``, ``if not cu_seqlens[0]``, ``while x and seg_lens[i] < n``): ``.item(``,
         # ``int`` and ``if`` alone are in most files, and ``if seq_lens is None`` is no read.
+        # A call of a known varlen kernel is a place of a read too (a device tensor handed to its int parameters).
         also_pattern=re.compile(
-            rb"\.(?:item|tolist)\(\s*\)|" + _COPY
+            rb"(?<![\w.])(?:" + b"|".join(sorted({q.rsplit(".", 1)[1].encode() for q in VARLEN_KERNELS}))
+            + rb")\s*\(|\.(?:item|tolist)\(\s*\)|" + _COPY
             + rb"|(?:int|bool|float)\(\s*[^\n]*?" + _STEM
             + rb"|(?:if|elif|while|and|or)\s+(?:not\s+)?\(?\s*[\w.]*" + _STEM
             + rb"\w*(?:\[[^\]\n]*\])?\s*(?::|and\b|or\b|[<>]=?|==|!=|\))"),

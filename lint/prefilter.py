@@ -462,12 +462,13 @@ Taint = tuple
 _NO_TAINT: Taint = (frozenset(), frozenset())
 
 
-def _tainted(func: ast.AST) -> Taint:
+def _tainted(func: ast.AST, seeds: frozenset = frozenset()) -> Taint:
     """The names (and attribute names: ``self.x = ...``) ``func`` binds, at any remove, to values that
     may derive from metadata (``_carriers``): every binding in it, nested ones too, in any order; and its
     parameters named like metadata but declared host data (``seq_lens: list[int]``) and never bound
-    again, which derive nothing (as in the value model). A superset of what the value model
-    (``values.py``) finds derived from metadata there."""
+    again, which derive nothing (as in the value model). ``seeds``: parameters that are metadata by a fact, not
+    a name (``kernel_facts.offset_params``). A superset of what the value model (``values.py``) finds derived
+    from metadata there."""
     binds = []
     rebound: set = set()
     for node in ast.walk(func):
@@ -501,7 +502,7 @@ def _tainted(func: ast.AST) -> Taint:
         if read:
             binds.append((stored, read))
     host = frozenset(_host_params(func) - rebound)
-    tainted: set = set()
+    tainted: set = set(seeds)
     changed = bool(binds)
     while changed:
         changed = False

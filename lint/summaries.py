@@ -40,6 +40,8 @@ from guardlint.contracts import catalog
 
 from .engine_defs import (catalog_label, class_forward_targets, engine_of, find, forward_targets,
                           imports_of)
+from .kernel_facts import kernels_of, offset_params
+from .kernel_facts import may_call as may_call_kernel
 from .patterns import PATTERNS, is_layer_class, is_seqlen_name
 from .prefilter import HOST_SYNC, _NO_TAINT, _derives, _dotted, _loops_over_layers, _tainted
 
@@ -157,6 +159,8 @@ class _Sketch:
         self.class_nodes: dict = {}  # class qualname -> its node
         self._bindings: dict = {}
         self._taints: dict = {}
+        self._kernel_names: Optional[dict] = None
+        self._module_name, self._is_package = module, is_package
         self._starts: Optional[list] = None
         self.facts = facts or FileFacts(path, module, package, {}, {})
         if facts is None:
@@ -295,9 +299,16 @@ class _Sketch:
         """What ``_derives`` asks of ``func`` (the prefilter's ``_tainted``), once a def."""
         key = id(func)
         if key not in self._taints:
-            value = _tainted(func) if func is not None else _NO_TAINT
+            value = _tainted(func, offset_params(func, self._kernels())) if func is not None else _NO_TAINT
             self._taints[key] = lambda: value
         return self._taints[key]
+
+    def _kernels(self) -> dict:
+        """The known varlen kernels this file's imports bind (``kernel_facts``), once a file."""
+        if self._kernel_names is None:
+            self._kernel_names = kernels_of(self._body, self._module_name, self._is_package) \
+                if may_call_kernel(self.data) else {}
+        return self._kernel_names
 
     def _names_metadata(self, func) -> bool:
         """The text of ``func`` holds a GL104 needle: only then can a value in it derive from metadata."""
@@ -1236,13 +1247,23 @@ class Summaries:
                         if new is not None:
                             source, new = new
                             old = reads[key].get(source)
-                            if old is None or (old.unless and not new.unless) or (old.held and not new.held):
+                            if old is None or _better(new, old):
                                 reads[key][source] = new
                                 changed = True
         return {key: Summary(fn.qualname, f.path, fn.line, fn.params, fn.keywords, fn.kwargs, reads[key],
                              fn.forwards, fn.requires, fn.ignores, self._label(f.path, reads[key]),
                              frozenset(uses.get(key, ())))
                 for key, (f, fn) in funcs.items() if key in reads}
+
+
+def _better(new: Read, old: Read) -> bool:
+    """Whether ``new`` is the read to keep for a parameter over ``old``: one no argument spares, then one not
+    through a held module, then (for output that does not depend on the order the tree was walked in) the
+    shorter path, then the first in the order of its places."""
+    def rank(r: Read) -> tuple:
+        return (bool(r.unless), r.held, len(r.path), tuple((p, line, name) for name, p, line, _ in r.path))
+
+    return rank(new) < rank(old)
 
 
 def _kernel_uses(funcs: dict, graph: dict) -> dict:

@@ -73,6 +73,22 @@ PINNED_HOST_READS: dict[str, dict[str, Any]] = {
         "uses": ("query", "key", "value", "cu_seqlens", "sequence_lengths"),
     },
 }
+# Varlen attention kernels that engines and models call directly, by the qualified name a tree imports them under:
+# the positions and names of their offsets parameters (read on the device: a value handed there is a device
+# tensor, and so is each parameter of the caller it derives from through torch ops that keep a tensor where it
+# is), and of their int parameters (a 0-d device tensor handed there is converted on the host, a sync per call).
+# flash-attn 2.x (flash_attn/flash_attn_interface.py) takes the offsets before the ints; vLLM's fork
+# (vllm/vllm_flash_attn/flash_attn_interface.py, 0.30 and 0.33) takes ``max_seqlen_q`` first.
+_FLASH_ATTN_2 = {"offsets": ((3, "cu_seqlens_q"), (4, "cu_seqlens_k")),
+                 "ints": ((5, "max_seqlen_q"), (6, "max_seqlen_k"))}
+_VLLM_FLASH_ATTN = {"offsets": ((4, "cu_seqlens_q"), (6, "cu_seqlens_k")),
+                    "ints": ((3, "max_seqlen_q"), (5, "max_seqlen_k"))}
+VARLEN_KERNELS: dict[str, dict[str, Any]] = {
+    "flash_attn.flash_attn_varlen_func": _FLASH_ATTN_2,
+    "flash_attn.flash_attn_interface.flash_attn_varlen_func": _FLASH_ATTN_2,
+    "vllm.vllm_flash_attn.flash_attn_varlen_func": _VLLM_FLASH_ATTN,
+    "vllm.vllm_flash_attn.flash_attn_interface.flash_attn_varlen_func": _VLLM_FLASH_ATTN,
+}
 # Engine field order of LoRABatchInfo in sglang 0.5.23 (it changed between releases: positional
 # construction is a trap). Ours has the first ten.
 LORA_FIELDS = (

@@ -636,3 +636,19 @@ def test_callee_summaries_a_table_whose_entries_do_not_read_what_is_passed_is_si
     _tree(tmp_path, {"model.py": _block(call, helpers=table).replace("def forward(self, x, cu_seqlens)",
                                                                       "def forward(self, x, cu_seqlens, lengths)")})
     assert [f for f in _gl104(tmp_path) if "ATTENTION_FUNCTIONS" in f[2]] == []
+
+
+def test_the_read_kept_for_a_parameter_does_not_depend_on_the_walk_order():
+    # Two paths to reads of one parameter (vLLM's FlashAttention and Triton wrappers both call .item()): the
+    # summary keeps the same one whatever order the fixed point meets them in, so a run's output is the same
+    # from run to run (string hashing, and with it set order, changes between processes).
+    from guardlint.lint.summaries import Read, _better
+
+    flash = Read(".item()", (("layer.forward", "a.py", 3, ""), ("flash_wrapper", "w.py", 58, "")))
+    triton = Read(".item()", (("layer.forward", "a.py", 4, ""), ("triton_wrapper", "w.py", 90, "")))
+    deeper = Read(".item()", (("layer.forward", "a.py", 3, ""), ("f", "w.py", 1, ""), ("g", "w.py", 9, "")))
+    spared = Read(".item()", (("layer.forward", "a.py", 2, ""),), frozenset({"max_seqlen"}))
+    assert _better(flash, triton) and not _better(triton, flash)
+    assert _better(flash, deeper) and not _better(deeper, flash)
+    assert _better(deeper, spared) and not _better(spared, deeper)  # a read no argument spares wins
+    assert not _better(flash, flash)

@@ -1,0 +1,201 @@
+"""What a call of a known varlen attention kernel (``catalog.VARLEN_KERNELS``) establishes about its arguments.
+
+A tree that imports ``flash_attn_varlen_func`` from flash-attn (or vLLM's fork) and hands it offsets states a
+fact, whatever the names: the offsets are read on the device, so each parameter of the calling def they derive
+from, through torch ops that keep a tensor where it is (``F.pad(torch.cumsum(seq_len, 0), (1, 0)).int()``), is a
+device tensor of sequence-length metadata. Its int parameters (``max_seqlen_q``) are converted on the host: a
+0-d device tensor handed there is read back at every call. Both halves of the linter ask this module, on
+CPython's tree (``summaries`` through ``prefilter._tainted``, ``host_sync`` through the def's source).
+"""
+from __future__ import annotations
+
+import ast
+from typing import Any, Optional
+
+from guardlint.contracts import catalog
+
+from .engine_defs import imports_of, qualify
+
+# The kernels' own names: a file without one of them in its text calls none of them.
+NAMES = frozenset(q.rsplit(".", 1)[1] for q in catalog.VARLEN_KERNELS)
+NEEDLES = tuple(name.encode() for name in NAMES)
+
+# Torch functions whose result lives where their first tensor argument does (``torch.cat``: its list's).
+_SAME_PLACE_FUNCTIONS = frozenset({"cumsum", "pad", "diff", "cat", "stack", "flatten", "reshape", "narrow", "clamp",
+                                   "maximum", "minimum", "where", "abs", "neg"})
+_TORCH_BASES = frozenset({"torch", "F", "torch.nn.functional", "nn.functional"})
+# Tensor methods whose result lives where the tensor does (``.to`` only with a dtype: see ``_keeps_place``).
+_SAME_PLACE_METHODS = frozenset({"to", "int", "long", "short", "cumsum", "contiguous", "detach", "flatten", "view",
+                                 "reshape", "clone", "type", "squeeze", "unsqueeze", "narrow", "clamp", "clamp_min",
+                                 "diff", "add", "sub", "mul", "max", "sum"})
+
+
+def may_call(data: bytes) -> bool:
+    return any(n in data for n in NEEDLES)
+
+
+def _dotted(node: ast.AST) -> Optional[str]:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def kernels_of(body: list, module: Optional[str] = None, is_package: bool = False) -> dict:
+    """Callee text as this module writes it -> the kernel's entry, for the names its imports bind to a known
+    kernel (``from flash_attn import flash_attn_varlen_func``, ``import flash_attn`` then
+    ``flash_attn.flash_attn_varlen_func``), in a ``try`` or not."""
+    imports = imports_of(body)
+    out: dict = {}
+    for local in imports:
+        qualified = qualify(local, imports, module, is_package)
+        if qualified is None:
+            continue
+        for name, entry in catalog.VARLEN_KERNELS.items():
+            if name == qualified:
+                out[local] = (name, entry)
+            elif name.startswith(qualified + "."):
+                out[local + name[len(qualified):]] = (name, entry)
+    return out
+
+
+def arguments(call: ast.Call, entry: dict, kind: str) -> list:
+    """(parameter name, argument) of ``call`` for the kernel's ``kind`` parameters ("offsets" or "ints")."""
+    positional = []
+    for a in call.args:
+        if isinstance(a, ast.Starred):
+            break
+        positional.append(a)
+    keywords = {k.arg: k.value for k in call.keywords if k.arg}
+    out = []
+    for position, name in entry[kind]:
+        if name in keywords:
+            out.append((name, keywords[name]))
+        elif position < len(positional):
+            out.append((name, positional[position]))
+    return out
+
+
+def _keeps_place(call: ast.Call) -> bool:
+    """``t.to(...)`` with a dtype only: no device, no string, no other tensor (which would move it)."""
+    if any(k.arg in ("device", None) for k in call.keywords):
+        return False
+    return all(isinstance(a, ast.Attribute) and (_dotted(a) or "").startswith("torch.") for a in call.args)
+
+
+def _single_assignments(func: ast.AST) -> dict:
+    """Names the def binds exactly once, by a plain ``name = value``, -> that value; a name bound any other way
+    or more than once maps to None (its value is not one expression)."""
+    out: dict = {}
+    for node in ast.walk(func):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+            out[name] = None if name in out else node.value
+            continue
+        targets: list = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+            targets = [node.target]
+        elif isinstance(node, ast.NamedExpr):
+            targets = [node.target]
+        for target in targets:
+            for n in ast.walk(target):
+                if isinstance(n, ast.Name):
+                    out[n.id] = None
+    return out
+
+
+def _roots(expr: ast.AST, assigned: dict, params: frozenset, seen: set) -> set:
+    """The parameters ``expr``'s tensor derives from through ops that keep it where it is."""
+    if isinstance(expr, ast.Name):
+        name = expr.id
+        if name in assigned:
+            value = assigned[name]
+            if value is None or name in seen:
+                return set()
+            return _roots(value, assigned, params, seen | {name})
+        return {name} if name in params else set()
+    if isinstance(expr, ast.Subscript):
+        return _roots(expr.value, assigned, params, seen)
+    if isinstance(expr, ast.BinOp):
+        return _roots(expr.left, assigned, params, seen) | _roots(expr.right, assigned, params, seen)
+    if isinstance(expr, ast.UnaryOp):
+        return _roots(expr.operand, assigned, params, seen)
+    if isinstance(expr, (ast.List, ast.Tuple)):
+        out: set = set()
+        for e in expr.elts:
+            out |= _roots(e, assigned, params, seen)
+        return out
+    if not isinstance(expr, ast.Call) or not isinstance(expr.func, ast.Attribute):
+        return set()
+    func = expr.func
+    if _dotted(func.value) in _TORCH_BASES and func.attr in _SAME_PLACE_FUNCTIONS and expr.args:
+        return _roots(expr.args[0], assigned, params, seen)
+    if func.attr in _SAME_PLACE_METHODS and (func.attr not in ("to", "type") or _keeps_place(expr)):
+        return _roots(func.value, assigned, params, seen)
+    return set()
+
+
+def offset_params(func: Any, kernels: dict) -> frozenset:
+    """The parameters of ``func`` from which a value it hands to a known kernel's offsets derives on the device:
+    device tensors of sequence-length metadata by that fact."""
+    if not kernels:
+        return frozenset()
+    a = func.args
+    assigned = _single_assignments(func)
+    # A parameter the def binds again is no longer what the caller passed.
+    params = frozenset(p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)) - set(assigned)
+    out: set = set()
+    for node in ast.walk(func):
+        if isinstance(node, ast.Call):
+            found = kernels.get(_dotted(node.func) or "")
+            if found is None:
+                continue
+            for _, arg in arguments(node, found[1], "offsets"):
+                out |= _roots(arg, assigned, params, set())
+    return frozenset(out)
+
+
+def function_ast(code: str) -> Optional[Any]:
+    """CPython's tree of one def given as its source (libcst's ``code_for_node``), or None."""
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(code))
+    except SyntaxError:
+        return None
+    return next((s for s in tree.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+
+
+def file_facts(tree: Optional[ast.Module], data: bytes, module: Optional[str] = None,
+               is_package: bool = False) -> tuple[dict, dict]:
+    """(the kernels the file's imports bind, ``kernels_of``; def qualname -> ``offset_params``), empty for a
+    file that names no known kernel."""
+    if tree is None or not may_call(data):
+        return {}, {}
+    kernels = kernels_of(tree.body, module, is_package)
+    if not kernels:
+        return {}, {}
+    seeds: dict = {}
+
+    def visit(node: ast.AST, scope: tuple) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                inner = (*scope, child.name)
+                found = offset_params(child, kernels)
+                if found:
+                    qual = ".".join(inner)
+                    seeds[qual] = seeds.get(qual, frozenset()) | found
+                visit(child, inner)
+            elif isinstance(child, ast.ClassDef):
+                visit(child, (*scope, child.name))
+            else:
+                visit(child, scope)
+
+    visit(tree, ())
+    return kernels, seeds
