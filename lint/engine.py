@@ -212,7 +212,7 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
                 from .kernel_facts import file_facts
 
                 kernel_facts = file_facts(tree, data, module_name, is_package)
-            if not (kernel_facts and kernel_facts[0]):
+            if not (kernel_facts and (kernel_facts[1] or kernel_facts[2])):
                 return FileResult(path, [], facts=facts)
     _load()
     # libcst's parse allocates a node object per token and per grammar rule and makes no cycles: the
@@ -250,7 +250,7 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
                 from .kernel_facts import file_facts
 
                 kernel_facts = file_facts(tree, data, module_name, is_package)
-            visitor.kernels, visitor.kernel_seeds = kernel_facts
+            visitor.kernels, visitor.kernel_seeds = kernel_facts[:2]
         visitors.append(visitor)
     Walker(visitors).walk(module)
     raw.extend(Checker(rules, collector, strict, path=path).run())

@@ -172,18 +172,36 @@ def function_ast(code: str) -> Optional[Any]:
     return next((s for s in tree.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
 
 
+def _hands_metadata_to_ints(func: ast.AST, kernels: dict, taint: tuple) -> bool:
+    """Whether a kernel call in ``func`` hands an int parameter what may derive from metadata (``taint``)."""
+    from .prefilter import _derives
+
+    for call in ast.walk(func):
+        if not isinstance(call, ast.Call):
+            continue
+        found = kernels.get(_dotted(call.func) or "")
+        if found is not None and any(_derives(arg, lambda: taint) for _, arg in arguments(call, found[1], "ints")):
+            return True
+    return False
+
+
 def file_facts(tree: Optional[ast.Module], data: bytes, module: Optional[str] = None,
-               is_package: bool = False) -> tuple[dict, dict]:
-    """(the kernels the file's imports bind, ``kernels_of``; def qualname -> ``offset_params``), empty for a
-    file that names no known kernel."""
+               is_package: bool = False) -> tuple[dict, dict, bool]:
+    """(the kernels the file's imports bind, ``kernels_of``; def qualname -> ``offset_params``; whether a kernel
+    call may hand metadata to an int parameter, by the tree pre-filter's taint), empty for a file that names no
+    known kernel. The file needs GL104's exact reading only where a def has such parameters or such a call."""
     if tree is None or not may_call(data):
-        return {}, {}
+        return {}, {}, False
     kernels = kernels_of(tree.body, module, is_package)
     if not kernels:
-        return {}, {}
+        return {}, {}, False
+    from .prefilter import _tainted
+
     seeds: dict = {}
+    suspect = False
 
     def visit(node: ast.AST, scope: tuple) -> None:
+        nonlocal suspect
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 inner = (*scope, child.name)
@@ -191,6 +209,8 @@ def file_facts(tree: Optional[ast.Module], data: bytes, module: Optional[str] = 
                 if found:
                     qual = ".".join(inner)
                     seeds[qual] = seeds.get(qual, frozenset()) | found
+                if not suspect:
+                    suspect = _hands_metadata_to_ints(child, kernels, _tainted(child, found))
                 visit(child, inner)
             elif isinstance(child, ast.ClassDef):
                 visit(child, (*scope, child.name))
@@ -198,4 +218,4 @@ def file_facts(tree: Optional[ast.Module], data: bytes, module: Optional[str] = 
                 visit(child, scope)
 
     visit(tree, ())
-    return kernels, seeds
+    return kernels, seeds, suspect
