@@ -313,8 +313,9 @@ class _Sketch:
     def _names_metadata(self, func) -> bool:
         """The text of ``func`` holds a GL104 needle: only then can a value in it derive from metadata."""
         start, end = _span(self._lines(), func.lineno, func.end_lineno or func.lineno)
-        needles = PATTERNS[HOST_SYNC].needle_pattern
-        return needles is None or needles.search(self.data, start, end) is not None
+        spec = PATTERNS[HOST_SYNC]
+        return spec.needle_pattern is None or spec.needle_pattern.search(self.data, start, end) is not None \
+            or any(self.data.find(n, start, end) != -1 for n in spec.more_needles)
 
     def _lines(self) -> list:
         if self._starts is None:
