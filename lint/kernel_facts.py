@@ -5,7 +5,8 @@ fact, whatever the names: the offsets are read on the device, so each parameter 
 from, through torch ops that keep a tensor where it is (``F.pad(torch.cumsum(seq_len, 0), (1, 0)).int()``), is a
 device tensor of sequence-length metadata. Its int parameters (``max_seqlen_q``) are converted on the host: a
 0-d device tensor handed there is read back at every call. Both halves of the linter ask this module, on
-CPython's tree (``summaries`` through ``prefilter._tainted``, ``host_sync`` through the def's source).
+CPython's tree (``summaries`` through ``prefilter._tainted``, ``host_sync`` through ``file_facts``, which the
+engine hands it with the file's tree).
 """
 from __future__ import annotations
 
@@ -161,28 +162,41 @@ def offset_params(func: Any, kernels: dict) -> frozenset:
     return frozenset(out)
 
 
-def function_ast(code: str) -> Optional[Any]:
-    """CPython's tree of one def given as its source (libcst's ``code_for_node``), or None."""
-    import textwrap
+def _hands_metadata_to_ints(func: Any, kernels: dict, seeds: frozenset) -> bool:
+    """Whether a kernel call in ``func`` hands an int parameter a value derived, through ops that keep a tensor
+    where it is, from a parameter that is device metadata by its name or by ``seeds`` (what the value model
+    would find on the device there; a value from any other call is no such value)."""
+    from .patterns import is_seqlen_name
 
-    try:
-        tree = ast.parse(textwrap.dedent(code))
-    except SyntaxError:
-        return None
-    return next((s for s in tree.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
-
-
-def _hands_metadata_to_ints(func: ast.AST, kernels: dict, taint: tuple) -> bool:
-    """Whether a kernel call in ``func`` hands an int parameter what may derive from metadata (``taint``)."""
-    from .prefilter import _derives
-
+    assigned = _single_assignments(func)
+    a = func.args
+    params = frozenset(p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)
+                       if p.arg in seeds or is_seqlen_name(p.arg)) - set(assigned)
+    if not params:
+        return False
     for call in ast.walk(func):
         if not isinstance(call, ast.Call):
             continue
         found = kernels.get(_dotted(call.func) or "")
-        if found is not None and any(_derives(arg, lambda: taint) for _, arg in arguments(call, found[1], "ints")):
+        if found is not None and any(_roots(arg, assigned, params, set())
+                                     for _, arg in arguments(call, found[1], "ints")):
             return True
     return False
+
+
+def call_lines(tree: ast.AST, kernels: dict) -> list:
+    """The sorted lines of the calls of ``kernels`` in ``tree`` (one walk; none without kernels)."""
+    if not kernels:
+        return []
+    return sorted(n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and (_dotted(n.func) or "") in kernels)
+
+
+def holds_a_call(func: Any, lines: list) -> bool:
+    """Whether one of the kernel calls at ``lines`` is within ``func``'s lines."""
+    import bisect
+
+    i = bisect.bisect_left(lines, func.lineno)
+    return i < len(lines) and lines[i] <= (func.end_lineno or func.lineno)
 
 
 def file_facts(tree: Optional[ast.Module], data: bytes, module: Optional[str] = None,
@@ -193,10 +207,9 @@ def file_facts(tree: Optional[ast.Module], data: bytes, module: Optional[str] = 
     if tree is None or not may_call(data):
         return {}, {}, False
     kernels = kernels_of(tree.body, module, is_package)
-    if not kernels:
-        return {}, {}, False
-    from .prefilter import _tainted
-
+    lines = call_lines(tree, kernels)
+    if not lines:
+        return kernels, {}, False
     seeds: dict = {}
     suspect = False
 
@@ -204,13 +217,15 @@ def file_facts(tree: Optional[ast.Module], data: bytes, module: Optional[str] = 
         nonlocal suspect
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if not holds_a_call(child, lines):
+                    continue  # (nor do the defs nested in it)
                 inner = (*scope, child.name)
                 found = offset_params(child, kernels)
                 if found:
                     qual = ".".join(inner)
                     seeds[qual] = seeds.get(qual, frozenset()) | found
                 if not suspect:
-                    suspect = _hands_metadata_to_ints(child, kernels, _tainted(child, found))
+                    suspect = _hands_metadata_to_ints(child, kernels, found)
                 visit(child, inner)
             elif isinstance(child, ast.ClassDef):
                 visit(child, (*scope, child.name))

@@ -40,7 +40,7 @@ from guardlint.contracts import catalog
 
 from .engine_defs import (catalog_label, class_forward_targets, engine_of, find, forward_targets,
                           imports_of)
-from .kernel_facts import kernels_of, offset_params
+from .kernel_facts import call_lines, holds_a_call, kernels_of, offset_params
 from .kernel_facts import may_call as may_call_kernel
 from .patterns import PATTERNS, is_layer_class, is_seqlen_name
 from .prefilter import HOST_SYNC, _NO_TAINT, _derives, _dotted, _loops_over_layers, _tainted
@@ -159,7 +159,7 @@ class _Sketch:
         self.class_nodes: dict = {}  # class qualname -> its node
         self._bindings: dict = {}
         self._taints: dict = {}
-        self._kernel_names: Optional[dict] = None
+        self._kernel_names: Optional[tuple] = None
         self._module_name, self._is_package = module, is_package
         self._starts: Optional[list] = None
         self.facts = facts or FileFacts(path, module, package, {}, {})
@@ -299,15 +299,19 @@ class _Sketch:
         """What ``_derives`` asks of ``func`` (the prefilter's ``_tainted``), once a def."""
         key = id(func)
         if key not in self._taints:
-            value = _tainted(func, offset_params(func, self._kernels())) if func is not None else _NO_TAINT
+            kernels, lines = self._kernels()
+            seeds = offset_params(func, kernels) if func is not None and holds_a_call(func, lines) else frozenset()
+            value = _tainted(func, seeds) if func is not None else _NO_TAINT
             self._taints[key] = lambda: value
         return self._taints[key]
 
-    def _kernels(self) -> dict:
-        """The known varlen kernels this file's imports bind (``kernel_facts``), once a file."""
+    def _kernels(self) -> tuple:
+        """The known varlen kernels this file's imports bind (``kernel_facts``) and the lines of their calls, once
+        a file."""
         if self._kernel_names is None:
-            self._kernel_names = kernels_of(self._body, self._module_name, self._is_package) \
-                if may_call_kernel(self.data) else {}
+            kernels = kernels_of(self._body, self._module_name, self._is_package) if may_call_kernel(self.data) \
+                else {}
+            self._kernel_names = (kernels, call_lines(ast.Module(body=self._body, type_ignores=[]), kernels))
         return self._kernel_names
 
     def _names_metadata(self, func) -> bool:

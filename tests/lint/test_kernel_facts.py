@@ -133,3 +133,33 @@ def test_the_catalogs_vllm_signature_is_the_releases():
     entry = kernel_facts.catalog.VARLEN_KERNELS["vllm.vllm_flash_attn.flash_attn_varlen_func"]
     for position, name in (*entry["offsets"], *entry["ints"]):
         assert params[position] == name
+
+
+def test_a_file_goes_to_the_exact_reading_only_where_a_def_hands_metadata_to_an_int():
+    def facts(body: str):
+        source = "from flash_attn import flash_attn_varlen_func\n\n" + textwrap.dedent(body)
+        return kernel_facts.file_facts(ast.parse(source), source.encode())
+
+    # a maximum of metadata the def was given, on the device: the exact reading decides
+    kernels, seeds, suspect = facts("""\
+        def attend(q, cu_seqlens):
+            longest = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
+            return flash_attn_varlen_func(q, q, q, cu_seqlens, cu_seqlens, longest, longest)
+    """)
+    assert kernels and suspect and seeds == {"attend": frozenset({"cu_seqlens"})}
+    # maxima unpacked from a helper's result (transformers' _upad_input), or read to an int: nothing to read
+    for body in ("""\
+        def attend(self, q, mask):
+            q, cu_seq_lens, max_seq_lens = self._upad_input(q, mask)
+            max_q, max_k = max_seq_lens
+            return flash_attn_varlen_func(q, q, q, cu_seq_lens[0], cu_seq_lens[1], max_q, max_k)
+    """, """\
+        def attend(q, cu_seqlens):
+            longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+            return flash_attn_varlen_func(q, q, q, cu_seqlens, cu_seqlens, longest, longest)
+    """):
+        assert facts(body)[2] is False
+    # no call of a known kernel: nothing
+    assert facts("def attend(q, cu_seqlens):\n    return q\n") == (
+        {"flash_attn_varlen_func": kernel_facts.kernels_of(ast.parse(
+            "from flash_attn import flash_attn_varlen_func").body)["flash_attn_varlen_func"]}, {}, False)
