@@ -245,6 +245,11 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
             node, c, message, c.severity, note="\n".join(filter(None, (note, pattern_note(c)))))))
         if callees and hasattr(visitor, "callees"):
             visitor.callees, visitor.path = callees, path
+        if hasattr(visitor, "registered") and tree is not None:
+            from .registries import may_register, registered
+
+            if may_register(data):
+                visitor.registered = registered(tree)
         if hasattr(visitor, "kernels"):
             if kernel_facts is None:
                 from .kernel_facts import file_facts

@@ -120,6 +120,8 @@ class PerLayerHostSync:
         # because it hands what derives from them to a kernel's offsets (``kernel_facts.file_facts``).
         self.kernels: dict = {}
         self.kernel_seeds: dict = {}
+        # Defs the file registers in an attention registry (``registries.registered``): per-layer code.
+        self.registered: dict = {}
 
     def _message(self, what: str, context: str) -> str:
         # The headline says "per layer"; the line names the read and where it is.
@@ -190,6 +192,9 @@ class PerLayerHostSync:
                 and is_layer_class(owner.name.value, [b for b in map(_base_name, owner.bases) if b]) \
                 and (name == "forward" or name in self._dispatched(owner)):
             context = f"{owner.name.value}.{name}, which runs once per layer"
+        elif name in self.registered:
+            registry, line = self.registered[name]
+            context = f"{name}(), registered in {registry} (line {line}), which a model calls once per layer"
         self._contexts.append(context)
         self._classes.append(None)
         self._funcs.append([node, None])
@@ -255,9 +260,22 @@ class PerLayerHostSync:
         else:
             self._contexts.pop()
 
+    def visit_Assert(self, node: cst.Assert) -> None:
+        # An assert's message is evaluated only when the assert fails: no read in it runs per layer.
+        if node.msg is not None:
+            stack: list = [node.msg]
+            skip = self.__dict__.setdefault("_unevaluated", set())
+            while stack:
+                n = stack.pop()
+                if isinstance(n, cst.Call):
+                    skip.add(id(n))
+                stack.extend(children(n))
+
     def visit_Call(self, node: cst.Call) -> None:
         if self._inside_report:
             self._inside_report += 1
+            return
+        if id(node) in getattr(self, "_unevaluated", ()):
             return
         context = self._context()
         if context is None:

@@ -12,6 +12,9 @@ from typing import Callable, Optional
 
 from guardlint.contracts.catalog import HOST_SUFFIXES, SEQLEN_STEMS, VARLEN_KERNELS
 
+from .registries import _TEXT as REGISTRATION
+from .registries import may_register
+
 
 @dataclass(frozen=True)
 class PatternSpec:
@@ -195,6 +198,9 @@ def in_per_layer_code(data: bytes, offsets: list[int], derived: Optional[re.Patt
     whose reads are."""
     if b"\r" in data and data.count(b"\r") != data.count(b"\r\n"):
         return True  # lines ended by \r alone: the line breaks looked for here are \n
+    if may_register(data):
+        return True  # a def registered in an attention registry runs per layer, whatever its name (the tree
+        # pre-filter reads which)
     headers, starts, parents = _headers(data)
     helpers: set = set()
 
@@ -356,10 +362,12 @@ PATTERNS: dict[str, PatternSpec] = {
         # whose header names layers or blocks (up to its colon: headers over several lines count).
         # (``forward_*``: the methods a dispatching forward runs, vLLM's CustomOp ``forward_oot``...; a class
         # whose base is named so is a layer too: ``class AscendMMEncoderAttention310(MMEncoderAttention)``.)
+        # Or a function registered in an attention registry (``registries``), which a model calls once per layer.
         context=(
             (re.compile(rb"def\s+forward(?:_\w+)?\b"),
              re.compile(rb"class\s+\w*(?:(?i:block|layer|attention)\b|\([^):]*?(?i:block|layer|attention)\b)")),
             (_FOR_LAYERS,),
+            (REGISTRATION,),
         ),
         # Then only reads that can be in such a place: ``in_per_layer_code`` reads the nesting from the
         # indentation (52 of vLLM 0.33's files passed on GL104's words alone, and CPython parsed them

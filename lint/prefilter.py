@@ -31,6 +31,7 @@ from typing import Callable, Iterable, Optional
 
 from guardlint.contracts.catalog import HOST_SUFFIXES
 
+from .registries import may_register, registered
 from .patterns import (CASTS, CONTAINER_METHODS, DECLARED_CONTAINERS, DECLARED_HOST_TYPES, KEEP_BUILTINS, KEEP_METHODS,
                        LAYER_LOOP_NAME, MOVE_METHODS, PATTERNS, SAME_TENSOR_ATTRS, SYNC_METHODS, TORCH_COPIES,
                        TORCH_JOIN, TORCH_KEEP, is_layer_class, is_seqlen_name)
@@ -107,6 +108,8 @@ class TreeFilter:
         scan = _Scan(names, fields, host_sync, _lines_of(data, words),
                      _lines_of(data, _READ_WORDS) if host_sync else [], instances)
         scan.data = data
+        if host_sync and may_register(data):
+            scan.registered = registered(ast.Module(body=[s for body in bodies() for s in body], type_ignores=[]))
         if any(scan.block(body, False, None) for body in bodies()):
             return True
         if scan.replace_calls and any(
@@ -176,6 +179,7 @@ class _Scan:
         self.helper_names: set = set()
         self._tainted: dict[int, Taint] = {}  # id(def) -> ``_tainted(def)``
         self.data: Optional[bytes] = None  # the file's bytes: a def whose lines name no metadata derives none
+        self.registered: dict = {}  # defs registered in an attention registry (``registries``): per-layer code
         self._line_starts: Optional[list[int]] = None
 
     def tainted(self, func) -> Callable[[], "Taint"]:
@@ -238,6 +242,8 @@ class _Scan:
                 if owner is not None and (node.name == "forward" or node.name.startswith("forward_")) \
                         and is_layer_class(owner.name, [b for b in map(_dotted, owner.bases) if b]):
                     # (``forward_*``: what a dispatching forward may run; the visitor reads which it does)
+                    inner_context = True
+                elif node.name in self.registered:
                     inner_context = True
             elif (t is ast.For or t is ast.AsyncFor) and _loops_over_layers(node.iter):
                 inner_context = True

@@ -89,6 +89,12 @@ VARLEN_KERNELS: dict[str, dict[str, Any]] = {
     "vllm.vllm_flash_attn.flash_attn_varlen_func": _VLLM_FLASH_ATTN,
     "vllm.vllm_flash_attn.flash_attn_interface.flash_attn_varlen_func": _VLLM_FLASH_ATTN,
 }
+# Attention registries whose entries a model calls once per attention layer, by the package that defines them and
+# the names a tree imports from it: transformers' attention modules look their implementation up in
+# ``ALL_ATTENTION_FUNCTIONS`` (an ``AttentionInterface``) at every forward, so a function registered there
+# (``ALL_ATTENTION_FUNCTIONS["flash_attention_2"] = fn``, ``AttentionInterface.register("name", fn)``) is per-layer
+# code.
+ATTENTION_REGISTRIES = {"transformers": ("ALL_ATTENTION_FUNCTIONS", "AttentionInterface")}
 # Engine field order of LoRABatchInfo in sglang 0.5.23 (it changed between releases: positional
 # construction is a trap). Ours has the first ten.
 LORA_FIELDS = (
