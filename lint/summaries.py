@@ -43,6 +43,7 @@ from .engine_defs import (catalog_label, class_forward_targets, engine_of, find,
 from .kernel_facts import call_lines, holds_a_call, kernels_of, offset_params
 from .kernel_facts import may_call as may_call_kernel
 from .patterns import PATTERNS, is_layer_class, is_seqlen_name
+from .registries import may_register, registered
 from .prefilter import HOST_SYNC, _NO_TAINT, _derives, _dotted, _loops_over_layers, _tainted
 
 # A host read in a function's text: what GL104 reads (``host_sync._host_read``) and no more (``x.float()``
@@ -160,6 +161,7 @@ class _Sketch:
         self._bindings: dict = {}
         self._taints: dict = {}
         self._kernel_names: Optional[tuple] = None
+        self._registered_defs: Optional[dict] = None
         self._module_name, self._is_package = module, is_package
         self._starts: Optional[list] = None
         self.facts = facts or FileFacts(path, module, package, {}, {})
@@ -256,6 +258,7 @@ class _Sketch:
                 layer = owner is not None and (node.name == "forward" or node.name.startswith("forward_")) \
                     and is_layer_class(owner[0], [b for b in map(_dotted, owner[2].bases) if b]) \
                     and (node.name == "forward" or node.name in self._dispatched(owner))
+                layer = layer or node.name in self._registered()
                 self.roots(node.body, [*scope, node.name], None, [*funcs, node], inner, context or layer)
                 continue
             inner_context = context or ((t is ast.For or t is ast.AsyncFor) and _loops_over_layers(node.iter))
@@ -304,6 +307,13 @@ class _Sketch:
             value = _tainted(func, seeds) if func is not None else _NO_TAINT
             self._taints[key] = lambda: value
         return self._taints[key]
+
+    def _registered(self) -> dict:
+        """The defs this file registers in an attention registry (``registries``): per-layer places."""
+        if self._registered_defs is None:
+            self._registered_defs = registered(ast.Module(body=self._body, type_ignores=[])) \
+                if may_register(self.data) else {}
+        return self._registered_defs
 
     def _kernels(self) -> tuple:
         """The known varlen kernels this file's imports bind (``kernel_facts``) and the lines of their calls, once
@@ -961,8 +971,25 @@ class Summaries:
             return self._named(f, ref[1], "def", 0)
         if ref[1].startswith("torch.ops.") and ref[1].count(".") == 2 and f.names.get("torch") == ("module", "torch"):
             return self._op(f, ref[2])
+        if ref[2] == "apply" and "." not in ref[1]:
+            function = self._autograd_forward(f, ref[1])
+            if function is not None:
+                return function
         target = self._module_of(f, ref[1])
         return self._named(target, ref[2], "def", 0) if target is not None else None
+
+    def _autograd_forward(self, f: FileFacts, name: str) -> Optional[tuple]:
+        """``Cls.apply(...)`` of a ``torch.autograd.Function`` the tree defines runs ``Cls.forward(ctx, ...)``: that
+        def, its first parameter filled by the call form."""
+        found = self._named(f, name, "class", 0)
+        if found is None:
+            return None
+        owner, cls = found
+        bases = owner.classes.get(cls, ((), {}))[0]
+        if not any(b in ("torch.autograd.Function", "autograd.Function", "Function") for b in bases):
+            return None
+        method = self._method(owner, cls, "forward", set())
+        return (method[0], method[1], 1) if method is not None else None
 
     def _named(self, f: FileFacts, name: str, kind: str, hops: int) -> Optional[tuple]:
         """The def (``kind`` "def") or class ("class") ``name`` is bound to in ``f``'s module, through its

@@ -79,3 +79,39 @@ def test_registered_names_the_defs_and_their_lines():
     assert registries.registered(tree) == {"local_flash_attn": ("ALL_ATTENTION_FUNCTIONS", 20)}
     assert registries.may_register(textwrap.dedent(SWIFT).encode())
     assert not registries.may_register(b"fn = ALL_ATTENTION_FUNCTIONS[impl]\n")
+
+
+# The ring attention the registered function calls, through an autograd Function: ``Ring.apply(...)`` runs
+# ``Ring.forward(ctx, ...)``, whose helper reads the offsets on the host.
+RING = """\
+    import torch
+
+
+    def half_index(cu_seqlens):
+        return torch.zeros((cu_seqlens[-1].item(),), dtype=torch.bool)
+
+
+    class Ring(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, cu_seqlens):
+            index = half_index(cu_seqlens)
+            return q[index]
+
+
+    def ring_attention(q, cu_seqlens):
+        return Ring.apply(q, cu_seqlens)
+"""
+
+
+def test_a_registered_function_reaches_a_read_through_an_autograd_function(tmp_path):
+    (tmp_path / "ring.py").write_text(textwrap.dedent(RING))
+    source = textwrap.dedent(SWIFT).replace("import torch\n", "import torch\n\nfrom ring import ring_attention\n", 1)
+    source = source.replace("return ring(query, key, value, cu_seqlens, max_seqlen)",
+                            "return ring_attention(query, cu_seqlens)")
+    found = _gl104(tmp_path, source)
+    assert len(found) == 2, found
+    assert "ring_attention(...) reads cu_seqlens" in found[1][1]
+    # An .apply of a class that is no autograd Function reaches nothing.
+    (tmp_path / "ring.py").write_text(textwrap.dedent(RING).replace("class Ring(torch.autograd.Function)",
+                                                                    "class Ring"))
+    assert len(_gl104(tmp_path, source)) == 1
