@@ -389,7 +389,10 @@ GL104 = Contract(
         ),
         when_it_happens=(
             "A block or attention module (class named *Block, *Layer, *Attention) derives max_seqlen from "
-            "cu_seqlens/seq_lens/seg_lens in its own forward, or a loop over layers does it per iteration."
+            "cu_seqlens/seq_lens/seg_lens in its own forward, or a loop over layers does it per iteration; or a "
+            "function registered in transformers' ALL_ATTENTION_FUNCTIONS (run once per attention layer) does; "
+            "or a layer hands flash-attn's flash_attn_varlen_func a 0-d device tensor as its int max_seqlen_q, "
+            "which flash-attn converts on the host at every call."
         ),
         solutions=(
             "Compute it once in the model's forward (or prepare_varlen_metadata) and pass it down; a bounds "
