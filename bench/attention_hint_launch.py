@@ -2,10 +2,11 @@
 
 The Triton forward with a hint nothing verified runs a second kernel for the query tiles past the hint
 (``_varlen_attention_rest``). With a right hint that kernel does no work, so its cost is its launch. This times,
-side by side in rounds of shuffled order, the first kernel alone and followed by: the second kernel as shipped,
-the same with light launch options (4 warps, one stage, BLOCK_N=32: a small shared-memory footprint), the same
-on a grid of one program per sequence, and an empty Triton kernel (the floor of any second launch). Two timers:
-CUDA events around each of back-to-back eager calls, and a CUDA graph of 16 calls replayed (no host in the way).
+side by side in rounds of shuffled order, the first kernel alone and followed by: the second kernel as shipped
+(a programmatic dependent launch on Hopper), the same launched plainly, the same with light launch options (4
+warps, one stage, BLOCK_N=32: a small shared-memory footprint), the same on a grid of one program per sequence,
+and an empty Triton kernel launched plainly (what any plain second launch costs). Two timers: CUDA events around
+each of back-to-back eager calls, and a CUDA graph of 16 calls replayed (no host in the way).
     python3 bench/attention_hint_launch.py [--rounds 7] [--write]
 """
 from __future__ import annotations
@@ -60,6 +61,7 @@ def variants(q, k, v, cu, max_seqlen):
             scale * tri.LOG2E, size_class)
     tiles = -(-max_seqlen // block_m)
     shipped = tri._rest(key, kwargs)
+    plain = DirectLaunch(tri._varlen_attention_rest, dict(tri._rest_options(kwargs), GDC=False, launch_pdl=False))
     light = DirectLaunch(tri._varlen_attention_rest,
                          dict(tri._rest_options(kwargs), BLOCK_N=32, num_warps=4, num_stages=1))
     grid = tri.rest_grid(heads, batch, q.device)
@@ -72,6 +74,7 @@ def variants(q, k, v, cu, max_seqlen):
     return {
         "first kernel alone (verified hint)": first,
         "+ second kernel, as shipped": lambda: (first(), shipped(rest_args, grid)),
+        "+ second kernel, no dependent launch": lambda: (first(), plain(rest_args, grid)),
         "+ second kernel, light options": lambda: (first(), light(rest_args, grid)),
         "+ second kernel, one program per sequence": lambda: (first(), shipped(rest_args, (1, 1, batch))),
         "+ an empty kernel": lambda: (first(), empty((out,), (1,))),

@@ -31,7 +31,7 @@ for s in "$@"; do
     tests-flashinfer) STEP_TIMEOUT=${FI_TIMEOUT:-540} step tests-flashinfer python3 -m pytest -q -m gpu -p no:cacheprovider -k flashinfer tests/kernels/test_attention_gpu.py tests/guard/test_guard_vit.py ;;
     lora) step lora python3 bench/lora.py --write ;;
     # The adversarial GPU suites: hints the guard did not verify, LoRA metadata of every shape.
-    tests-hint) step tests-hint python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_attention_hint_gpu.py ;;
+    tests-hint) step tests-hint python3 -m pytest -q -m gpu -p no:cacheprovider ${HINT_TESTS:-tests/kernels/test_attention_hint_gpu.py} ;;
     tests-adversarial) step tests-adversarial python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_attention_hint_gpu.py tests/kernels/test_lora_adversarial_gpu.py ;;
     # The kernels of an earlier revision (.base, from bench/kernel_regression.py --extract REV) beside today's.
     regression) STEP_TIMEOUT=420 step regression python3 bench/kernel_regression.py --base .base --write ;;

@@ -312,10 +312,15 @@ def _varlen_attention_rest(
     CAUSAL: tl.constexpr, SORTED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     STORE_LSE: tl.constexpr = False,
+    GDC: tl.constexpr = False,  # launched as a programmatic dependent of the first kernel (Hopper on): wait for it
 ):
     """The tiles an unverified hint left out: query tiles tile_base + program_id(0), + num_programs(0), ... of
     heads program_id(1), + num_programs(1), ... of one sequence. Grid (1, a few heads, batch): one wave, whose
-    programs read two offsets and exit when the hint was right."""
+    programs read two offsets and exit when the hint was right. With ``GDC`` the launch is a programmatic dependent
+    one: set up while the first kernel runs, and each program waits for that kernel to finish (and its writes to
+    be visible) before anything else, so what follows on the stream sees both kernels done."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
     seq_start, seq_len = _sequence_span(cu_seqlens, seq_order, total_tokens, SORTED)
     n_tiles = tl.cdiv(seq_len, BLOCK_M)
     if tile_base + tl.program_id(0) >= n_tiles:
@@ -472,8 +477,26 @@ def _rest(key: tuple, kwargs: dict) -> DirectLaunch:
 
 
 def _rest_options(kwargs: dict) -> dict:
-    """The first launch's tiles and options for the launch after it (which has no tile-loop switch)."""
-    return {k: v for k, v in kwargs.items() if k != "TILE_LOOP"}
+    """The first launch's tiles and options for the launch after it (which has no tile-loop switch), launched as
+    a programmatic dependent of the first where the device has it (``GDC``): its launch overlaps the first
+    kernel instead of following it (an empty kernel launched after the first costs 2.3% of a 64 x 256 forward,
+    ``bench/results/attention_hint_launch.md``)."""
+    options = {k: v for k, v in kwargs.items() if k != "TILE_LOOP"}
+    if _dependent_launch():
+        options.update(GDC=True, launch_pdl=True)
+    return options
+
+
+_PDL: list = []
+
+
+def _dependent_launch() -> bool:
+    """Programmatic dependent launch: compiled for a GPU (not the interpreter) of compute capability 9.0 or more,
+    unless ``GUARDLINT_PDL=0``."""
+    if not _PDL:
+        _PDL.append(not INTERPRET and os.environ.get("GUARDLINT_PDL", "1") not in ("", "0")
+                    and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
+    return _PDL[0]
 
 
 _SM_COUNTS: dict = {}

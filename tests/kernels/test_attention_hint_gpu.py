@@ -160,3 +160,31 @@ def test_gluon_launcher_clamps_a_huge_max_seqlen(head_dim, poisoned_output):
     q, k, v, cu, offsets = make_batch(LENGTHS, 8, 2, head_dim, torch.bfloat16, seed=5)
     out = gluon_path.varlen_attention_gluon(q, k, v, cu, 10 ** 9, head_dim ** -0.5, False)
     assert_matches(out, q, k, v, offsets, False)
+
+
+@pytest.mark.parametrize("short", [False, True], ids=["right-hint", "short-hint"])
+def test_the_dependent_launch_after_an_unverified_hint_orders_with_what_follows(short, poisoned_output):
+    # On Hopper the launch after an unverified hint is a programmatic dependent one (it is set up while the first
+    # kernel runs, then waits for it): what the stream runs next sees both kernels' rows, eagerly and replayed
+    # from a CUDA graph.
+    q, k, v, cu, offsets = make_batch(LENGTHS, 8, 8, 80, torch.bfloat16, seed=5)
+    hint = max(LENGTHS) // 3 if short else max(LENGTHS)
+    scale = 80 ** -0.5
+
+    def step():
+        out = triton_path.varlen_attention_triton(q, k, v, cu, hint, scale, False)
+        return out, out.float().sum(dim=(1, 2))  # a kernel right after, reading every row
+
+    out, sums = step()
+    torch.cuda.synchronize()
+    assert_matches(out, q, k, v, offsets, False)
+    torch.testing.assert_close(sums, out.float().sum(dim=(1, 2)))
+    if _hopper():
+        assert triton_path._dependent_launch()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_sums = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches(g_out, q, k, v, offsets, False)
+    torch.testing.assert_close(g_sums, g_out.float().sum(dim=(1, 2)))
