@@ -298,7 +298,6 @@ def _varlen_attention_fwd(
                            BLOCK_N, STORE_LSE)
 
 
-
 @triton.jit(do_not_specialize=["length_class", "tile_base", "num_heads"])
 def _varlen_attention_rest(
     Q, K, V, O, LSE, cu_seqlens, seq_order,
@@ -336,6 +335,7 @@ def _varlen_attention_rest(
             _attend_query_tile(q_base, k_base, v_base, o_base, lse_base, stride_qt, stride_kt, stride_vt, stride_ot,
                                stride_lt, _heavy_first(tile, n_tiles, CAUSAL), seq_len, qk_scale, D0, D1, D2, D3,
                                CAUSAL, UPCAST, PRECISION, BLOCK_M, BLOCK_N, STORE_LSE)
+
 
 # Hopper (H100/H200) choices, one line each (register and shared-memory figures from ptxas for sm_90a):
 # - BLOCK_M=128 with num_warps=8: two warpgroups, each owning 64 query rows = one m64 wgmma row block.
@@ -479,7 +479,7 @@ def _rest(key: tuple, kwargs: dict) -> DirectLaunch:
 def _rest_options(kwargs: dict) -> dict:
     """The first launch's tiles and options for the launch after it (which has no tile-loop switch), launched as
     a programmatic dependent of the first where the device has it (``GDC``): its launch overlaps the first
-    kernel instead of following it (an empty kernel launched after the first costs 2.3% of a 64 x 256 forward,
+    kernel instead of following it (an empty kernel launched after the first costs about 2% of a 64 x 256 forward,
     ``bench/results/attention_hint_launch.md``)."""
     options = {k: v for k, v in kwargs.items() if k != "TILE_LOOP"}
     if _dependent_launch():
