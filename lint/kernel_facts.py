@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from guardlint.contracts import catalog
 
-from .engine_defs import imports_of, qualify
+from .engine_defs import _dotted, imports_of, qualify
 
 # The kernels' own names: a file without one of them in its text calls none of them.
 NAMES = frozenset(q.rsplit(".", 1)[1] for q in catalog.VARLEN_KERNELS)
@@ -33,17 +33,6 @@ _SAME_PLACE_METHODS = frozenset({"to", "int", "long", "short", "cumsum", "contig
 
 def may_call(data: bytes) -> bool:
     return any(n in data for n in NEEDLES)
-
-
-def _dotted(node: ast.AST) -> Optional[str]:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name):
-        return None
-    parts.append(node.id)
-    return ".".join(reversed(parts))
 
 
 def kernels_of(body: list, module: Optional[str] = None, is_package: bool = False) -> dict:

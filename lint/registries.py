@@ -15,6 +15,8 @@ from typing import Optional
 
 from guardlint.contracts import catalog
 
+from .engine_defs import _dotted
+
 _NAMES = frozenset(n for names in catalog.ATTENTION_REGISTRIES.values() for n in names)
 _ALT = b"|".join(sorted(n.encode() for n in _NAMES))
 # A registration as text (a superset of what ``registered`` finds).
@@ -23,17 +25,6 @@ _TEXT = re.compile(rb"(?:" + _ALT + rb")\s*(?:\[[^\]\n]*\]\s*=(?!=)|\.\s*registe
 
 def may_register(data: bytes) -> bool:
     return any(n.encode() in data for n in _NAMES) and _TEXT.search(data) is not None
-
-
-def _dotted(node: ast.AST) -> Optional[str]:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name):
-        return None
-    parts.append(node.id)
-    return ".".join(reversed(parts))
 
 
 def _function(expr: ast.AST) -> Optional[str]:

@@ -254,6 +254,17 @@ def _sequence_span(cu_seqlens, seq_order, total_tokens, SORTED: tl.constexpr):
     return seq_start, (seq_end - seq_start).to(tl.int32)
 
 
+@triton.jit
+def _head_bases(Q, K, V, O, LSE, seq_start, head, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                stride_ot, stride_oh, stride_lt, GROUP: tl.constexpr):
+    """Where query head ``head`` of the sequence starting at token ``seq_start`` reads q, k, v (its kv head) and
+    writes o and the log-sum-exp."""
+    kv_head = head // GROUP
+    return (Q + seq_start * stride_qt + head * stride_qh, K + seq_start * stride_kt + kv_head * stride_kh,
+            V + seq_start * stride_vt + kv_head * stride_vh, O + seq_start * stride_ot + head * stride_oh,
+            LSE + seq_start * stride_lt + head)
+
+
 @triton.jit(do_not_specialize=["length_class", "tile_base"])
 def _varlen_attention_fwd(
     Q, K, V, O, LSE, cu_seqlens, seq_order,
@@ -279,12 +290,9 @@ def _varlen_attention_fwd(
     n_tiles = tl.cdiv(seq_len, BLOCK_M)
     tile_m = _heavy_first(pid_m, n_tiles, CAUSAL)
 
-    kv_head = head // GROUP
-    q_base = Q + seq_start * stride_qt + head * stride_qh
-    k_base = K + seq_start * stride_kt + kv_head * stride_kh
-    v_base = V + seq_start * stride_vt + kv_head * stride_vh
-    o_base = O + seq_start * stride_ot + head * stride_oh
-    lse_base = LSE + seq_start * stride_lt + head
+    q_base, k_base, v_base, o_base, lse_base = _head_bases(
+        Q, K, V, O, LSE, seq_start, head, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+        stride_oh, stride_lt, GROUP)
 
     if TILE_LOOP:
         # Tiles tile_base + pid_m, + G, ...: the ones a first launch sized by a short max_seqlen left out.
@@ -325,12 +333,9 @@ def _varlen_attention_rest(
     if tile_base + tl.program_id(0) >= n_tiles:
         return
     for head in range(tl.program_id(1), num_heads, tl.num_programs(1)):
-        kv_head = head // GROUP
-        q_base = Q + seq_start * stride_qt + head * stride_qh
-        k_base = K + seq_start * stride_kt + kv_head * stride_kh
-        v_base = V + seq_start * stride_vt + kv_head * stride_vh
-        o_base = O + seq_start * stride_ot + head * stride_oh
-        lse_base = LSE + seq_start * stride_lt + head
+        q_base, k_base, v_base, o_base, lse_base = _head_bases(
+            Q, K, V, O, LSE, seq_start, head, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+            stride_ot, stride_oh, stride_lt, GROUP)
         for tile in range(tile_base + tl.program_id(0), n_tiles, tl.num_programs(0)):
             _attend_query_tile(q_base, k_base, v_base, o_base, lse_base, stride_qt, stride_kt, stride_vt, stride_ot,
                                stride_lt, _heavy_first(tile, n_tiles, CAUSAL), seq_len, qk_scale, D0, D1, D2, D3,
