@@ -15,8 +15,6 @@ from typing import Optional
 
 from guardlint.contracts import catalog
 
-from .engine_defs import _dotted
-
 _NAMES = frozenset(n for names in catalog.ATTENTION_REGISTRIES.values() for n in names)
 _ALT = b"|".join(sorted(n.encode() for n in _NAMES))
 # A registration as text (a superset of what ``registered`` finds).
@@ -29,6 +27,8 @@ def may_register(data: bytes) -> bool:
 
 def _function(expr: ast.AST) -> Optional[str]:
     """The def a registered value names: ``fn``, or the function of ``partial(fn, ...)``."""
+    from .engine_defs import _dotted  # (here: patterns imports this module, and engine_defs imports patterns)
+
     if isinstance(expr, ast.Name):
         return expr.id
     if isinstance(expr, ast.Call) and (_dotted(expr.func) or "").rsplit(".", 1)[-1] == "partial" and expr.args:
@@ -41,6 +41,8 @@ def registered(tree: Optional[ast.AST]) -> dict:
     registry it imports from the package that defines it."""
     if tree is None:
         return {}
+    from .engine_defs import _dotted
+
     local: set = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and not node.level:
