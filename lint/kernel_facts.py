@@ -16,23 +16,18 @@ from typing import Any, Optional
 from guardlint.contracts import catalog
 
 from .engine_defs import _dotted, imports_of, qualify
+from .patterns import KEEP_METHODS, KERNEL_NAMES, TORCH_JOIN, TORCH_KEEP
 
-# The kernels' own names: a file without one of them in its text calls none of them.
-NAMES = frozenset(q.rsplit(".", 1)[1] for q in catalog.VARLEN_KERNELS)
-NEEDLES = tuple(name.encode() for name in NAMES)
-
-# Torch functions whose result lives where their first tensor argument does (``torch.cat``: its list's).
-_SAME_PLACE_FUNCTIONS = frozenset({"cumsum", "pad", "diff", "cat", "stack", "flatten", "reshape", "narrow", "clamp",
-                                   "maximum", "minimum", "where", "abs", "neg"})
+# Ops whose result lives where their tensor does: the value model's (``patterns``); ``t.to(...)`` and ``t.type(...)``
+# only with a dtype (``_keeps_place``).
+_SAME_PLACE_FUNCTIONS = TORCH_KEEP | TORCH_JOIN
 _TORCH_BASES = frozenset({"torch", "F", "torch.nn.functional", "nn.functional"})
-# Tensor methods whose result lives where the tensor does (``.to`` only with a dtype: see ``_keeps_place``).
-_SAME_PLACE_METHODS = frozenset({"to", "int", "long", "short", "cumsum", "contiguous", "detach", "flatten", "view",
-                                 "reshape", "clone", "type", "squeeze", "unsqueeze", "narrow", "clamp", "clamp_min",
-                                 "diff", "add", "sub", "mul", "max", "sum"})
+_SAME_PLACE_METHODS = KEEP_METHODS | {"to"}
 
 
 def may_call(data: bytes) -> bool:
-    return any(n in data for n in NEEDLES)
+    """A file without one of the kernels' names in its text calls none of them."""
+    return any(n in data for n in KERNEL_NAMES)
 
 
 def kernels_of(body: list, module: Optional[str] = None, is_package: bool = False) -> dict:

@@ -111,7 +111,7 @@ _NEEDLES = re.compile(b"|".join(re.escape(stem.encode()) for stem in SEQLEN_STEM
 # And the names of the known varlen kernels (``kernel_facts``), whose calls make metadata of values named anyhow:
 # searched apart (in the pattern above they would cost its common start, "se", which the regex engine looks for
 # at once: 0.6 s more over vLLM 0.33).
-_KERNEL_NAMES = tuple(sorted({q.rsplit(".", 1)[1].encode() for q in VARLEN_KERNELS}))
+KERNEL_NAMES = tuple(sorted({q.rsplit(".", 1)[1].encode() for q in VARLEN_KERNELS}))
 
 # The first line of a for, def or class statement (or what looks like one: a line of a string or of a
 # bracket that starts with such a word only adds a place), its indentation, keyword and the name it
@@ -351,11 +351,11 @@ PATTERNS: dict[str, PatternSpec] = {
     "GL104": PatternSpec(
         code="GL104",
         visitor="host_sync:PerLayerHostSync",
-        needles=tuple(stem.encode() for stem in SEQLEN_STEMS if stem != "cu_seqlens") + _KERNEL_NAMES,
+        needles=tuple(stem.encode() for stem in SEQLEN_STEMS if stem != "cu_seqlens") + KERNEL_NAMES,
         # seqlens, seq_lens, seg_lens, seg_indptr: one search for "se" and what follows (on vLLM 0.33's
         # 50 MB, 0.026 s against 0.063 s for four substring searches)
         needle_pattern=_NEEDLES,
-        more_needles=_KERNEL_NAMES,
+        more_needles=KERNEL_NAMES,
         # The truth of a tensor as a whole test: ``if (a > b).any():`` (the visitor reports no other use).
         also=((b".any():",), (b".all():",), (b".any()):",), (b".all()):",)),
         # A per-layer place: a forward in a class *Block/*Layer/*Attention (any case), or a for loop
@@ -381,7 +381,7 @@ PATTERNS: dict[str, PatternSpec] = {
         # ``int`` and ``if`` alone are in most files, and ``if seq_lens is None`` is no read.
         # A call of a known varlen kernel is a place of a read too (a device tensor handed to its int parameters).
         also_pattern=re.compile(
-            rb"\.(?:item|tolist)\(\s*\)|" + _COPY + rb"|(?:" + b"|".join(_KERNEL_NAMES) + rb")\s*\("
+            rb"\.(?:item|tolist)\(\s*\)|" + _COPY + rb"|(?:" + b"|".join(KERNEL_NAMES) + rb")\s*\("
             + rb"|(?:int|bool|float)\(\s*[^\n]*?" + _STEM
             + rb"|(?:if|elif|while|and|or)\s+(?:not\s+)?\(?\s*[\w.]*" + _STEM
             + rb"\w*(?:\[[^\]\n]*\])?\s*(?::|and\b|or\b|[<>]=?|==|!=|\))"),
