@@ -122,6 +122,7 @@ class PerLayerHostSync:
         self.kernel_seeds: dict = {}
         # Defs the file registers in an attention registry (``registries.registered``): per-layer code.
         self.registered: dict = {}
+        self._unevaluated: set[int] = set()  # ids of calls in assert messages (run only when the assert fails)
 
     def _message(self, what: str, context: str) -> str:
         # The headline says "per layer"; the line names the read and where it is.
@@ -264,18 +265,17 @@ class PerLayerHostSync:
         # An assert's message is evaluated only when the assert fails: no read in it runs per layer.
         if node.msg is not None:
             stack: list = [node.msg]
-            skip = self.__dict__.setdefault("_unevaluated", set())
             while stack:
                 n = stack.pop()
                 if isinstance(n, cst.Call):
-                    skip.add(id(n))
+                    self._unevaluated.add(id(n))
                 stack.extend(children(n))
 
     def visit_Call(self, node: cst.Call) -> None:
         if self._inside_report:
             self._inside_report += 1
             return
-        if id(node) in getattr(self, "_unevaluated", ()):
+        if id(node) in self._unevaluated:
             return
         context = self._context()
         if context is None:
