@@ -425,8 +425,9 @@ class _Run:
         known = known_targets(rules)
         module_names: set = set()
         sink: list = [None]
-        visitors = [self.pattern_visitor(c, lambda node, message, c=c: sink[0].append(
-            RawFinding(node, c, message, c.severity, note=pattern_note(c)))) for c in rules.patterns]
+        visitors = [self.pattern_visitor(c, lambda node, message, note="", c=c: sink[0].append(
+            RawFinding(node, c, message, c.severity, note="\n".join(filter(None, (note, pattern_note(c)))))))
+            for c in rules.patterns]
         if not all(hasattr(v, "begin_chunk") for v in visitors):
             raise _Unchunkable("a pattern rule needs the whole module")
         ready = self._ready(bool(visitors))

@@ -104,7 +104,7 @@ def _layer_loop(iterable: cst.BaseExpression) -> Optional[str]:
 class PerLayerHostSync:
     def __init__(self, contract: Contract, report: Callable[..., None]):
         self.contract = contract
-        self.report = report
+        self._report = report
         self._classes: list[Optional[cst.ClassDef]] = []  # enclosing classes; None for a def in between
         self._contexts: list[Optional[str]] = []  # why the code here runs per layer
         self._inside_report = 0  # depth of calls nested in an already reported one
@@ -123,6 +123,13 @@ class PerLayerHostSync:
         # Defs the file registers in an attention registry (``registries.registered``): per-layer code.
         self.registered: dict = {}
         self._unevaluated: set[int] = set()  # ids of calls in assert messages (run only when the assert fails)
+        self._spares: list = []  # per enclosing def, the parameters every call binding it passes (reach.py), or None
+        self._paths: list = []  # per enclosing def, the path that binds it per layer at run time (reach.py), or None
+
+    def report(self, node: cst.CSTNode, message: str, note: str = "") -> None:
+        # In a def bound per layer at run time, the note gives the path that binds it (``reach.py``).
+        bound = next((n for n in reversed(self._paths) if n is not None), None) if self._paths else None
+        self._report(node, message, "\n".join(filter(None, (note, bound))))
 
     def _message(self, what: str, context: str) -> str:
         # The headline says "per layer"; the line names the read and where it is.
@@ -138,7 +145,41 @@ class PerLayerHostSync:
         self._helpers = helpers
         self._fallback = 0
 
+    def _spare(self, test: cst.BaseExpression, body: cst.CSTNode, orelse: Optional[cst.CSTNode]) -> None:
+        """In a def bound per layer at run time, the branch of ``if p is None`` (``x if p is not None else ...``)
+        taken only when a parameter every binding call passes is None runs on no such call: its calls and tests are
+        not evaluated there."""
+        spared = self._spares[-1] if self._spares else None
+        if not spared or not isinstance(test, cst.Comparison) or len(test.comparisons) != 1 \
+                or not isinstance(test.left, cst.Name) or test.left.value not in spared \
+                or not is_none(test.comparisons[0].comparator):
+            return
+        op = test.comparisons[0].operator
+        branch = body if isinstance(op, cst.Is) else orelse if isinstance(op, cst.IsNot) else None
+        if branch is not None:
+            self._unevaluated.update(id(n) for n in _subtree(branch))
+
+    def _skip_after_early_exits(self, func: cst.FunctionDef, absent: frozenset) -> None:
+        """After ``if p is None: return ...`` (or ``raise``) at the top of ``func``'s body, where no call binding it
+        passes ``p``, nothing runs: its nodes are not evaluated."""
+        if not absent or not isinstance(func.body, cst.IndentedBlock):
+            return
+        body = func.body.body
+        for i, stmt in enumerate(body):
+            test = stmt.test if isinstance(stmt, cst.If) else None
+            if isinstance(test, cst.Comparison) and len(test.comparisons) == 1 and isinstance(test.left, cst.Name) \
+                    and test.left.value in absent and isinstance(test.comparisons[0].operator, cst.Is) \
+                    and is_none(test.comparisons[0].comparator) and _exits(stmt.body):
+                self._unevaluated.update(id(n) for later in body[i + 1:] for n in _subtree(later))
+                if stmt.orelse is not None:
+                    self._unevaluated.update(id(n) for n in _subtree(stmt.orelse))
+                return
+
+    def visit_IfExp(self, node: cst.IfExp) -> None:
+        self._spare(node.test, node.body, node.orelse)
+
     def visit_If(self, node: cst.If) -> None:
+        self._spare(node.test, node.body, node.orelse)
         index = next((i for i in reversed(self._indices) if i is not None), None) if self._indices else None
         if index is not None and _tests_index(node.test, index):
             self._once.add(id(node.body))
@@ -152,7 +193,7 @@ class PerLayerHostSync:
     def _truth(self, test: cst.BaseExpression, keyword: str) -> None:
         """``if (a > b).any():``, ``if seq_lens:``, ``while cu_seqlens[i] < n:`` - the truth of a tensor."""
         context = self._context()
-        if not context:
+        if not context or id(test) in self._unevaluated:
             return
         if isinstance(test, cst.Call):
             what = _tensor_truth(test, self._values)
@@ -186,7 +227,7 @@ class PerLayerHostSync:
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         owner = self._classes[-1] if self._classes else None
-        context = None
+        context = spared = path = None
         name = node.name.value
         if owner is not None and (name == "forward" or name.startswith("forward_")) \
                 and not getattr(self, "_host_class", 0) \
@@ -196,12 +237,23 @@ class PerLayerHostSync:
         elif name in self.registered:
             registry, line = self.registered[name]
             context = f"{name}(), registered in {registry} (line {line}), which a model calls once per layer"
+        elif self.callees and ("layer", ".".join((*self._scope, name))) in self.callees:
+            qual = ".".join((*self._scope, name))
+            context, path = self.callees[("layer", qual)]  # bound at run time (reach.py)
+            # What every call binding it passes: the def's reads made only when one of those is None are not; what
+            # none passes: what it does only once one of those is given is not done.
+            spared = self.callees.get(("given", qual), frozenset())
+            self._skip_after_early_exits(node, self.callees.get(("absent", qual), frozenset()))
         self._contexts.append(context)
+        self._spares.append(spared)
+        self._paths.append(path)
         self._classes.append(None)
         self._funcs.append([node, None])
         self._scope.append(node.name.value)
 
     def leave_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self._spares.pop()
+        self._paths.pop()
         self._scope.pop()
         self._contexts.pop()
         self._classes.pop()
@@ -290,7 +342,8 @@ class PerLayerHostSync:
                 self._inside_report = 1
                 return
         if what is None and isinstance(node.func, cst.Name) and node.func.value in getattr(self, "_helpers", {}) \
-                and not self._fallback:
+                and not self._fallback and ("layer", node.func.value) not in (self.callees or {}):
+            # (a helper bound per layer at run time is a place of its own: its reads are reported there)
             what = f"{node.func.value}(...), which reads {self._helpers[node.func.value]}"
         if what is None and self.callees:
             found = self._callee_read(node, context)
@@ -903,3 +956,22 @@ def _statements(block):
             yield from stmt.body
         else:
             yield stmt
+
+
+def _subtree(node: cst.CSTNode) -> list:
+    """``node`` and every node under it."""
+    out, todo = [], [node]
+    while todo:
+        n = todo.pop()
+        out.append(n)
+        todo.extend(n.children)
+    return out
+
+
+def _exits(block: cst.BaseSuite) -> bool:
+    """The block ends in ``return`` or ``raise``."""
+    body = block.body if isinstance(block, cst.IndentedBlock) else [block]
+    last = body[-1] if body else None
+    if isinstance(last, cst.SimpleStatementLine):
+        last = last.body[-1] if last.body else None
+    return isinstance(last, (cst.Return, cst.Raise))

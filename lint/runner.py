@@ -395,6 +395,7 @@ def _candidates(files: Sequence[str], rules: RuleSet, every_rule, summarize: boo
     (the last ones stay for the caller)."""
     if summarize:
         from .patterns import may_call
+        from .summaries import INSTALLS
     candidates: list[Candidate] = []
     findings: list[Finding] = []
     sent = full_files = work = 0
@@ -408,7 +409,7 @@ def _candidates(files: Sequence[str], rules: RuleSet, every_rule, summarize: boo
             findings.extend(file_error(path, f"cannot read: {e.strerror or e}").findings)
             continue
         full = rules.may_match(data)
-        sketch = summarize and (full or may_call(data))
+        sketch = summarize and (full or may_call(data) or INSTALLS.search(data) is not None)
         # Which files get at least CPython's parse must not depend on --select/--ignore: a file with
         # a target of an unselected rule and a syntax error is still reported (GL000).
         if not full and not sketch and not PARSE_EVERY_FILE \
@@ -455,6 +456,17 @@ def _recheck_with_callees(candidates: list[Candidate], results: list, files: Seq
             callees, sites = tables[c.path]
             if not sites <= {(f.line, f.column) for f in r.findings if f.code == "GL104"}:  # (reported already)
                 again.append((i, dataclasses.replace(c, full=True, callees=callees, sketch=False)))
+    # A file the pre-filter passed over that holds code bound per layer at run time (``reach.py``) is checked too.
+    known, listed = {c.path for c in candidates}, set(files)
+    for path in sorted(p for p in tables if p not in known and p in listed):
+        try:
+            source = read_source(path)
+        except OSError:
+            continue
+        name, is_pkg = module_name_for(path)
+        candidates.append(Candidate(path, source, name, is_pkg, True))
+        results.append(FileResult(path, []))
+        again.append((len(candidates) - 1, dataclasses.replace(candidates[-1], callees=tables[path][0])))
     if not again:
         return
     for (i, c), r in zip(again, _check_all([c for _, c in again], rules, strict, jobs, keep_modules, None, workers)):

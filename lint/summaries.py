@@ -125,6 +125,10 @@ class FileFacts:
     members: dict = field(default_factory=dict)
     plain: set = field(default_factory=set)  # classes whose own forward dispatches to nothing (no CustomOp)
     ops: dict = field(default_factory=dict)  # custom op name -> the def registered as it (``torch.ops.ns.<name>``)
+    places: list = field(default_factory=list)  # qualnames of its per-layer places (a layer forward, a registered def)
+    # (def name, module a def-local import takes it from or None, line, target as written) of each def the file
+    # installs as a layer class's forward (``Qwen2VLAttention.forward = patched``): ``reach.py`` follows them
+    installs: list = field(default_factory=list)
 
 
 def sketch(tree: ast.Module, data: bytes, path: str, module: Optional[str], is_package: bool) -> FileFacts:
@@ -168,6 +172,8 @@ class _Sketch:
         if facts is None:
             self._names(tree.body)
         self._index(tree.body, "", None)
+        if facts is None and INSTALLS.search(data):
+            self.facts.installs.extend(_installs(tree, self._absolute))
 
     def _names(self, body) -> None:
         """Module-level bindings in order, the last one winning (through top-level if/try blocks)."""
@@ -220,7 +226,7 @@ class _Sketch:
                 qual = prefix + node.name
                 methods = {item.name: 0 if any(_dotted(d) == "staticmethod" for d in item.decorator_list) else 1
                            for item in node.body if type(item) in (ast.FunctionDef, ast.AsyncFunctionDef)}
-                self.facts.classes.setdefault(qual, (tuple(filter(None, map(_dotted, node.bases))), methods))
+                self.facts.classes.setdefault(qual, (tuple(filter(None, map(_base, node.bases))), methods))
                 self.class_nodes.setdefault(qual, node)
                 forward = next((i for i in node.body if type(i) is ast.FunctionDef and i.name == "forward"), None)
                 if forward is not None and not _may_dispatch(forward):
@@ -248,6 +254,10 @@ class _Sketch:
                 self.roots(node.body, [*scope, node.name], (node.name, qual, node), funcs, method, context)
                 continue
             if t is ast.FunctionDef or t is ast.AsyncFunctionDef:
+                if owner is not None and owner[1] is not None and not funcs and self._layer_def(owner, node):
+                    self.facts.places.append(f"{owner[1]}.{node.name}")
+                elif not funcs and not scope and node.name in self._registered():
+                    self.facts.places.append(node.name)
                 if not self._names_metadata(node):
                     continue  # no argument of a call in it can derive from metadata
                 inner = method
@@ -255,9 +265,7 @@ class _Sketch:
                     first = (node.args.posonlyargs + node.args.args)[:1]
                     bound = owner[1] is not None and self.facts.classes[owner[1]][1].get(node.name)
                     inner = (first[0].arg, owner[1]) if first and bound else None
-                layer = owner is not None and (node.name == "forward" or node.name.startswith("forward_")) \
-                    and is_layer_class(owner[0], [b for b in map(_dotted, owner[2].bases) if b]) \
-                    and (node.name == "forward" or node.name in self._dispatched(owner))
+                layer = owner is not None and self._layer_def(owner, node)
                 layer = layer or node.name in self._registered()
                 self.roots(node.body, [*scope, node.name], None, [*funcs, node], inner, context or layer)
                 continue
@@ -271,6 +279,12 @@ class _Sketch:
                     for item in value if type(value) is list else (value,):
                         if isinstance(item, ast.AST):
                             self._calls_in(item, scope, funcs, method)
+
+    def _layer_def(self, owner: tuple, node: Any) -> bool:
+        """``node`` is the forward (or a method its forward dispatches to) of the layer class ``owner``."""
+        return (node.name == "forward" or node.name.startswith("forward_")) \
+            and is_layer_class(owner[0], [b for b in map(_dotted, owner[2].bases) if b]) \
+            and (node.name == "forward" or node.name in self._dispatched(owner))
 
     def _calls_in(self, expr: ast.AST, scope: list, funcs: list, method) -> None:
         taint = None
@@ -562,7 +576,63 @@ class _Sketch:
 
 
 _CALLEE_FORMS = (ast.Name, ast.Attribute, ast.Subscript, ast.Call)  # f(), m.f(), T[key](), T.get(key)()
+# A forward assigned to (``X.forward = f``, ``setattr(X, "forward", f)``): what ``_installs`` looks at.
+INSTALLS = re.compile(rb"\.forward\s*=[^=]|setattr\([^)\n]*[\"']forward[\"']")
+
+
+def _installs(tree: ast.Module, absolute: Callable) -> list:
+    """(def name, module a def-local import takes it from or None, line, target as written) of each def the module
+    installs as the forward of a layer class (``Cls.forward = f``, ``mod.Cls.forward = f``, ``setattr(Cls,
+    "forward", f)``; ``f`` a name, or wrapped in ``types.MethodType(f, ...)`` / ``functools.partial(f, ...)``)."""
+    out: list = []
+
+    def walk(body, imports: dict) -> None:
+        for node in body:
+            t = type(node)
+            if t is ast.FunctionDef or t is ast.AsyncFunctionDef:
+                local = dict(imports)
+                for sub in ast.walk(node):
+                    if type(sub) is ast.ImportFrom:
+                        base = absolute(sub.module, sub.level)
+                        for a in sub.names:
+                            if base:
+                                local[a.asname or a.name] = (base, a.name)
+                walk(node.body, local)
+                continue
+            if t is ast.ClassDef:
+                walk(node.body, imports)
+                continue
+            target = value = None
+            if t is ast.Assign and len(node.targets) == 1 and type(node.targets[0]) is ast.Attribute \
+                    and node.targets[0].attr == "forward":
+                target, value = _dotted(node.targets[0].value), node.value
+            elif t is ast.Expr and type(node.value) is ast.Call and _dotted(node.value.func) == "setattr" \
+                    and len(node.value.args) == 3 and type(node.value.args[1]) is ast.Constant \
+                    and node.value.args[1].value == "forward":
+                target, value = _dotted(node.value.args[0]), node.value.args[2]
+            if target is not None and is_layer_class(target.rpartition(".")[2]):
+                if type(value) is ast.Call and value.args and (_dotted(value.func) or "").rpartition(".")[2] in (
+                        "MethodType", "partial"):
+                    value = value.args[0]
+                if type(value) is ast.Name:
+                    module = imports.get(value.id, (None,))[0]
+                    name = imports[value.id][1] if module is not None else value.id
+                    out.append((name, module, node.lineno, f"{target}.forward"))
+            for _, field_value in ast.iter_fields(node):
+                if type(field_value) is list and field_value and isinstance(field_value[0], ast.stmt):
+                    walk(field_value, imports)
+                elif type(field_value) is list and field_value and type(field_value[0]) is ast.ExceptHandler:
+                    for h in field_value:
+                        walk(h.body, imports)
+
+    walk(tree.body, {})
+    return out
 _CONTAINERS = ("ModuleList", "Sequential")  # torch.nn containers whose elements a loop over them calls
+
+
+def _base(node: Any) -> Optional[str]:
+    """A class's base as written, a generic one by its class (``AttentionImpl`` of ``AttentionImpl[Meta]``)."""
+    return _dotted(node.value if type(node) is ast.Subscript else node)
 
 
 def _may_dispatch(forward: Any) -> bool:
@@ -882,6 +952,7 @@ class Summaries:
         self._near = next((f.path for f in facts), None)
         self.labels: dict = {}  # path of an engine file read here -> its source's label
         self._member_cache: dict = {}  # (path, class qualname) -> _members of it
+        self._beside: set = set()  # (folder, class name) whose files ``read_beside`` read
         self._catalog: dict = {}  # catalog label -> FileFacts standing for the pinned layers it describes
         self._pinned_reads: dict = {}  # (catalog label, method) -> its reads, as the catalog pins them
         for f in facts:
@@ -1145,6 +1216,77 @@ class Summaries:
                 return got
         return None
 
+    # -- what ``reach.py`` asks ------------------------------------------------------------------------
+    def facts_by_path(self) -> list:
+        """The facts of every file read so far."""
+        return [f for f in self._by_path.values() if f is not None]
+
+    def tree_files(self) -> dict:
+        """The scanned tree's files (normalised path -> path as given)."""
+        return self._files
+
+    def _sketch_of(self, f: FileFacts) -> Optional[_Sketch]:
+        path = os.path.normpath(f.path)
+        if path not in self._sketches and f.path not in self._catalog:
+            self._parse(path, f.module, f.module == f.package, f)
+        return self._sketches.get(path)
+
+    def def_node(self, f: FileFacts, qual: str) -> Optional[tuple]:
+        """(the def's CPython node, its class's qualname or None)."""
+        sketch = self._sketch_of(f)
+        return sketch.defs.get(qual) if sketch is not None else None
+
+    def def_node_by_key(self, key: tuple) -> Optional[tuple]:
+        """``def_node`` of (normalised path, qualname), for a file read so far."""
+        f = self._by_path.get(key[0])
+        return self.def_node(f, key[1]) if f is not None else None
+
+    def class_node(self, f: FileFacts, cls: str) -> Optional[ast.ClassDef]:
+        sketch = self._sketch_of(f)
+        return sketch.class_nodes.get(cls) if sketch is not None else None
+
+    def method_of(self, f: FileFacts, cls: str, name: str) -> Optional[tuple]:
+        """(file facts, qualname) of the method ``name`` an instance of ``cls`` runs (its own or a base's)."""
+        got = self._method(f, cls, name, set())
+        return (got[0], got[1]) if got is not None else None
+
+    def call_methods(self, f: FileFacts, cls: str) -> tuple:
+        """The methods a call of an instance of ``cls`` runs: its forward, or each method that forward dispatches
+        to (vLLM's CustomOp, ``_dispatch_targets``)."""
+        targets = self._dispatch_targets(f, cls)
+        return tuple(sorted(targets)) if targets else ("forward",)
+
+    def own_method(self, f: FileFacts, cls: str, name: str) -> Optional[str]:
+        """The qualname of ``cls``'s own ``name``, where the class defines it."""
+        return f"{cls}.{name}" if name in f.classes.get(cls, ((), {}))[1] else None
+
+    def class_of(self, f: FileFacts, written: str) -> Optional[tuple]:
+        return self._class_of(f, written)
+
+    def named_class(self, f: FileFacts, name: str) -> Optional[tuple]:
+        return self._named(f, name, "class", 0)
+
+    def read_beside(self, folder: str, name: bytes) -> None:
+        """Reads the tree's files under ``folder`` (at any depth) whose text names ``name`` (a class's), once a
+        folder and name."""
+        from .discovery import module_name_for
+
+        if (folder, name) in self._beside:
+            return
+        self._beside.add((folder, name))
+        prefix = folder + os.sep
+        word = re.compile(rb"\b" + re.escape(name) + rb"\b")
+        for path in list(self._files):
+            if not path.startswith(prefix) or path in self._by_path:
+                continue
+            try:
+                data = self._read(self._files[path])
+            except OSError:
+                continue
+            if word.search(data):
+                module, package = module_name_for(self._files[path])
+                self._parse(path, module, package)
+
     # -- the summaries ---------------------------------------------------------------------------------
     def tables(self) -> dict:
         """Per file path (as given), its table: (the def a root is in, the callee as written) -> Callee, for
@@ -1204,6 +1346,15 @@ class Summaries:
                 table[(root.scope, root.callee)] = tuple(found)
                 sites.add(root.at)
         self._returns(values, out)
+        from .reach import Reach
+
+        for path, places in Reach(self).contexts().items():
+            table, sites = out.setdefault(path, ({}, set()))
+            for qual, (why, given, absent) in places.items():
+                table[("layer", qual)] = why
+                table[("given", qual)] = given
+                table[("absent", qual)] = absent
+                sites.add(("layer", qual))
         return out
 
     def _returns(self, values: list, out: dict) -> None:
@@ -1583,6 +1734,6 @@ def build(facts: list, files, read: Callable[[str], bytes], read_all: Optional[C
     """Per file path (as given): the table GL104 asks at its per-layer calls, and the places of those calls
     (``Summaries.tables``). ``read``: a file's bytes; ``read_all``: ``read_facts`` over a list (libcst's
     part, which a run's worker processes may take)."""
-    if not any(f.roots for f in facts):
+    if not any(f.roots or f.installs or f.places for f in facts):
         return {}
     return Summaries(facts, files, read, read_all).tables()
