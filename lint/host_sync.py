@@ -27,7 +27,7 @@ from __future__ import annotations
 import ast
 import os
 import re
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import libcst as cst
 
@@ -166,7 +166,9 @@ class PerLayerHostSync:
             return
         body = func.body.body
         for i, stmt in enumerate(body):
-            test = stmt.test if isinstance(stmt, cst.If) else None
+            if not isinstance(stmt, cst.If):
+                continue
+            test = stmt.test
             if isinstance(test, cst.Comparison) and len(test.comparisons) == 1 and isinstance(test.left, cst.Name) \
                     and test.left.value in absent and isinstance(test.comparisons[0].operator, cst.Is) \
                     and is_none(test.comparisons[0].comparator) and _exits(stmt.body):
@@ -971,7 +973,7 @@ def _subtree(node: cst.CSTNode) -> list:
 def _exits(block: cst.BaseSuite) -> bool:
     """The block ends in ``return`` or ``raise``."""
     body = block.body if isinstance(block, cst.IndentedBlock) else [block]
-    last = body[-1] if body else None
-    if isinstance(last, cst.SimpleStatementLine):
+    last: Any = body[-1] if body else None
+    if isinstance(last, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
         last = last.body[-1] if last.body else None
     return isinstance(last, (cst.Return, cst.Raise))
