@@ -23,11 +23,17 @@ import os
 from collections import deque
 from typing import Any, Optional
 
+from .patterns import is_seqlen_name
 from .prefilter import _dotted
-from .summaries import callee_text
 
 # Defs visited from the places in one run at most (a bound, not a budget).
 MAX_VISITED = 4000
+# Modules a layer holds, followed down from a per-layer place before any binding at run time (a model's block
+# holds its attention layer, which holds the impl the run picks: one hop).
+MAX_HELD_HOPS = 2
+# Calls followed from the def a binding reaches (the impl's method, its helpers, theirs: vllm-omni's masked
+# FLASH_ATTN path reads five calls down from the impl's base forward).
+MAX_BOUND_DEPTH = 6
 # Hops of a type's evaluation (a member assigned from another member's factory, and so on).
 _MAX_DEPTH = 6
 _OPTIONAL = ("Optional", "typing.Optional")
@@ -42,6 +48,9 @@ class Reach:
         self.s = summaries
         self._subclasses: dict = {}  # (path, class) -> [(FileFacts, class)], its direct subclasses
         self._member_types: dict = {}  # (path, class, member) -> list of types (in progress: [])
+        self._class_stores: dict = {}  # id(class node) -> ``_stores``
+        self._def_locals: dict = {}  # id(def node) -> ``_locals``
+        self._def_carried: dict = {}  # id(def node) -> ``_carried``
 
     # -- the walk ---------------------------------------------------------------------------------------
     def contexts(self) -> dict:
@@ -51,37 +60,42 @@ class Reach:
         todo: deque = deque()
         for f in list(self.s.facts_by_path()):
             for qual in f.places:
-                todo.append((f, qual, (qual,), False, None, None, None))
+                todo.append((f, qual, (qual,), False, None, None, None, 0))
             for name, module, line, target in f.installs:
                 got = self._installed(f, name, module)
                 if got is not None:
                     hop = f"{target} = {name} ({os.path.basename(f.path)}:{line})"
-                    todo.append((got[0], got[1], (hop, got[1]), True, None, None, None))
+                    todo.append((got[0], got[1], (hop, got[1]), True, None, None, None, 1))
         seen: dict = {}
         first: dict = {}  # key of a def bound at run time -> (FileFacts, qualname, its shortest path)
         incoming: dict = {}  # that key -> [(the caller's key, the call)], the calls that bind it
         while todo and len(seen) < MAX_VISITED:
-            f, qual, trail, bound, caller, call, recv = todo.popleft()
+            f, qual, trail, bound, caller, call, recv, hops = todo.popleft()
             key = (os.path.normpath(f.path), qual)
             if bound:
                 incoming.setdefault(key, []).append((caller, call, trail))
             # (a method is walked once per class its instance is known as: ``self.m()`` there depends on it)
-            visit = (key, (os.path.normpath(recv[0].path), recv[1]) if recv is not None else None)
+            visit = (key, (os.path.normpath(recv[0].path), recv[1], recv[2]) if recv is not None else None)
             if visit in seen and (seen[visit] or not bound):
                 continue
             seen[visit] = bound
             if bound and key not in first:
                 first[key] = (f, qual, trail)
-            for (tf, tqual), how, c, trecv in self._callees(f, qual, bound, recv):
+            for (tf, tqual), how, c, trecv, held in self._callees(f, qual, bound, recv):
+                if held and how is None and not bound and hops >= MAX_HELD_HOPS \
+                        or bound and hops >= MAX_BOUND_DEPTH:
+                    continue
                 step = (f"{how}: {tqual}",) if how is not None else (tqual,)
-                todo.append((tf, tqual, trail + step, bound or how is not None, key, c, trecv))
+                # (before the binding: modules held; after it: calls made since)
+                todo.append((tf, tqual, trail + step, bound or how is not None, key, c, trecv,
+                             hops + 1 if bound else 1 if how is not None else hops + held))
         given = self._given_everywhere(incoming, first)
         absent = self._absent_everywhere(incoming, first)
         out: dict = {}
         trails: dict = {}
         for key, (f, qual, trail) in first.items():
             trail = self._best_trail(key, incoming, first, given, trails, set()) or trail
-            if key[0] in self.s.tree_files():
+            if key[0] in self.s.tree_files() and self.s.may_report(f, qual):
                 out.setdefault(f.path, {})[qual] = ((f"{qual}, which runs once per layer",
                                                       f"{qual} runs once per layer: {' -> '.join(trail)}"),
                                                      given.get(key) or frozenset(), absent.get(key) or frozenset())
@@ -188,81 +202,85 @@ class Reach:
         """[((FileFacts, qualname), how or None, the call, the class its instance is known as or None)]: the defs a
         call in ``qual`` reaches; ``how`` names the run-time binding a call goes through (None: bound statically).
         ``bound``: ``qual`` is itself bound at run time (its plain calls of the tree's functions are followed too,
-        and ``self.m()`` reaches every override of m in the subclasses of ``recv``, the class ``self`` is known as:
-        the method's own class where None)."""
+        those that hand on what it was given). ``recv``: (file facts, class, open) that ``self`` is known as there
+        (``_self_calls``); the method's own class, exactly, where None."""
         got = self.s.def_node(f, qual)
         if got is None:
             return []
         node, cls = got
-        fn = self.s.function(f, qual)
-        calls = fn.calls if fn is not None else {}
         out: list = []
         this = _self_name(node) if cls is not None else None
         local = _local_imports(node) if bound else {}
+        carried = self._carried(node) if bound else None
         for call in _own_calls(node):
+            if carried is not None and not _hands(call, carried):
+                continue  # bound per layer, but hands the callee nothing of what it was given
             func = call.func
             receiver = func.value if type(func) is ast.Attribute else None
+            held = False
             if this is not None and type(receiver) is ast.Name and receiver.id == this:
                 # self.m(...), or self.module(...)
-                # (every override only where the class self is known as came from a binding: a base's method
-                # reached through a module held statically is not told which subclass it runs for)
-                targets = self._self_calls(recv or (f, cls), func.attr, bound and recv is not None) \
-                    or self._held(f, cls, func.attr)
+                targets = self._self_calls(recv or (f, cls, False), func.attr)
+                held = not targets
+                targets = targets or self._held(f, cls, func.attr, _hands_metadata(call))
             elif this is not None and type(receiver) is ast.Attribute and type(receiver.value) is ast.Name \
                     and receiver.value.id == this:  # self.member.m(...)
-                targets = self._member_calls(f, cls, receiver.attr, func.attr)
+                targets = self._member_calls(f, cls, receiver.attr, func.attr, _hands_metadata(call))
             elif type(func) is ast.Name and func.id in local:  # imported inside the def
                 target = self._imported(f, *local[func.id])
                 targets = [(target, None, None)] if target is not None else []
             else:
-                ref = calls.get(callee_text(func))
+                ref = self.s.call_ref(f, qual, call)
                 if ref is None or not (ref[0] == "each" or bound and ref[0] in ("name", "attr", "table")):
                     continue
+                held = ref[0] == "each"
                 targets = [((t[0], t[1]), None, None) for t in self.s.resolve_all(f, ref)]
-            out.extend((target, how, call, trecv) for target, how, trecv in targets)
+            out.extend((target, how, call, trecv, held) for target, how, trecv in targets)
         return out
 
-    def _held(self, f: Any, cls: str, member: str) -> list:
+    def _held(self, f: Any, cls: str, member: str, metadata: bool) -> list:
         """``self.<member>(...)``: the forward of the module the member holds, built by a constructor the class
         calls (bound statically), else by a typed factory (bound at run time: each subclass's forward too)."""
-        return self._member_calls(f, cls, member, None) \
+        return self._member_calls(f, cls, member, None, metadata) \
             or [((t[0], t[1]), None, None) for t in self.s.resolve_all(f, ("self", cls, member))]
 
-    def _self_calls(self, recv: tuple, name: str, bound: bool) -> list:
-        """``self.<name>()`` where ``self`` is known as the class ``recv``: the method an instance of it runs; where
-        the call is bound at run time, each override of it in the subclasses of ``recv`` too (the instance may be any
-        of them), each with the class it is then known as."""
+    def _self_calls(self, recv: tuple, name: str) -> list:
+        """``self.<name>()`` where ``self`` is known as ``recv`` (file facts, class, open): the method an instance of
+        that class runs; where the class is open (a binding's base: the instance may be of any subclass), each
+        override of it in the subclasses too, each with the class it is then known as (exactly)."""
         out = []
         got = self.s.method_of(recv[0], recv[1], name)
         if got is not None:
             out.append(((got[0], got[1]), None, recv))
-        if bound:
-            for sf, scls in self._all_subclasses(*recv):
-                own = self.s.own_method(sf, scls, name)
-                if own is not None:
-                    out.append(((sf, own), None, (sf, scls)))
+        if recv[2]:
+            for sf, scls in self._all_subclasses(recv[0], recv[1]):
+                got = self.s.method_of(sf, scls, name)  # its own, or the one it inherits, run for it
+                if got is not None:
+                    out.append(((got[0], got[1]), None, (sf, scls, False)))
         return out
 
-    def _member_calls(self, f: Any, cls: str, member: str, name: Optional[str]) -> list:
+    def _member_calls(self, f: Any, cls: str, member: str, name: Optional[str], metadata: bool) -> list:
         """``self.<member>.<name>()`` (``name`` None: ``self.<member>(...)``, the methods an instance call runs):
         through a member of a told type, that method of the type, and, where the type is open (a typed factory's, an
-        annotation's), each override of it in the type's subclasses, as run-time bound calls."""
+        annotation's) and the call hands it metadata (``metadata``: ``_hands_metadata``), each override of it in the
+        type's subclasses, as run-time bound calls. (A call handing none, a linear layer's ``quant_method.apply(self,
+        x)``, gives its impls nothing a per-layer read of metadata could read: not followed, at no cost.)"""
         out = []
         for kind, (tf, tcls) in self.member_type(f, cls, member, 0):
-            if kind == "cls":
+            if kind == "cls" or kind == "inst" and not metadata:
                 continue
             how = f"self.{member} (whichever {tcls.rpartition('.')[2]} the run picks)" if kind == "inst" else None
             for method in (name,) if name is not None else self.s.call_methods(tf, tcls):
                 got = self.s.method_of(tf, tcls, method)
                 if got is not None:
-                    out.append(((got[0], got[1]), how, (tf, tcls)))
+                    out.append(((got[0], got[1]), how, (tf, tcls, kind == "inst")))
             if kind == "exact":
                 continue  # built by its constructor: that class's method, bound statically
             for sf, scls in self._all_subclasses(tf, tcls):
                 for method in (name,) if name is not None else self.s.call_methods(sf, scls):
-                    own = self.s.own_method(sf, scls, method)
-                    if own is not None:
-                        out.append(((sf, own), how, (sf, scls)))
+                    got = self.s.method_of(sf, scls, method)  # its own, or the one it inherits, run for it
+                    if got is not None:
+                        out.append(((got[0], got[1]), how, (sf, scls, False)))
         return out
 
     def _installed(self, f: Any, name: str, module: Optional[str]) -> Optional[tuple]:
@@ -323,27 +341,81 @@ class Reach:
         out: list = []
         for owner, name in self._mro(f, cls):
             node = self.s.class_node(owner, name)
-            if node is None:
-                continue
-            for method in node.body:
-                if type(method) not in (ast.FunctionDef, ast.AsyncFunctionDef):
-                    continue
-                this = _self_name(method)
-                for stmt in ast.walk(method):
-                    value = annotation = None
-                    if type(stmt) is ast.Assign and any(_is_member(t, this, member) for t in stmt.targets):
-                        value = stmt.value
-                    elif type(stmt) is ast.AnnAssign and _is_member(stmt.target, this, member):
-                        annotation = stmt.annotation
-                    else:
-                        continue
-                    types = self._annotation(owner, annotation) if annotation is not None else \
-                        self._expr(owner, value, method, name, depth + 1)
-                    out.extend(t for t in types if t not in out)
+            for annotation, value, method in self._stores(node).get(member, ()) if node is not None else ():
+                types = self._annotation(owner, annotation) if annotation is not None else \
+                    self._expr(owner, value, method, name, depth + 1)
+                out.extend(t for t in types if t not in out)
             if out:
                 break
         self._member_types[key] = out
         return out
+
+    def _carried(self, func: Any) -> frozenset:
+        """The names of ``func`` that hold what its callers hand it: its parameters (``self`` aside, whose members a
+        layer builds once) and the locals assigned from an expression naming one, to a fixed point."""
+        got = self._def_carried.get(id(func))
+        if got is None:
+            a = func.args
+            names = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if p is not None}
+            this = _self_name(func) if (a.posonlyargs or a.args) else None
+            names.discard(this or "")
+            nodes: list[Any] = list(ast.walk(func))
+            assigns = [(n.targets if type(n) is ast.Assign else [n.target], n.value) for n in nodes
+                       if type(n) in (ast.Assign, ast.AnnAssign, ast.AugAssign) and n.value is not None]
+            changed = True
+            while changed:
+                changed = False
+                for targets, value in assigns:
+                    if any(type(m) is ast.Name and m.id in names for m in ast.walk(value)):
+                        for target in targets:
+                            for m in ast.walk(target):
+                                if type(m) is ast.Name and m.id not in names:
+                                    names.add(m.id)
+                                    changed = True
+            got = self._def_carried[id(func)] = frozenset(names)
+        return got
+
+    def _stores(self, node: ast.ClassDef) -> dict:
+        """{member: [(annotation or None, value or None, the method)]} of what the class's methods store in
+        ``self.<member>`` (one walk a class)."""
+        got = self._class_stores.get(id(node))
+        if got is None:
+            got = self._class_stores[id(node)] = {}
+            for method in node.body:
+                if type(method) not in (ast.FunctionDef, ast.AsyncFunctionDef):
+                    continue
+                this = _self_name(method)
+                stmt: Any
+                for stmt in ast.walk(method):
+                    t = type(stmt)
+                    if t is ast.Assign:
+                        for target in stmt.targets:
+                            if _is_member(target, this):
+                                got.setdefault(target.attr, []).append((None, stmt.value, method))
+                    elif t is ast.AnnAssign and _is_member(stmt.target, this):
+                        got.setdefault(stmt.target.attr, []).append((stmt.annotation, None, method))
+        return got
+
+    def _locals(self, func: Any) -> tuple:
+        """({local: [values assigned to it alone]}, {local: annotation}, every name the def binds) (one walk a
+        def)."""
+        got = self._def_locals.get(id(func))
+        if got is None:
+            values: dict = {}
+            annotated: dict = {}
+            a = func.args
+            names = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if p is not None}
+            n: Any
+            for n in ast.walk(func):
+                t = type(n)
+                if t is ast.Name and type(n.ctx) is ast.Store:
+                    names.add(n.id)
+                elif t is ast.Assign and len(n.targets) == 1 and type(n.targets[0]) is ast.Name:
+                    values.setdefault(n.targets[0].id, []).append(n.value)
+                elif t is ast.AnnAssign and type(n.target) is ast.Name:
+                    annotated.setdefault(n.target.id, n.annotation)
+            got = self._def_locals[id(func)] = (values, annotated, names)
+        return got
 
     def _mro(self, f: Any, cls: str) -> list:
         out: list = []
@@ -378,14 +450,14 @@ class Reach:
         """The types of what a call's callee is: ``Cls`` itself ("class": its call makes exactly a Cls), a member or
         local holding ``type[X]`` ("cls": its call makes an X or a subclass)."""
         if type(func) is ast.Name:
-            if func.id in _bound_names(method):
+            if func.id in self._locals(method)[2]:
                 return self._local(f, func.id, method, cls, depth)
             found = self.s.named_class(f, func.id)
             return [("class", found)] if found is not None else []
         if type(func) is ast.Attribute and type(func.value) is ast.Name and func.value.id == _self_name(method):
             return self.member_type(f, cls, func.attr, depth)
         dotted = _dotted(func)
-        if dotted is not None and dotted.split(".")[0] not in _bound_names(method):
+        if dotted is not None and dotted.split(".")[0] not in self._locals(method)[2]:
             found = self.s.class_of(f, dotted)
             return [("class", found)] if found is not None else []
         return []
@@ -393,7 +465,7 @@ class Reach:
     def _returns(self, f: Any, func: Any, method: Any, cls: str, depth: int) -> list:
         """The types a call returns by its callee's return annotation: a function the module binds, or a method of
         a receiver of a told type (``self.backend.get_impl_cls()``)."""
-        if type(func) is ast.Name and func.id not in _bound_names(method):
+        if type(func) is ast.Name and func.id not in self._locals(method)[2]:
             got = self.s.resolve(f, ("name", func.id))
             return self._returned(got[0], got[1]) if got is not None else []
         if type(func) is not ast.Attribute:
@@ -405,7 +477,7 @@ class Reach:
                 out.extend(self._returned(got[0], got[1]))
         if not out:
             dotted = _dotted(func.value)
-            if dotted is not None and dotted.split(".")[0] not in _bound_names(method):
+            if dotted is not None and dotted.split(".")[0] not in self._locals(method)[2]:
                 got = self.s.resolve(f, ("attr", dotted, func.attr))
                 if got is not None:
                     out.extend(self._returned(got[0], got[1]))
@@ -423,12 +495,10 @@ class Reach:
         for p in (*a.posonlyargs, *a.args, *a.kwonlyargs):
             if p.arg == name:
                 return self._annotation(f, p.annotation) if p.annotation is not None else []
-        values = [s.value for s in ast.walk(method) if type(s) is ast.Assign and len(s.targets) == 1
-                  and type(s.targets[0]) is ast.Name and s.targets[0].id == name]
-        annotated = [s.annotation for s in ast.walk(method) if type(s) is ast.AnnAssign
-                     and type(s.target) is ast.Name and s.target.id == name]
-        if annotated:
-            return self._annotation(f, annotated[0])
+        assigned, annotated, _ = self._locals(method)
+        if name in annotated:
+            return self._annotation(f, annotated[name])
+        values = assigned.get(name, ())
         return self._expr(f, values[0], method, cls, depth + 1) if len(values) == 1 else []
 
     def _annotation(self, f: Any, node: Any) -> list:
@@ -475,16 +545,22 @@ def _self_name(func: Any) -> Optional[str]:
     return args[0].arg if args else None
 
 
-def _is_member(target: Any, this: Optional[str], member: str) -> bool:
-    return type(target) is ast.Attribute and target.attr == member and type(target.value) is ast.Name \
-        and target.value.id == this
+def _is_member(target: Any, this: Optional[str]) -> bool:
+    return type(target) is ast.Attribute and type(target.value) is ast.Name and target.value.id == this
 
 
-def _bound_names(func: Any) -> set:
-    a = func.args
-    names = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if p is not None}
-    names.update(n.id for n in ast.walk(func) if type(n) is ast.Name and type(n.ctx) is ast.Store)
-    return names
+def _hands_metadata(call: ast.Call) -> bool:
+    """An argument of ``call`` names sequence metadata: a length or offsets name (``is_seqlen_name``), or an object
+    or mask that holds them (``attn_metadata``, ``attention_mask``)."""
+    return any(type(m) is ast.Name and (is_seqlen_name(m.id) or "metadata" in m.id or "mask" in m.id)
+               or type(m) is ast.keyword and m.arg is not None and is_seqlen_name(m.arg)
+               for arg in (*call.args, *call.keywords) for m in ast.walk(arg))
+
+
+def _hands(call: ast.Call, carried: frozenset) -> bool:
+    """An argument of ``call`` names one of ``carried``."""
+    return any(type(m) is ast.Name and m.id in carried
+               for arg in (*call.args, *(k.value for k in call.keywords)) for m in ast.walk(arg))
 
 
 def _own_calls(func: Any) -> list:

@@ -51,6 +51,8 @@ from .prefilter import HOST_SYNC, _NO_TAINT, _derives, _dotted, _loops_over_laye
 # (and a bare copy to the host, ``.cpu()``, ``.to("cpu")``: it waits for the device as a read does).
 _READ = re.compile(rb"\.(?:item|tolist|cpu)\(\s*\)|\.to\((?:[^()]|\([^()]*\))*?[\"']cpu\b"
                    rb"|(?<![\w.])(?:int|float|bool)\(")
+# The truth of a tensor, as GL104 reads it (``host_sync._tensor_truth``).
+_TRUTH = re.compile(rb"\.(?:any|all)\(\s*\)")
 # Functions followed from the roots in one run at most: a bound, not a budget (a tree's per-layer code
 # reaches a few hundred).
 MAX_FUNCTIONS = 5000
@@ -254,7 +256,8 @@ class _Sketch:
                 self.roots(node.body, [*scope, node.name], (node.name, qual, node), funcs, method, context)
                 continue
             if t is ast.FunctionDef or t is ast.AsyncFunctionDef:
-                if owner is not None and owner[1] is not None and not funcs and self._layer_def(owner, node):
+                if owner is not None and owner[1] is not None and not funcs and self._layer_def(owner, node) \
+                        and self._opens(owner[2]):
                     self.facts.places.append(f"{owner[1]}.{node.name}")
                 elif not funcs and not scope and node.name in self._registered():
                     self.facts.places.append(node.name)
@@ -279,6 +282,52 @@ class _Sketch:
                     for item in value if type(value) is list else (value,):
                         if isinstance(item, ast.AST):
                             self._calls_in(item, scope, funcs, method)
+
+    def _opens(self, cls: ast.ClassDef) -> bool:
+        """The class calls a member that something else than a constructor of this file's classes (or of a package
+        outside the tree and the pinned engines) may have made: a typed factory's, an annotation's, a class of
+        another module of the tree. Only such a layer can reach code bound at run time (``reach.py``)."""
+        key = (id(cls), "opens")
+        if key in self._targets:
+            return self._targets[key]
+        top = (self._module_name or "").split(".")[0]
+        opened: set = set()
+        called: set = set()
+        method: Any
+        n: Any
+        for method in cls.body:
+            if type(method) not in (ast.FunctionDef, ast.AsyncFunctionDef):
+                continue
+            first = (method.args.posonlyargs + method.args.args)[:1]
+            this = first[0].arg if first else None
+            for n in ast.walk(method):
+                t = type(n)
+                if t is ast.Assign or t is ast.AnnAssign:
+                    for target in n.targets if t is ast.Assign else [n.target]:
+                        if type(target) is ast.Attribute and type(target.value) is ast.Name \
+                                and target.value.id == this and (t is ast.AnnAssign or self._open_value(n.value, top)):
+                            opened.add(target.attr)
+                elif t is ast.Call:
+                    func = n.func.value if type(n.func) is ast.Attribute else None
+                    member = func if type(func) is ast.Attribute else n.func
+                    if type(member) is ast.Attribute and type(member.value) is ast.Name and member.value.id == this:
+                        called.add(member.attr)
+        self._targets[key] = bool(opened & called)
+        return self._targets[key]
+
+    def _open_value(self, value: Any, top: str) -> bool:
+        """``value`` may make an object whose class another fact than its own text tells (``_opens``)."""
+        if type(value) is not ast.Call:
+            return False
+        dotted = _dotted(value.func)
+        if dotted is None:
+            return True  # T[key](...), f()(...)
+        binding = self.facts.names.get(dotted.split(".")[0])
+        if binding == ("class",):
+            return False
+        if binding is not None and binding[0] in ("module", "from"):
+            return binding[1].split(".")[0] == top or engine_of(binding[1]) is not None
+        return True  # a parameter, a local, self.<member>, a def of this file
 
     def _layer_def(self, owner: tuple, node: Any) -> bool:
         """``node`` is the forward (or a method its forward dispatches to) of the layer class ``owner``."""
@@ -953,6 +1002,7 @@ class Summaries:
         self.labels: dict = {}  # path of an engine file read here -> its source's label
         self._member_cache: dict = {}  # (path, class qualname) -> _members of it
         self._beside: set = set()  # (folder, class name) whose files ``read_beside`` read
+        self._texts: dict = {}  # normalised path -> bytes, of the files ``read_beside`` looked through
         self._catalog: dict = {}  # catalog label -> FileFacts standing for the pinned layers it describes
         self._pinned_reads: dict = {}  # (catalog label, method) -> its reads, as the catalog pins them
         for f in facts:
@@ -1236,6 +1286,32 @@ class Summaries:
         sketch = self._sketch_of(f)
         return sketch.defs.get(qual) if sketch is not None else None
 
+    def may_report(self, f: FileFacts, qual: str) -> bool:
+        """The text of the def ``qual`` holds what GL104 can report in per-layer code: a host read, the truth of a
+        tensor (``.any()``, ``.all()``), a varlen kernel's call."""
+        from .patterns import KERNEL_NAMES
+
+        sketch = self._sketch_of(f)
+        got = sketch.defs.get(qual) if sketch is not None else None
+        if sketch is None or got is None:
+            return False
+        start, end = _span(sketch._lines(), got[0].lineno, got[0].end_lineno or got[0].lineno)
+        return _READ.search(sketch.data, start, end) is not None \
+            or _TRUTH.search(sketch.data, start, end) is not None \
+            or any(sketch.data.find(name, start, end) != -1 for name in KERNEL_NAMES)
+
+    def call_ref(self, f: FileFacts, qual: str, call: ast.Call) -> Optional[Ref]:
+        """The Ref of a call in the def ``qual`` of ``f`` (as ``FuncFacts.calls`` holds it, without the rest of the
+        def's facts)."""
+        sketch = self._sketch_of(f)
+        got = sketch.defs.get(qual) if sketch is not None else None
+        if sketch is None or got is None or type(call.func) not in _CALLEE_FORMS:
+            return None
+        node, cls = got
+        positional = [p.arg for p in (*node.args.posonlyargs, *node.args.args)]
+        bound = f.classes[cls][1].get(node.name, 0) if cls is not None and cls in f.classes else 0
+        return sketch._ref(call.func, [node], (positional[0], cls) if bound and positional else None)
+
     def def_node_by_key(self, key: tuple) -> Optional[tuple]:
         """``def_node`` of (normalised path, qualname), for a file read so far."""
         f = self._by_path.get(key[0])
@@ -1279,10 +1355,12 @@ class Summaries:
         for path in list(self._files):
             if not path.startswith(prefix) or path in self._by_path:
                 continue
-            try:
-                data = self._read(self._files[path])
-            except OSError:
-                continue
+            data = self._texts.get(path)
+            if data is None:
+                try:
+                    data = self._texts[path] = self._read(self._files[path])
+                except OSError:
+                    continue
             if word.search(data):
                 module, package = module_name_for(self._files[path])
                 self._parse(path, module, package)

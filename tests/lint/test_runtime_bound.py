@@ -332,3 +332,29 @@ def test_what_a_def_does_only_once_an_argument_no_binding_call_passes_is_given_i
     assert _gl104(tmp_path, {**files, "omni/clip.py": CLIP.format(passed="")}) == []
     found = _gl104(tmp_path, {**files, "omni/clip.py": CLIP.format(passed=", cu_seqlens=cu_seqlens")})
     assert [(p, line) for p, line, _ in found] == [("omni/backends/sdpa.py", 17)], found
+
+
+QUANT = """\
+    from torch import nn
+
+    from omni.backends.abstract import AttentionImpl
+
+
+    class MLPBlock(nn.Module):
+        def __init__(self, method: type[AttentionImpl]):
+            super().__init__()
+            self.quant_method = method()
+
+        def forward(self, x, cu_seqlens):
+            return self.quant_method.forward(x, x, x, x)
+"""
+
+
+def test_a_binding_handed_no_metadata_is_not_followed(tmp_path):
+    # A linear layer's quant_method.apply(self, x): whatever impl the run picks gets no metadata to read per layer.
+    files = {k: v for k, v in TREE.items() if k != "omni/model.py"}
+    assert _gl104(tmp_path, {**files, "omni/linear.py": QUANT}) == []
+    found = _gl104(tmp_path, {**files, "omni/linear.py": QUANT.replace("forward(x, x, x, x)",
+                                                                       "forward(x, x, x, cu_seqlens)")})
+    assert [p for p, _, _ in found] == ["omni/backends/packed.py", "omni/utils/unpad.py"], found
+    assert "MLPBlock.forward -> self.quant_method (whichever AttentionImpl the run picks)" in found[0][2]
