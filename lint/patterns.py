@@ -319,6 +319,10 @@ def names_metadata_per_layer(data: bytes) -> bool:
     return False
 
 
+# A forward assigned to (``X.forward = f``, ``setattr(X, "forward", f)``): a file ``summaries._installs`` reads.
+INSTALLS = re.compile(rb"\.forward\s*=[^=]|setattr\([^)\n]*[\"']forward[\"']")
+
+
 def may_call(data: bytes) -> bool:
     """A file that the textual pre-filter has just turned down (``RuleSet.may_match``) can hold a per-layer
     call with metadata (the callee summaries' roots, ``summaries.py``): GL104's part of it got to its per-layer

@@ -394,8 +394,7 @@ def _candidates(files: Sequence[str], rules: RuleSet, every_rule, summarize: boo
     ``stream`` is handed the candidates in batches as they are found, once they are worth worker processes
     (the last ones stay for the caller)."""
     if summarize:
-        from .patterns import may_call
-        from .summaries import INSTALLS
+        from .patterns import INSTALLS, may_call
     candidates: list[Candidate] = []
     findings: list[Finding] = []
     sent = full_files = work = 0

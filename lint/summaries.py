@@ -42,7 +42,7 @@ from .engine_defs import (catalog_label, class_forward_targets, engine_of, find,
                           imports_of)
 from .kernel_facts import call_lines, holds_a_call, kernels_of, offset_params
 from .kernel_facts import may_call as may_call_kernel
-from .patterns import PATTERNS, is_layer_class, is_seqlen_name
+from .patterns import INSTALLS, PATTERNS, is_layer_class, is_seqlen_name
 from .registries import may_register, registered
 from .prefilter import HOST_SYNC, _NO_TAINT, _derives, _dotted, _loops_over_layers, _tainted
 
@@ -625,8 +625,6 @@ class _Sketch:
 
 
 _CALLEE_FORMS = (ast.Name, ast.Attribute, ast.Subscript, ast.Call)  # f(), m.f(), T[key](), T.get(key)()
-# A forward assigned to (``X.forward = f``, ``setattr(X, "forward", f)``): what ``_installs`` looks at.
-INSTALLS = re.compile(rb"\.forward\s*=[^=]|setattr\([^)\n]*[\"']forward[\"']")
 
 
 def _installs(tree: ast.Module, absolute: Callable) -> list:
@@ -1343,15 +1341,15 @@ class Summaries:
         return self._named(f, name, "class", 0)
 
     def read_beside(self, folder: str, name: bytes) -> None:
-        """Reads the tree's files under ``folder`` (at any depth) whose text names ``name`` (a class's), once a
-        folder and name."""
+        """Reads the tree's files under ``folder`` (at any depth) with a class header naming ``name`` (a class's)
+        among its bases, once a folder and name."""
         from .discovery import module_name_for
 
         if (folder, name) in self._beside:
             return
         self._beside.add((folder, name))
         prefix = folder + os.sep
-        word = re.compile(rb"\b" + re.escape(name) + rb"\b")
+        word = re.compile(rb"class\s+\w+\s*\([^)]*\b" + re.escape(name) + rb"\b")  # a class derived from it
         for path in list(self._files):
             if not path.startswith(prefix) or path in self._by_path:
                 continue
