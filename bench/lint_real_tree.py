@@ -53,6 +53,10 @@ ONE_FILE = (
 
 # Each finding read at its call site in the pinned release: (path in the tree, line, code) -> reading.
 READINGS = {
+    ("sglang/multimodal_gen/runtime/layers/attention/backends/sol_attn.py", 189, "GL104"):
+        "real: USPAttention.forward hands its impl (whichever AttentionImpl the run picks) the device offsets and "
+        "their host copy; SolAttnImpl.forward_varlen deletes the copy and, with the SageAttention dense backend, "
+        "_dense_sage calls cu_seqlens.tolist() in every layer. The other impls use the copy (not reported)",
     ("sglang/srt/layers/attention/vision.py", 743, "GL104"):
         "real: VisionFlashInferAttention.forward checks `(end_elems > total_elems_q).any()` on device "
         "tensors in every block, a host sync per layer (a bounds check that could run once per forward)",
@@ -230,7 +234,15 @@ def measure_one_file(label: str, path: Path, repeat: int) -> dict:
 
 # What changed in the findings since the previous committed reading, and why.
 CHANGES = (
-    "Changes from the reading of 2026-12-03 (commit 0cdb2e0): GL104 now follows a module a layer holds "
+    "Changes from the reading of 2026-12-03 16:27 UTC: GL104 now follows code bound per layer at run time "
+    "(lint/reach.py): the impl a layer builds through a typed factory or annotation (sglang's diffusion "
+    "USPAttention.attn_impl, vLLM's CLIP attn_cls) reaches each subclass's method, and defs installed as a layer "
+    "class's forward run in its place. sglang 0.5.23: 13 -> 14, `sol_attn.py:189`, real. Read and kept out by "
+    "a fact: the other eight diffusion impls' forward_varlen read the offsets only when the layer passes no host "
+    "copy, and USPAttention always passes one; vLLM's torch_sdpa_wrapper through CLIP's typed attn_cls (CLIP passes "
+    "no offsets, and the wrapper returns before reading when none are given). vLLM 0.33.0 and sglang "
+    "0.5.10.post1: unchanged. "
+    "Before that, from the reading of 2026-12-03 (commit 0cdb2e0): GL104 now follows a module a layer holds "
     "(`self.attn = MMEncoderAttention(...)`, then `self.attn(...)`) into the method its CustomOp forward "
     "dispatches to, the engine modules it imports and `torch.ops.vllm.*` calls to the function registered as "
     "that op, layer loops over `self.blocks` into the block class, and what a helper returns "

@@ -93,11 +93,14 @@ def main() -> None:
 @click.option("--unsafe-fixes", is_flag=True, help="Also apply (and mark with [*]) the unsafe fixes.")
 @click.option("--respect-gitignore/--no-respect-gitignore", default=None,
               help="Skip files git ignores when walking folders (default: on; named files are always checked).")
+@click.option("--follow-bindings/--no-follow-bindings", default=None,
+              help="GL104: follow code bound per layer at run time (impls a typed factory picks, forwards installed "
+                   "on layer classes; default: on). Off costs less on large engine trees.")
 @click.option("-j", "--jobs", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
               help="Check files in N processes; 0: one per CPU when there is enough work to pay for them. "
                    "The output is the same whatever N is.")
 def check(paths, select, ignore, fmt, output_file, color, statistics, exit_zero, strict, config, exclude,
-          stdin_filename, fix, diff, unsafe_fixes, respect_gitignore, jobs) -> None:
+          stdin_filename, fix, diff, unsafe_fixes, respect_gitignore, follow_bindings, jobs) -> None:
     """Check PATHS (files, folders, or - for stdin); the default command."""
     from .commands import run_check
 
@@ -115,6 +118,7 @@ def check(paths, select, ignore, fmt, output_file, color, statistics, exit_zero,
                             statistics=statistics, exit_zero=exit_zero, strict=strict, config=config,
                             stdin=stdin, stdin_filename=stdin_filename, fix=fix, diff=diff,
                             unsafe_fixes=unsafe_fixes, respect_gitignore=respect_gitignore,
+                            follow_bindings=follow_bindings,
                             jobs=jobs or None, progress=progress, color=colored, output_file=output_file)
     finally:
         if progress is not None:

@@ -34,8 +34,8 @@ def run_check(paths: Sequence[str], *, select: Sequence[str] = (), ignore: Seque
               stdin: Optional[bytes] = None, stdin_filename: Optional[str] = None,
               cwd: Optional[Path] = None, jobs: Optional[int] = None, fix: bool = False, diff: bool = False,
               unsafe_fixes: bool = False, respect_gitignore: Optional[bool] = None,
-              progress: Optional[Callable[[int, int], None]] = None, color: bool = False,
-              output_file: Optional[str] = None) -> Outcome:
+              follow_bindings: Optional[bool] = None, progress: Optional[Callable[[int, int], None]] = None,
+              color: bool = False, output_file: Optional[str] = None) -> Outcome:
     """``guardlint check``. With ``fix`` the fixes are written and what remains is reported; with
     ``diff`` they are printed as a unified diff and nothing is written.
 
@@ -58,6 +58,8 @@ def run_check(paths: Sequence[str], *, select: Sequence[str] = (), ignore: Seque
         settings = with_options(settings, _split(select), _split(ignore), _split(exclude))
         if respect_gitignore is not None:
             settings = dataclasses.replace(settings, respect_gitignore=respect_gitignore)
+        if follow_bindings is not None:
+            settings = dataclasses.replace(settings, follow_bindings=follow_bindings)
         report = lint_paths(paths, settings, strict=strict, stdin=stdin, stdin_filename=stdin_filename,
                             jobs=jobs, fix="apply" if fix else "diff" if diff else None,
                             unsafe_fixes=unsafe_fixes, progress=progress)

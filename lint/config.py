@@ -16,7 +16,8 @@ from guardlint.contracts import ConfigError, Contract, all_contracts, contract_f
 
 # ``exclude`` adds to the default excludes (ruff's ``extend-exclude``); both spellings are taken, so a
 # ruff configuration reads the same.
-KEYS = ("select", "ignore", "exclude", "extend-exclude", "per-file-ignores", "respect-gitignore", "contracts")
+KEYS = ("select", "ignore", "exclude", "extend-exclude", "per-file-ignores", "respect-gitignore", "contracts",
+        "follow-bindings")
 DEFAULT_EXCLUDE = (".git", ".venv", "venv", "__pycache__", "build", "dist", "node_modules", ".tox", ".eggs")
 # A rule is selected by its code, a prefix of codes (``GL1``) or its name (``missing-max-seqlen``), as in ruff.
 # Codes and prefixes are kept upper case and names lower case, so a kept selector that starts with "GL" is
@@ -41,6 +42,8 @@ class Settings:
     # Skip files and folders that git ignores (inside a git work tree); files named on the command
     # line are checked anyway.
     respect_gitignore: bool = True
+    # GL104 follows code bound per layer at run time (reach.py): typed factories' impls, installed forwards
+    follow_bindings: bool = True
 
     def selected(self, code: str, name: str = "") -> bool:
         return matches_any(self.select, code, name) and not matches_any(self.ignore, code, name)
@@ -248,6 +251,9 @@ def settings_from_table(table: dict, root: Path, config_path: Optional[Path] = N
     respect_gitignore = table.get("respect-gitignore", True)
     if not isinstance(respect_gitignore, bool):
         raise ConfigError(f"{where}.respect-gitignore: expected true or false, got {respect_gitignore!r}")
+    follow_bindings = table.get("follow-bindings", True)
+    if not isinstance(follow_bindings, bool):
+        raise ConfigError(f"{where}.follow-bindings: expected true or false, got {follow_bindings!r}")
     pfi_raw = table.get("per-file-ignores", {})
     if not isinstance(pfi_raw, dict):
         raise ConfigError(f"{where}.per-file-ignores: expected a table of pattern = [codes], got "
@@ -270,7 +276,7 @@ def settings_from_table(table: dict, root: Path, config_path: Optional[Path] = N
                     ignore=resolve_selectors(ignore, known, f"{where}.ignore"), exclude=exclude,
                     per_file_ignores=tuple((pattern, resolve_selectors(codes, known, key))
                                            for pattern, codes, key in per_file),
-                    contracts=contracts, respect_gitignore=respect_gitignore)
+                    contracts=contracts, respect_gitignore=respect_gitignore, follow_bindings=follow_bindings)
 
 
 def load_settings(paths: Sequence[str] = (), config: Optional[str] = None, cwd: Optional[Path] = None) -> Settings:

@@ -372,7 +372,8 @@ def lint_paths(paths: Sequence[str], settings: Settings, *, strict: bool = False
         results = _check_all(candidates, rules, strict, jobs, keep_modules, tick, workers, submitted) \
             if candidates else []
         if summarize and results:
-            _recheck_with_callees(candidates, results, files, rules, strict, jobs, keep_modules, workers)
+            _recheck_with_callees(candidates, results, files, rules, strict, jobs, keep_modules, workers,
+                                  settings.follow_bindings)
     finally:
         workers.close()
     for r in results:
@@ -429,7 +430,8 @@ def _candidates(files: Sequence[str], rules: RuleSet, every_rule, summarize: boo
 
 
 def _recheck_with_callees(candidates: list[Candidate], results: list, files: Sequence[str], rules: RuleSet,
-                          strict: bool, jobs: Optional[int], keep_modules: bool, workers: _Workers) -> None:
+                          strict: bool, jobs: Optional[int], keep_modules: bool, workers: _Workers,
+                          bindings: bool = True) -> None:
     """The callee summaries, built once from the files' sketches (their exact reading, libcst's, by the
     workers when they are started); the files with a per-layer call whose definition reads on the host
     what the call passes are checked again with them (in place: their candidates and results are
@@ -448,7 +450,7 @@ def _recheck_with_callees(candidates: list[Candidate], results: list, files: Seq
 
     data = {c.path: c.data for c in candidates}
     tables = build([r.facts for r in results if r.facts is not None], files,
-                   lambda path: data[path] if path in data else read_source(path), read_all)
+                   lambda path: data[path] if path in data else read_source(path), read_all, bindings)
     again = []
     for i, (c, r) in enumerate(zip(candidates, results)):
         if c.path in tables and not c.stdin:

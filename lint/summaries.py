@@ -1364,7 +1364,7 @@ class Summaries:
                 self._parse(path, module, package)
 
     # -- the summaries ---------------------------------------------------------------------------------
-    def tables(self) -> dict:
+    def tables(self, bindings: bool = True) -> dict:
         """Per file path (as given), its table: (the def a root is in, the callee as written) -> Callee, for
         the roots whose definition reads on the host a parameter the call may fill with metadata, and the
         places of those roots ({(line, column)})."""
@@ -1422,6 +1422,8 @@ class Summaries:
                 table[(root.scope, root.callee)] = tuple(found)
                 sites.add(root.at)
         self._returns(values, out)
+        if not bindings:
+            return out
         from .reach import Reach
 
         for path, places in Reach(self).contexts().items():
@@ -1806,10 +1808,11 @@ def _callers(seeds: set, graph: dict) -> set:
     return out
 
 
-def build(facts: list, files, read: Callable[[str], bytes], read_all: Optional[Callable] = None) -> dict:
+def build(facts: list, files, read: Callable[[str], bytes], read_all: Optional[Callable] = None,
+          bindings: bool = True) -> dict:
     """Per file path (as given): the table GL104 asks at its per-layer calls, and the places of those calls
     (``Summaries.tables``). ``read``: a file's bytes; ``read_all``: ``read_facts`` over a list (libcst's
     part, which a run's worker processes may take)."""
-    if not any(f.roots or f.installs or f.places for f in facts):
+    if not any(f.roots or bindings and (f.installs or f.places) for f in facts):
         return {}
-    return Summaries(facts, files, read, read_all).tables()
+    return Summaries(facts, files, read, read_all).tables(bindings)

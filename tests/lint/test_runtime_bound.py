@@ -358,3 +358,19 @@ def test_a_binding_handed_no_metadata_is_not_followed(tmp_path):
                                                                        "forward(x, x, x, cu_seqlens)")})
     assert [p for p, _, _ in found] == ["omni/backends/packed.py", "omni/utils/unpad.py"], found
     assert "MLPBlock.forward -> self.quant_method (whichever AttentionImpl the run picks)" in found[0][2]
+
+
+def test_follow_bindings_off_in_the_configuration_or_on_the_command_line(tmp_path):
+    from guardlint.lint.commands import run_check
+
+    for name, text in {**TREE, "pyproject.toml": "[tool.guardlint]\nfollow-bindings = false\n"}.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    off = run_check([str(tmp_path / "omni")], cwd=tmp_path, exit_zero=True)
+    assert "GL104" not in off.stdout, off.stdout
+    on = run_check([str(tmp_path / "omni")], cwd=tmp_path, exit_zero=True, follow_bindings=True)
+    assert on.stdout.count("GL104") == 2, on.stdout
+    (tmp_path / "pyproject.toml").write_text("[tool.guardlint]\nfollow-bindings = 'no'\n")
+    bad = run_check([str(tmp_path / "omni")], cwd=tmp_path)
+    assert bad.exit_code == 2 and "follow-bindings: expected true or false, got 'no'" in bad.stderr, bad
