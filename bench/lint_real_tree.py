@@ -185,6 +185,9 @@ def _run(cmd: list, cwd: Path = ROOT) -> tuple[float, bytes]:
 
 def tools_for_tree(tree: str) -> dict:
     tools = {"guardlint": [str(GUARDLINT), "check", tree, "--exit-zero", "--format", "json"],
+             # the same without the walk into code bound per layer at run time (lint/reach.py)
+             "guardlint_no_bindings": [str(GUARDLINT), "check", tree, "--exit-zero", "--format", "json",
+                                       "--no-follow-bindings"],
              "ast_loop": [str(PY), "-c", AST_LOOP, tree]}
     if RUFF.exists():
         tools["ruff"] = [str(RUFF), "check", "--isolated", "--no-cache", "--exit-zero", "--quiet", tree]
@@ -215,6 +218,9 @@ def measure_tree(tree: str, repeat: int) -> tuple[dict, list]:
     row = {"tree": tree, "files": len(files), "MB": sum(p.stat().st_size for p in files) / 1e6,
            "guardlint_s": med["guardlint"], "ast_loop_s": med["ast_loop"],
            "ratio": med["guardlint"] / med["ast_loop"], "paired_ratio_median": statistics.median(ratios),
+           "no_bindings_s": med.get("guardlint_no_bindings"),
+           "no_bindings_ratio": med["guardlint_no_bindings"] / med["ast_loop"] if "guardlint_no_bindings" in med
+           else None,
            "ruff_s": med.get("ruff"), "guardlint_runs": [round(t, 3) for t in times["guardlint"]],
            "ast_loop_runs": [round(t, 3) for t in times["ast_loop"]]}
     findings = json.loads(out or b"[]")
@@ -287,7 +293,8 @@ def time_extra(args) -> None:
         rows.append(row)
         print(f"{path.name}: guardlint {row['guardlint_s']:.2f} s, ast loop {row['ast_loop_s']:.2f} s "
               f"({row['ratio']:.2f}x)", flush=True)
-    cols = ["tree", "files", "MB", "findings", "guardlint_s", "ast_loop_s", "ratio", "paired_ratio_median", "ruff_s"]
+    cols = ["tree", "files", "MB", "findings", "guardlint_s", "ast_loop_s", "ratio", "paired_ratio_median",
+            "no_bindings_s", "no_bindings_ratio", "ruff_s"]
     table = markdown_table(rows, cols)
     if args.write:
         meta = env_meta()
@@ -328,7 +335,8 @@ def main() -> None:
               f"({row['ratio']:.2f}x), ruff {row['ruff_s'] or float('nan'):.2f} s", flush=True)
     one = [measure_one_file(label, path, args.one_file_repeat) for label, path in ONE_FILE if path.exists()]
 
-    tree_cols = ["tree", "files", "MB", "guardlint_s", "ast_loop_s", "ratio", "paired_ratio_median", "ruff_s"]
+    tree_cols = ["tree", "files", "MB", "guardlint_s", "ast_loop_s", "ratio", "paired_ratio_median", "no_bindings_s",
+                 "no_bindings_ratio", "ruff_s"]
     one_cols = ["case", "file", "lines", "guardlint_ms", "guardlint_min_ms", "ruff_ms"]
     unread = [(t, f["path"], f["line"], f["code"]) for t, fs in found.items() for f in fs
               if (f["path"].split("/", 1)[1], f["line"], f["code"]) not in READINGS]
