@@ -2,19 +2,23 @@
 while it runs, for GL104 to check as per-layer code.
 
 A layer's forward (``summaries``' places: a layer class's forward, a def registered in an attention registry) that
-calls a method of ``self.<member>``, where the member is built by a typed factory (``self.impl = self.backend.
-get_impl_cls()(...)`` with ``get_impl_cls() -> type[AttentionImpl]``, or ``self.x: Base = make(...)``), runs the
-method of whichever subclass of that base the run picked: each subclass defined in the tree that overrides it
-(class hierarchy analysis), and, in those classes, each override of what ``self.<m>()`` calls there. A def a module
+calls ``self.<member>`` or a method of it, handing it metadata, where the member is built by a typed factory
+(``self.impl = self.backend.get_impl_cls()(...)`` with ``get_impl_cls() -> type[AttentionImpl]``, ``self.x: Base =
+make(...)``, a parameter ``attn_cls: type[Base]``), runs the method of whichever subclass of that base the run
+picked: the method each subclass defined in the tree runs (its own or the one it inherits; class hierarchy
+analysis), with ``self`` known as that subclass, so that ``self.<m>()`` there reaches that class's m. A def a module
 installs as a layer class's forward (``Qwen2VLAttention.forward = patched``) runs in place of that forward. The
-defs so reached, and what they call in turn (methods, functions of the tree, imports made inside a def), run once
-per layer: each becomes a per-layer place of its own, with the path that reaches it, and GL104 reports its reads
-where they are. Defs reached only through calls the tree binds statically are not places here: the callee
-summaries already report those at their calls.
+defs so reached, and what they call in turn with what they were given (methods, functions of the tree, imports made
+inside a def), run once per layer: each becomes a per-layer place of its own, with the path that reaches it, and
+GL104 reports its reads where they are. The binding calls' arguments are facts there: what every binding call
+passes, or none passes, spares the reads made only without it, or only with it (``host_sync``). Defs reached only
+through calls the tree binds statically are not places here: the callee summaries already report those at their
+calls.
 
 Types come from facts, never from names: annotations of the member, of a local, of a parameter; return annotations
 of the factory (a method of the typed receiver, a function the module imports); ``type[X]`` is the class X, its
-call an instance of X. A member whose type is not told is not followed.
+call an instance of X or of a subclass; ``Cls(...)`` is exactly a Cls. A member whose type is not told is not
+followed, nor is a binding handed no metadata (a linear layer's ``quant_method.apply(self, x)``).
 """
 from __future__ import annotations
 
@@ -55,8 +59,8 @@ class Reach:
     # -- the walk ---------------------------------------------------------------------------------------
     def contexts(self) -> dict:
         """{path as given: {qualname: ((why it runs per layer, the path), the parameters every call that binds it
-        passes, those none passes)}} of
-        the defs bound at run time, each with the shortest path from a per-layer place that reaches it."""
+        passes, those none passes)}} of the defs bound at run time that hold a read, each with a path from a
+        per-layer place that reaches it (``_best_trail``)."""
         todo: deque = deque()
         for f in list(self.s.facts_by_path()):
             for qual in f.places:
@@ -68,7 +72,7 @@ class Reach:
                     todo.append((got[0], got[1], (hop, got[1]), True, None, None, None, 1))
         seen: dict = {}
         first: dict = {}  # key of a def bound at run time -> (FileFacts, qualname, its shortest path)
-        incoming: dict = {}  # that key -> [(the caller's key, the call)], the calls that bind it
+        incoming: dict = {}  # that key -> [(the caller's key, the call, the path)], the calls that bind it
         while todo and len(seen) < MAX_VISITED:
             f, qual, trail, bound, caller, call, recv, hops = todo.popleft()
             key = (os.path.normpath(f.path), qual)
