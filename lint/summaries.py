@@ -131,6 +131,9 @@ class FileFacts:
     # (def name, module a def-local import takes it from or None, line, target as written) of each def the file
     # installs as a layer class's forward (``Qwen2VLAttention.forward = patched``): ``reach.py`` follows them
     installs: list = field(default_factory=list)
+    # qualname -> (first line, decorators included; last line) of each class and def ``_index`` saw: where the run
+    # reads one def or class of a file a worker sketched without parsing the whole file again (``_segment``)
+    spans: dict = field(default_factory=dict)
 
 
 def sketch(tree: ast.Module, data: bytes, path: str, module: Optional[str], is_package: bool) -> FileFacts:
@@ -230,12 +233,14 @@ class _Sketch:
                            for item in node.body if type(item) in (ast.FunctionDef, ast.AsyncFunctionDef)}
                 self.facts.classes.setdefault(qual, (tuple(filter(None, map(_base, node.bases))), methods))
                 self.class_nodes.setdefault(qual, node)
+                self.facts.spans.setdefault(qual, _lines_of(node))
                 forward = next((i for i in node.body if type(i) is ast.FunctionDef and i.name == "forward"), None)
                 if forward is not None and not _may_dispatch(forward):
                     self.facts.plain.add(qual)
                 self._index(node.body, qual + ".", qual)
             elif t is ast.FunctionDef or t is ast.AsyncFunctionDef:
                 self.defs[prefix + node.name] = (node, cls)
+                self.facts.spans[prefix + node.name] = _lines_of(node)
                 if cls is None:
                     for name in _custom_op_names(node):
                         self.facts.ops.setdefault(name, prefix + node.name)
@@ -627,6 +632,28 @@ class _Sketch:
 _CALLEE_FORMS = (ast.Name, ast.Attribute, ast.Subscript, ast.Call)  # f(), m.f(), T[key](), T.get(key)()
 
 
+def _lines_of(node: Any) -> tuple:
+    """(first line, decorators included; last line) of a def or class."""
+    return (min([node.lineno, *(d.lineno for d in node.decorator_list)]), node.end_lineno or node.lineno)
+
+
+def _segment(data: bytes, span: tuple) -> Optional[Any]:
+    """The def or class whose lines ``span`` gives, parsed alone, its line numbers those of the file (None where
+    its text does not parse alone)."""
+    starts = _line_starts(data)
+    if span[1] >= len(starts):
+        return None
+    text = data[starts[span[0] - 1]:starts[span[1]]]
+    indented = text[:1] in (b" ", b"\t")
+    try:
+        module: Any = ast.parse(b"if 1:\n" + text if indented else text)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    node: Any = module.body[0].body[0] if indented else module.body[0]
+    ast.increment_lineno(node, span[0] - 1 - indented)
+    return node
+
+
 def _installs(tree: ast.Module, absolute: Callable) -> list:
     """(def name, module a def-local import takes it from or None, line, target as written) of each def the module
     installs as the forward of a layer class (``Cls.forward = f``, ``mod.Cls.forward = f``, ``setattr(Cls,
@@ -1001,6 +1028,7 @@ class Summaries:
         self._member_cache: dict = {}  # (path, class qualname) -> _members of it
         self._beside: set = set()  # (folder, class name) whose files ``read_beside`` read
         self._texts: dict = {}  # normalised path -> bytes, of the files ``read_beside`` looked through
+        self._parts: dict = {}  # normalised path -> a sketch read in parts (``_sketch_of``)
         self._catalog: dict = {}  # catalog label -> FileFacts standing for the pinned layers it describes
         self._pinned_reads: dict = {}  # (catalog label, method) -> its reads, as the catalog pins them
         for f in facts:
@@ -1274,23 +1302,51 @@ class Summaries:
         return self._files
 
     def _sketch_of(self, f: FileFacts) -> Optional[_Sketch]:
+        """The file's sketch, parsed here; for a file a worker sketched, one whose defs and classes are read one at a
+        time as ``def_node`` and ``class_node`` ask (``_segment``): a walk through a few methods of a large module
+        does not parse all of it again."""
         path = os.path.normpath(f.path)
-        if path not in self._sketches and f.path not in self._catalog:
-            self._parse(path, f.module, f.module == f.package, f)
+        if path in self._sketches or f.path in self._catalog:
+            return self._sketches.get(path)
+        if f.spans and path not in self._parts:
+            try:
+                data = self._read(self._files.get(path, f.path))
+            except OSError:
+                return None
+            self._parts[path] = _Sketch(ast.Module(body=[], type_ignores=[]), data, f.path, f.module,
+                                        f.module == f.package, f)
+        if path in self._parts:
+            return self._parts[path]
+        self._parse(path, f.module, f.module == f.package, f)
         return self._sketches.get(path)
+
+    def _read_part(self, f: FileFacts, sketch: _Sketch, qual: str) -> None:
+        """Reads the def or class ``qual`` into a sketch of parts (``_sketch_of``)."""
+        if sketch is not self._parts.get(os.path.normpath(f.path)) or qual not in f.spans \
+                or qual in sketch.defs or qual in sketch.class_nodes:
+            return
+        node = _segment(sketch.data, f.spans[qual])
+        if type(node) is ast.ClassDef:
+            sketch.class_nodes[qual] = node
+        elif type(node) in (ast.FunctionDef, ast.AsyncFunctionDef):
+            owner = qual.rpartition(".")[0]
+            sketch.defs[qual] = (node, owner if owner in f.classes else None)
 
     def def_node(self, f: FileFacts, qual: str) -> Optional[tuple]:
         """(the def's CPython node, its class's qualname or None)."""
         sketch = self._sketch_of(f)
-        return sketch.defs.get(qual) if sketch is not None else None
+        if sketch is None:
+            return None
+        self._read_part(f, sketch, qual)
+        return sketch.defs.get(qual)
 
     def may_report(self, f: FileFacts, qual: str) -> bool:
         """The text of the def ``qual`` holds what GL104 can report in per-layer code: a host read, the truth of a
         tensor (``.any()``, ``.all()``), a varlen kernel's call."""
         from .patterns import KERNEL_NAMES
 
+        got = self.def_node(f, qual)
         sketch = self._sketch_of(f)
-        got = sketch.defs.get(qual) if sketch is not None else None
         if sketch is None or got is None:
             return False
         start, end = _span(sketch._lines(), got[0].lineno, got[0].end_lineno or got[0].lineno)
@@ -1301,8 +1357,8 @@ class Summaries:
     def call_ref(self, f: FileFacts, qual: str, call: ast.Call) -> Optional[Ref]:
         """The Ref of a call in the def ``qual`` of ``f`` (as ``FuncFacts.calls`` holds it, without the rest of the
         def's facts)."""
+        got = self.def_node(f, qual)
         sketch = self._sketch_of(f)
-        got = sketch.defs.get(qual) if sketch is not None else None
         if sketch is None or got is None or type(call.func) not in _CALLEE_FORMS:
             return None
         node, cls = got
@@ -1317,7 +1373,10 @@ class Summaries:
 
     def class_node(self, f: FileFacts, cls: str) -> Optional[ast.ClassDef]:
         sketch = self._sketch_of(f)
-        return sketch.class_nodes.get(cls) if sketch is not None else None
+        if sketch is None:
+            return None
+        self._read_part(f, sketch, cls)
+        return sketch.class_nodes.get(cls)
 
     def method_of(self, f: FileFacts, cls: str, name: str) -> Optional[tuple]:
         """(file facts, qualname) of the method ``name`` an instance of ``cls`` runs (its own or a base's)."""
