@@ -65,8 +65,8 @@ class Reach:
         for f in list(self.s.facts_by_path()):
             for qual in f.places:
                 todo.append((f, qual, (qual,), False, None, None, None, 0))
-            for name, module, line, target in f.installs:
-                got = self._installed(f, name, module)
+            for name, module, line, target, nested in f.installs:
+                got = (f, nested) if nested is not None else self._installed(f, name, module)
                 if got is not None:
                     hop = f"{target} = {name} ({os.path.basename(f.path)}:{line})"
                     todo.append((got[0], got[1], (hop, got[1]), True, None, None, None, 1))

@@ -178,7 +178,7 @@ class _Sketch:
             self._names(tree.body)
         self._index(tree.body, "", None)
         if facts is None and INSTALLS.search(data):
-            self.facts.installs.extend(_installs(tree, self._absolute))
+            self.facts.installs.extend(_installs(tree, self._absolute, self.facts.spans))
 
     def _names(self, body) -> None:
         """Module-level bindings in order, the last one winning (through top-level if/try blocks)."""
@@ -654,53 +654,88 @@ def _segment(data: bytes, span: tuple) -> Optional[Any]:
     return node
 
 
-def _installs(tree: ast.Module, absolute: Callable) -> list:
-    """(def name, module a def-local import takes it from or None, line, target as written) of each def the module
-    installs as the forward of a layer class (``Cls.forward = f``, ``mod.Cls.forward = f``, ``setattr(Cls,
-    "forward", f)``; ``f`` a name, or wrapped in ``types.MethodType(f, ...)`` / ``functools.partial(f, ...)``)."""
-    out: list = []
+def _installs(tree: ast.Module, absolute: Callable, spans: dict) -> list:
+    """(def name, module a def-local import takes it from or None, line, target as written, qualname of a def nested
+    in a def or None) of each def the module installs as the forward of a layer: of a layer class (``Cls.forward =
+    f``, ``mod.Cls.forward = f``, ``setattr(Cls, "forward", f)``), or of an object reached from the element of a loop
+    over layers (``for layer in model.layers: impl = layer.attn.impl; impl.forward = ...``); ``f`` a name, or
+    wrapped in ``types.MethodType(f, ...)`` / ``functools.partial(f, ...)``. The lines of a nested def so installed
+    go to ``spans`` (the walk reads it from there)."""
+    walk = _InstallWalk(absolute, spans)
+    walk.body(tree.body, {}, set(), {}, "", False)
+    return walk.out
 
-    def walk(body, imports: dict) -> None:
-        for node in body:
+
+class _InstallWalk:
+    def __init__(self, absolute: Callable, spans: dict):
+        self.absolute, self.spans = absolute, spans
+        self.out: list = []
+
+    def body(self, stmts, imports: dict, layers: set, nested: dict, scope: str, in_def: bool) -> None:
+        """``layers``: names bound to a layer (or to what is reached from one) here; ``nested``: name -> (qualname,
+        lines) of the defs this def defines so far."""
+        layers = set(layers)
+        for node in stmts:
             t = type(node)
             if t is ast.FunctionDef or t is ast.AsyncFunctionDef:
+                qual = f"{scope}.{node.name}" if scope else node.name
+                if in_def:
+                    nested[node.name] = (qual, _lines_of(node))
                 local = dict(imports)
                 for sub in ast.walk(node):
                     if type(sub) is ast.ImportFrom:
-                        base = absolute(sub.module, sub.level)
+                        base = self.absolute(sub.module, sub.level)
                         for a in sub.names:
                             if base:
                                 local[a.asname or a.name] = (base, a.name)
-                walk(node.body, local)
+                self.body(node.body, local, set(), {}, qual, True)
                 continue
             if t is ast.ClassDef:
-                walk(node.body, imports)
+                self.body(node.body, imports, set(), {}, f"{scope}.{node.name}" if scope else node.name, False)
                 continue
-            target = value = None
-            if t is ast.Assign and len(node.targets) == 1 and type(node.targets[0]) is ast.Attribute \
-                    and node.targets[0].attr == "forward":
-                target, value = _dotted(node.targets[0].value), node.value
-            elif t is ast.Expr and type(node.value) is ast.Call and _dotted(node.value.func) == "setattr" \
-                    and len(node.value.args) == 3 and type(node.value.args[1]) is ast.Constant \
-                    and node.value.args[1].value == "forward":
-                target, value = _dotted(node.value.args[0]), node.value.args[2]
-            if target is not None and is_layer_class(target.rpartition(".")[2]):
-                if type(value) is ast.Call and value.args and (_dotted(value.func) or "").rpartition(".")[2] in (
-                        "MethodType", "partial"):
-                    value = value.args[0]
-                if type(value) is ast.Name:
-                    module = imports.get(value.id, (None,))[0]
-                    name = imports[value.id][1] if module is not None else value.id
-                    out.append((name, module, node.lineno, f"{target}.forward"))
-            for _, field_value in ast.iter_fields(node):
-                if type(field_value) is list and field_value and isinstance(field_value[0], ast.stmt):
-                    walk(field_value, imports)
-                elif type(field_value) is list and field_value and type(field_value[0]) is ast.ExceptHandler:
-                    for h in field_value:
-                        walk(h.body, imports)
+            if (t is ast.For or t is ast.AsyncFor) and _loops_over_layers(node.iter):
+                self.body(node.body, imports, layers | {n.id for n in ast.walk(node.target) if type(n) is ast.Name},
+                          nested, scope, in_def)
+                self.body(node.orelse, imports, layers, nested, scope, in_def)
+                continue
+            if t is ast.Assign and len(node.targets) == 1 and type(node.targets[0]) is ast.Name \
+                    and (_dotted(node.value) or "").split(".")[0] in layers:
+                layers.add(node.targets[0].id)
+            self._install(node, imports, layers, nested)
+            for _, value in ast.iter_fields(node):
+                if type(value) is list and value and isinstance(value[0], ast.stmt):
+                    self.body(value, imports, layers, nested, scope, in_def)
+                elif type(value) is list and value and type(value[0]) is ast.ExceptHandler:
+                    for h in value:
+                        self.body(h.body, imports, layers, nested, scope, in_def)
 
-    walk(tree.body, {})
-    return out
+    def _install(self, node: Any, imports: dict, layers: set, nested: dict) -> None:
+        t = type(node)
+        target = value = None
+        if t is ast.Assign and len(node.targets) == 1 and type(node.targets[0]) is ast.Attribute \
+                and node.targets[0].attr == "forward":
+            target, value = _dotted(node.targets[0].value), node.value
+        elif t is ast.Expr and type(node.value) is ast.Call and _dotted(node.value.func) == "setattr" \
+                and len(node.value.args) == 3 and type(node.value.args[1]) is ast.Constant \
+                and node.value.args[1].value == "forward":
+            target, value = _dotted(node.value.args[0]), node.value.args[2]
+        if target is None or not (is_layer_class(target.rpartition(".")[2]) or target.split(".")[0] in layers):
+            return
+        if type(value) is ast.Call and value.args and (_dotted(value.func) or "").rpartition(".")[2] in (
+                "MethodType", "partial"):
+            value = value.args[0]
+        if type(value) is not ast.Name:
+            return
+        if value.id in nested:
+            qual, lines = nested[value.id]
+            self.spans.setdefault(qual, lines)
+            self.out.append((value.id, None, node.lineno, f"{target}.forward", qual))
+            return
+        module = imports.get(value.id, (None,))[0]
+        name = imports[value.id][1] if module is not None else value.id
+        self.out.append((name, module, node.lineno, f"{target}.forward", None))
+
+
 _CONTAINERS = ("ModuleList", "Sequential")  # torch.nn containers whose elements a loop over them calls
 
 
@@ -1321,14 +1356,15 @@ class Summaries:
         return self._sketches.get(path)
 
     def _read_part(self, f: FileFacts, sketch: _Sketch, qual: str) -> None:
-        """Reads the def or class ``qual`` into a sketch of parts (``_sketch_of``)."""
-        if sketch is not self._parts.get(os.path.normpath(f.path)) or qual not in f.spans \
-                or qual in sketch.defs or qual in sketch.class_nodes:
+        """Reads the def or class ``qual`` into a sketch of parts (``_sketch_of``), or a def nested in a def that a
+        whole sketch does not index (an installed forward, ``_installs``)."""
+        if qual not in f.spans or qual in sketch.defs or qual in sketch.class_nodes:
             return
         node = _segment(sketch.data, f.spans[qual])
         if type(node) is ast.ClassDef:
             sketch.class_nodes[qual] = node
-        elif type(node) in (ast.FunctionDef, ast.AsyncFunctionDef):
+        elif node is not None and type(node) in (ast.FunctionDef, ast.AsyncFunctionDef) \
+                and node.name == qual.rpartition(".")[2]:
             owner = qual.rpartition(".")[0]
             sketch.defs[qual] = (node, owner if owner in f.classes else None)
 

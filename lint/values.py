@@ -70,6 +70,26 @@ def _host_items(v: Value) -> Optional[Value]:
     return v.items if v.items is not None else HOST_VALUE
 
 
+def _on_host_unless(test: Any) -> list:
+    """The names an ``if`` test, when false, proves on the host: ``x.device.type != "cpu"``, ``not x.is_cpu``, and
+    either side of an ``or`` (a false ``or`` has both sides false)."""
+    if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.Or):
+        return _on_host_unless(test.left) + _on_host_unless(test.right)
+    if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not) \
+            and isinstance(test.expression, cst.Attribute) and test.expression.attr.value == "is_cpu" \
+            and isinstance(test.expression.value, cst.Name):
+        return [test.expression.value.value]
+    if isinstance(test, cst.Comparison) and len(test.comparisons) == 1 \
+            and isinstance(test.comparisons[0].operator, cst.NotEqual) \
+            and isinstance(test.comparisons[0].comparator, cst.SimpleString) \
+            and test.comparisons[0].comparator.evaluated_value == "cpu":
+        left = test.left
+        if isinstance(left, cst.Attribute) and left.attr.value == "type" and isinstance(left.value, cst.Attribute) \
+                and left.value.attr.value == "device" and isinstance(left.value.value, cst.Name):
+            return [left.value.value.value]
+    return []
+
+
 def _make(where: int, source: Optional[str], items: Optional[Value]) -> Value:
     if not where & (DEVICE | UNKNOWN):
         source = None  # a host copy is no longer the device metadata
@@ -323,6 +343,13 @@ class Values:
             taken = self._assume(stmt.test) if self._assume is not None else None
             if taken is not None and (then if taken else other) is not None:
                 return then if taken else other
+            if then is None and other is env and env is not None:
+                # ``if x.device.type != "cpu": return``: past it, x is on the host
+                host = [name for name in _on_host_unless(stmt.test) if name in env]
+                if host:
+                    other = dict(env)
+                    for name in host:
+                        other[name] = HOST_VALUE
             return join_envs(then, other)  # (an assumed branch that ends leaves the other to go on)
         if t is cst.For:
             items = self._elements(stmt.iter, env)

@@ -374,3 +374,43 @@ def test_follow_bindings_off_in_the_configuration_or_on_the_command_line(tmp_pat
     (tmp_path / "pyproject.toml").write_text("[tool.guardlint]\nfollow-bindings = 'no'\n")
     bad = run_check([str(tmp_path / "omni")], cwd=tmp_path)
     assert bad.exit_code == 2 and "follow-bindings: expected true or false, got 'no'" in bad.stderr, bad
+
+
+FISH = """\
+    import types
+
+
+    def dispatch(attn_metadata, seq_lens):
+        upper_bound = attn_metadata.seq_lens_cpu_upper_bound
+        if upper_bound is None or upper_bound.device.type != "cpu":
+            return None
+        bound = int(upper_bound.max().item())
+        return max(bound, int(seq_lens.max().item()))
+
+
+    def forward_with_cache(impl, original, layer, query, attn_metadata):
+        seq_lens = attn_metadata.seq_lens
+        dispatch(attn_metadata, seq_lens)
+        return original(layer, query, attn_metadata)
+
+
+    def install(model):
+        for layer in model.layers:
+            impl = layer.self_attn.attn.impl
+            original_forward = impl.forward
+
+            def fish_forward(this_impl, layer, query, attn_metadata, *, _original=original_forward):
+                return forward_with_cache(this_impl, _original, layer, query, attn_metadata)
+
+            impl.forward = types.MethodType(fish_forward, impl)
+"""
+
+
+def test_a_closure_installed_on_each_layer_s_object_runs_per_layer(tmp_path):
+    # vllm-omni's fish kvcache backend, reduced: a def nested in the installing function replaces the forward of an
+    # object reached from each element of a loop over the layers. The host copy of the bound, proved on the CPU by
+    # the early return, is not read from the device; the device lengths are.
+    found = _gl104(tmp_path, {"omni/__init__.py": "", "omni/fish.py": FISH})
+    assert [(p, line) for p, line, _ in found] == [("omni/fish.py", 9)], found
+    assert "dispatch runs once per layer: impl.forward = fish_forward (fish.py:26) -> install.fish_forward -> " \
+           "forward_with_cache -> dispatch" in found[0][2], found
