@@ -245,13 +245,19 @@ def _sequence_span(cu_seqlens, seq_order, total_tokens, SORTED: tl.constexpr):
         # Clamped: the order is a device tensor, and no content of it may address outside cu_seqlens.
         seq = tl.minimum(tl.maximum(tl.load(seq_order + seq), 0), tl.num_programs(2) - 1)
 
-    # Clamped so that any cu_seqlens content stays inside q/k/v/o: a wrong prefix sum gives a wrong
-    # answer (the guard's strict mode reports it), never an out-of-bounds access.
-    seq_start = tl.load(cu_seqlens + seq).to(tl.int64)
-    seq_end = tl.load(cu_seqlens + seq + 1).to(tl.int64)
-    seq_start = tl.minimum(tl.maximum(seq_start, 0), total_tokens)
-    seq_end = tl.minimum(tl.maximum(seq_end, seq_start), total_tokens)
-    return seq_start, (seq_end - seq_start).to(tl.int32)
+    return _clamped_span(cu_seqlens, seq, total_tokens)
+
+
+@triton.jit
+def _clamped_span(cu_seqlens, seq, total_tokens):
+    """(first token, length) of sequence ``seq``, its offsets clamped into [0, total_tokens] so that any cu_seqlens
+    content stays inside q/k/v/o: a wrong prefix sum gives a wrong answer (the guard's strict mode reports it), never
+    an out-of-bounds access. The backward reads its sequences through this too."""
+    start = tl.load(cu_seqlens + seq).to(tl.int64)
+    end = tl.load(cu_seqlens + seq + 1).to(tl.int64)
+    start = tl.minimum(tl.maximum(start, 0), total_tokens)
+    end = tl.minimum(tl.maximum(end, start), total_tokens)
+    return start, (end - start).to(tl.int32)
 
 
 @triton.jit

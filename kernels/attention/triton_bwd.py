@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton import INTERPRET, LOG2E, _accumulator, _parts, head_dim_parts
+from .triton import INTERPRET, LOG2E, _accumulator, _clamped_span, _parts, head_dim_parts
 
 
 @triton.jit
@@ -70,16 +70,6 @@ def _store_parts(base, rows, row_stride, row_ok, x0, x1, x2, x3, scale, D0: tl.c
     if D3 > 0:
         tl.store(base + rows[:, None] * row_stride + (D0 + D1 + D2 + tl.arange(0, D3))[None, :],
                  (x3 * scale).to(ty), mask=row_ok[:, None])
-
-
-@triton.jit
-def _sequence(cu_seqlens, seq, total_tokens):
-    """(start, length) of sequence ``seq``, clamped into [0, total_tokens] as the forward clamps them."""
-    start = tl.load(cu_seqlens + seq).to(tl.int64)
-    end = tl.load(cu_seqlens + seq + 1).to(tl.int64)
-    start = tl.minimum(tl.maximum(start, 0), total_tokens)
-    end = tl.minimum(tl.maximum(end, start), total_tokens)
-    return start, (end - start).to(tl.int32)
 
 
 @triton.jit
@@ -177,7 +167,7 @@ def _bwd_prep(Q, K, OUT, DO, LSE, DELTA, cu_seqlens,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAVE_LSE: tl.constexpr):
     head = tl.program_id(1)
     seq = tl.program_id(2)
-    start, seq_len = _sequence(cu_seqlens, seq, total_tokens)
+    start, seq_len = _clamped_span(cu_seqlens, seq, total_tokens)
     kv_head = head // GROUP
     q_base = Q + start * stride_qt + head * stride_qh
     k_base = K + start * stride_kt + kv_head * stride_kh
@@ -282,7 +272,7 @@ def _bwd_dkdv(Q, K, V, DO, DK, DV, DQ, DQACC, LSE, DELTA, cu_seqlens,
     # the sequence's dQ rows of its group's heads: float32 partial sums in DQACC, then dQ in a last pass.
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
-    start, seq_len = _sequence(cu_seqlens, seq, total_tokens)
+    start, seq_len = _clamped_span(cu_seqlens, seq, total_tokens)
     k_base = K + start * stride_kt + kv_head * stride_kh
     v_base = V + start * stride_vt + kv_head * stride_vh
     n_tiles = tl.cdiv(seq_len, BLOCK_N)
@@ -388,7 +378,7 @@ def _bwd_dq(Q, K, V, OUT, DO, DQ, LSE, DELTA, cu_seqlens,
     # already), stored for the dK/dV kernel: no statistics pass.
     head = tl.program_id(1)
     seq = tl.program_id(2)
-    start, seq_len = _sequence(cu_seqlens, seq, total_tokens)
+    start, seq_len = _clamped_span(cu_seqlens, seq, total_tokens)
     if seq_len <= SHORT:
         return  # the dK/dV kernel computed this sequence's dQ (FUSE_DQ)
     kv_head = head // GROUP
