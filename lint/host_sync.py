@@ -150,12 +150,10 @@ class PerLayerHostSync:
         taken only when a parameter every binding call passes is None runs on no such call: its calls and tests are
         not evaluated there."""
         spared = self._spares[-1] if self._spares else None
-        if not spared or not isinstance(test, cst.Comparison) or len(test.comparisons) != 1 \
-                or not isinstance(test.left, cst.Name) or test.left.value not in spared \
-                or not is_none(test.comparisons[0].comparator):
+        name, is_none_test = _none_test(test) if spared else (None, None)
+        if name not in (spared or ()):
             return
-        op = test.comparisons[0].operator
-        branch = body if isinstance(op, cst.Is) else orelse if isinstance(op, cst.IsNot) else None
+        branch = body if is_none_test else orelse
         if branch is not None:
             self._unevaluated.update(id(n) for n in _subtree(branch))
 
@@ -168,10 +166,8 @@ class PerLayerHostSync:
         for i, stmt in enumerate(body):
             if not isinstance(stmt, cst.If):
                 continue
-            test = stmt.test
-            if isinstance(test, cst.Comparison) and len(test.comparisons) == 1 and isinstance(test.left, cst.Name) \
-                    and test.left.value in absent and isinstance(test.comparisons[0].operator, cst.Is) \
-                    and is_none(test.comparisons[0].comparator) and _exits(stmt.body):
+            name, is_none_test = _none_test(stmt.test)
+            if name in absent and is_none_test and _exits(stmt.body):
                 self._unevaluated.update(id(n) for later in body[i + 1:] for n in _subtree(later))
                 if stmt.orelse is not None:
                     self._unevaluated.update(id(n) for n in _subtree(stmt.orelse))
@@ -968,6 +964,16 @@ def _subtree(node: cst.CSTNode) -> list:
         out.append(n)
         todo.extend(n.children)
     return out
+
+
+def _none_test(test: cst.BaseExpression) -> tuple:
+    """(p, True) for ``p is None``, (p, False) for ``p is not None``, (None, None) for any other test."""
+    if isinstance(test, cst.Comparison) and len(test.comparisons) == 1 and isinstance(test.left, cst.Name) \
+            and is_none(test.comparisons[0].comparator):
+        op = test.comparisons[0].operator
+        if isinstance(op, (cst.Is, cst.IsNot)):
+            return test.left.value, isinstance(op, cst.Is)
+    return None, None
 
 
 def _exits(block: cst.BaseSuite) -> bool:

@@ -1425,10 +1425,6 @@ class Summaries:
         targets = self._dispatch_targets(f, cls)
         return tuple(sorted(targets)) if targets else ("forward",)
 
-    def own_method(self, f: FileFacts, cls: str, name: str) -> Optional[str]:
-        """The qualname of ``cls``'s own ``name``, where the class defines it."""
-        return f"{cls}.{name}" if name in f.classes.get(cls, ((), {}))[1] else None
-
     def class_of(self, f: FileFacts, written: str) -> Optional[tuple]:
         return self._class_of(f, written)
 
