@@ -19,7 +19,7 @@ from guardlint.contracts import get as get_contract
 from . import _cache, _state
 from . import metadata as _metadata
 from ._cache import _VALUES, _VERSION, MISS, IdentityCache, cache, unchanged
-from ._codegen import accesses, make_wrapper
+from ._codegen import PREFIX, accesses, make_wrapper
 from .decorator import Param, bind, qualified_name
 from .derive import Context, DERIVERS
 from .errors import GuardError, describe
@@ -141,6 +141,17 @@ def _fresh(meta: Any, cu: Any, q: Any) -> bool:
     elif not (cu.tolist() == fp[1] if kind == _VALUES else unchanged(cu, fp)):
         return False
     return fast[2]._version == fast[3] and q.__class__ is torch.Tensor and q.shape == fast[4]
+
+
+def _fresh_inline(meta: str, cu: str, q: str) -> str:
+    """``_fresh(meta, cu, q)`` as an expression for the generated wrappers, its common case (device offsets: a
+    version counter and a data pointer) written out: no call frame, no global lookups. Other fingerprints (host
+    offsets, by contents) go through ``_fresh``. The placeholders' names are the wrapper's own locals."""
+    f, fp = f"{PREFIX}f", f"{PREFIX}fp"
+    return (f"({f} := {meta}._fast) is not None and {f}[0]() is {cu} and {PREFIX}cache.enabled "
+            f"and (({fp} := {f}[1])[0] == {_cache._VERSION} and {cu}._version == {fp}[1] "
+            f"and {cu}.data_ptr() == {fp}[4] and {f}[2]._version == {f}[3] and {q}.__class__ is {PREFIX}Tensor "
+            f"and {q}.shape == {f}[4] or {fp}[0] != {_cache._VERSION} and {PREFIX}fresh({meta}, {cu}, {q}))")
 
 
 def _longest(plan: Any) -> int:
@@ -376,11 +387,11 @@ def _build_varlen(fn: Callable, **rename: str) -> Callable:
             "and isinstance({cu_seqlens}, _guardlint_Tensor) and not {cu_seqlens}.is_cpu")
     # Metadata prepared from this very cu_seqlens, unchanged: its values, with no hook call.
     prepared_path = ("{metadata}.__class__ is _guardlint_VM and {sequence_lengths} is None and {max_seqlen} is None "
-                     "and _guardlint_fresh({metadata}, {cu_seqlens}, {q})",
+                     "and " + _fresh_inline("{metadata}", "{cu_seqlens}", "{q}"),
                      {"sequence_lengths": "{metadata}.seq_lens", "max_seqlen": "{metadata}.max_seqlen",
                       **({flag: "True"} if flag else {})})
     wrapper = make_wrapper(fn, accesses(fn, p), names, hook, fast=fast,
-                           env={"Tensor": Tensor, "VM": VarlenMetadata, "fresh": _fresh},
+                           env={"Tensor": Tensor, "VM": VarlenMetadata, "fresh": _fresh, "cache": _cache},
                            reset=(flag,) if flag else (), prepared=prepared_path)
     wrapper.__guardlint__ = ("varlen", p)
     return wrapper
@@ -724,10 +735,11 @@ def _build_cudnn(fn: Callable, **rename: str) -> Callable:
         absent = f"(not {varkw.pop()} or ({absent}))"
     prepared_path = None if as_kwargs else (
         "{forward_metadata}.__class__ is _guardlint_VM and " + absent + " and {forward_metadata}.layout == 'cudnn' "
-        "and _guardlint_fresh({forward_metadata}, {cu_seqlens}, {q})",
+        "and " + _fresh_inline("{forward_metadata}", "{cu_seqlens}", "{q}"),
         {flag: "True"} if flag else {})
     wrapper = make_wrapper(fn, access, names, hook, fast=fast,
-                           env={"VM": VarlenMetadata, "host": host, "fresh": _fresh},
+                           env={"VM": VarlenMetadata, "host": host, "fresh": _fresh, "cache": _cache,
+                                "Tensor": torch.Tensor},
                            reset=(flag,) if flag else (), prepared=prepared_path)
     wrapper.__guardlint__ = ("cudnn_vision", p)
     return wrapper
