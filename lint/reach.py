@@ -226,7 +226,9 @@ class Reach:
                 # self.m(...), or self.module(...)
                 targets = self._self_calls(recv or (f, cls, False), func.attr)
                 held = not targets
-                targets = targets or self._held(f, cls, func.attr, _hands_metadata(call))
+                known = recv or (f, cls, False)
+                targets = targets or self._held(f, cls, func.attr, _hands_metadata(call)) \
+                    or self._stored_functions(known[0], known[1], func.attr)
             elif this is not None and type(receiver) is ast.Attribute and type(receiver.value) is ast.Name \
                     and receiver.value.id == this:  # self.member.m(...)
                 targets = self._member_calls(f, cls, receiver.attr, func.attr, _hands_metadata(call))
@@ -285,6 +287,28 @@ class Reach:
                     got = self.s.method_of(sf, scls, method)  # its own, or the one it inherits, run for it
                     if got is not None:
                         out.append(((got[0], got[1]), how, (sf, scls, False)))
+        return out
+
+    def _stored_functions(self, f: Any, cls: str, member: str) -> list:
+        """``self.<member>(...)`` where the class's methods store a function in the member (``from kernels import
+        fwd; self.fwd = fwd`` in ``__init__``, lmdeploy's dlinfer impls): that function, bound statically."""
+        out: list = []
+        for owner, name in self._mro(f, cls):
+            node = self.s.class_node(owner, name)
+            for _, value, method in self._stores(node).get(member, ()) if node is not None else ():
+                if type(value) is not ast.Name:
+                    continue
+                local = _local_imports(method)
+                if value.id in local:
+                    target = self._imported(owner, *local[value.id])
+                elif value.id not in self._locals(method)[2]:
+                    target = self._installed(owner, value.id, None)
+                else:
+                    target = None
+                if target is not None and (target, None, None) not in out:
+                    out.append((target, None, None))
+            if out:
+                break
         return out
 
     def _installed(self, f: Any, name: str, module: Optional[str]) -> Optional[tuple]:
@@ -443,7 +467,7 @@ class Reach:
         if t is ast.Call:
             return [("exact" if kind == "class" else "inst", c)
                     for kind, c in self._callee_types(f, expr.func, method, cls, depth) if kind in ("cls", "class")] \
-                + self._returns(f, expr.func, method, cls, depth)
+                + self._returns(f, expr, method, cls, depth)
         if t is ast.Attribute and type(expr.value) is ast.Name and expr.value.id == _self_name(method):
             return self.member_type(f, cls, expr.attr, depth)
         if t is ast.Name:
@@ -466,32 +490,72 @@ class Reach:
             return [("class", found)] if found is not None else []
         return []
 
-    def _returns(self, f: Any, func: Any, method: Any, cls: str, depth: int) -> list:
+    def _returns(self, f: Any, call: ast.Call, method: Any, cls: str, depth: int) -> list:
         """The types a call returns by its callee's return annotation: a function the module binds, or a method of
         a receiver of a told type (``self.backend.get_impl_cls()``)."""
+        func = call.func
+        site = (f, call, method, cls, depth)
         if type(func) is ast.Name and func.id not in self._locals(method)[2]:
             got = self.s.resolve(f, ("name", func.id))
-            return self._returned(got[0], got[1]) if got is not None else []
+            return self._returned(got[0], got[1], site) if got is not None else []
         if type(func) is not ast.Attribute:
             return []
         out: list = []
         for _, (rf, rcls) in self._expr(f, func.value, method, cls, depth + 1):
             got = self.s.method_of(rf, rcls, func.attr)
             if got is not None:
-                out.extend(self._returned(got[0], got[1]))
+                out.extend(self._returned(got[0], got[1], site))
         if not out:
             dotted = _dotted(func.value)
             if dotted is not None and dotted.split(".")[0] not in self._locals(method)[2]:
                 got = self.s.resolve(f, ("attr", dotted, func.attr))
                 if got is not None:
-                    out.extend(self._returned(got[0], got[1]))
+                    out.extend(self._returned(got[0], got[1], site))
         return out
 
-    def _returned(self, f: Any, qual: str) -> list:
+    def _returned(self, f: Any, qual: str, site: tuple) -> list:
         got = self.s.def_node(f, qual)
         if got is None or got[0].returns is None:
             return []
-        return self._annotation(f, got[0].returns)
+        returns = got[0].returns
+        if type(returns) is ast.Name and f.names.get(returns.id) == ("typevar",):
+            return self._bound_typevar(f, got[0], returns.id, site)
+        return self._annotation(f, returns)
+
+    def _bound_typevar(self, f: Any, node: Any, var: str, site: tuple) -> list:
+        """A def that returns its type variable (``def build_op(cls, spec: BuildSpec[ImplT]) -> ImplT``): the type the
+        call's argument for that parameter fills in, as its class declares it (``class FlashAttentionBuildSpec(
+        BuildSpec[FlashAttentionImpl])``: an instance of FlashAttentionImpl or of a subclass)."""
+        caller, call, method, cls, depth = site
+        a = node.args
+        params = [*a.posonlyargs, *a.args]
+        skip = 1 if params and params[0].arg in ("self", "cls") else 0
+        out: list = []
+        for i, p in enumerate([*params, *a.kwonlyargs]):
+            ann = p.annotation
+            if type(ann) is not ast.Subscript:
+                continue
+            slots = ann.slice.elts if type(ann.slice) is ast.Tuple else [ann.slice]
+            at = next((j for j, e in enumerate(slots) if type(e) is ast.Name and e.id == var), None)
+            generic = _dotted(ann.value)
+            if at is None or generic is None:
+                continue
+            arg = next((k.value for k in call.keywords if k.arg == p.arg), None)
+            if arg is None and i < len(params) and 0 <= i - skip < len(call.args):
+                arg = call.args[i - skip]
+            if arg is None or type(arg) is ast.Starred:
+                continue
+            for _, (af, acls) in self._expr(caller, arg, method, cls, depth + 1):
+                for owner, name in self._mro(af, acls):
+                    klass = self.s.class_node(owner, name)
+                    for base in klass.bases if klass is not None else ():
+                        if type(base) is not ast.Subscript or \
+                                (_dotted(base.value) or "").rsplit(".", 1)[-1] != generic.rsplit(".", 1)[-1]:
+                            continue
+                        filled = base.slice.elts if type(base.slice) is ast.Tuple else [base.slice]
+                        if at < len(filled):
+                            out.extend(t for t in self._annotation(owner, filled[at]) if t not in out)
+        return out
 
     def _local(self, f: Any, name: str, method: Any, cls: str, depth: int) -> list:
         """A local's types: its parameter annotation, else its one assignment in ``method``."""

@@ -118,7 +118,8 @@ class FileFacts:
     path: str
     module: Optional[str]
     package: Optional[str]  # where relative imports start
-    names: dict  # module-level name -> ("def",) | ("class",) | ("module", m) | ("from", m, attr) | ("other",)
+    names: dict  # module-level name -> ("def",) | ("class",) | ("module", m) | ("from", m, attr) | ("typevar",)
+    #   | ("other",)
     classes: dict  # class qualname -> (bases as written, {method: parameters a call through self binds})
     functions: dict = field(default_factory=dict)  # qualname -> FuncFacts, those sketched so far
     roots: list = field(default_factory=list)
@@ -202,6 +203,9 @@ class _Sketch:
                 for sub in ast.walk(node):
                     if type(sub) is ast.Name and type(sub.ctx) is ast.Store:
                         names[sub.id] = ("other",)
+                if t is ast.Assign and len(node.targets) == 1 and type(node.targets[0]) is ast.Name \
+                        and type(node.value) is ast.Call and _dotted(node.value.func) in ("TypeVar", "typing.TypeVar"):
+                    names[node.targets[0].id] = ("typevar",)  # ``ImplT = TypeVar("ImplT")``: reach.py's generics
                 target = node.targets[0] if t is ast.Assign and len(node.targets) == 1 else \
                     node.target if t is ast.AnnAssign else None
                 if type(target) is ast.Name and type(node.value) is ast.Dict:

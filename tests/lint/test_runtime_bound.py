@@ -414,3 +414,127 @@ def test_a_closure_installed_on_each_layer_s_object_runs_per_layer(tmp_path):
     assert [(p, line) for p, line, _ in found] == [("omni/fish.py", 9)], found
     assert "dispatch runs once per layer: impl.forward = fish_forward (fish.py:26) -> install.fish_forward -> " \
            "forward_with_cache -> dispatch" in found[0][2], found
+
+
+# A generic build (lmdeploy's backends): ``build_op(spec: BuildSpec[ImplT]) -> ImplT`` returns the type the spec's
+# class fills in (``class FlashAttentionBuildSpec(BuildSpec[FlashAttentionImpl])``), and the layer holds what it builds.
+GENERIC_BASE = """\
+    from typing import Generic, TypeVar
+
+    ImplT = TypeVar("ImplT")
+
+
+    class BuildSpec(Generic[ImplT]):
+        pass
+
+
+    class OpsBackend:
+        @classmethod
+        def build_op(cls, spec: BuildSpec[ImplT], *, deterministic: bool = False) -> ImplT:
+            raise NotImplementedError
+"""
+GENERIC_SPEC = """\
+    from dataclasses import dataclass
+
+    from lm.backends.base import BuildSpec
+
+
+    class FlashAttentionImpl:
+        def forward(self, query, key, value, q_start_loc, q_seqlens, max_q_seqlen):
+            raise NotImplementedError
+
+
+    @dataclass(frozen=True)
+    class FlashAttentionBuildSpec(BuildSpec[FlashAttentionImpl]):
+        num_heads: int
+"""
+GENERIC_IMPL = """\
+    from lm.backends.flash_attention import FlashAttentionImpl
+
+
+    class DeviceFlashAttentionImpl(FlashAttentionImpl):
+        def __init__(self, num_heads):
+            self.num_heads = num_heads
+            from lm.kernels.device import flash_attention_fwd
+            self.flash_attention_fwd = flash_attention_fwd
+
+        def forward(self, query, key, value, q_start_loc, q_seqlens, max_q_seqlen):
+            out = query.new_empty(query.shape)
+            self.flash_attention_fwd(query, key, value, out, q_start_loc=q_start_loc, q_seqlens=q_seqlens)
+            return out
+"""
+# The kernel the impl stores in a member (lmdeploy's dlinfer kernels): the device offsets copied to the host.
+GENERIC_KERNEL = """\
+    def flash_attention_fwd(query, key, value, out, q_start_loc, q_seqlens):
+        actual_seq_lengths_cpu = (q_start_loc + q_seqlens).cpu()
+        return out, actual_seq_lengths_cpu
+"""
+GENERIC_SELECTOR = """\
+    from lm.backends.base import OpsBackend
+
+
+    def get_backend() -> type[OpsBackend]:
+        return OpsBackend
+"""
+GENERIC_LAYER = """\
+    from torch import nn
+
+    from lm.backends.flash_attention import FlashAttentionBuildSpec
+    from lm.backends.selector import get_backend
+
+
+    class FlashAttention(nn.Module):
+        def __init__(self, num_heads):
+            super().__init__()
+            self.impl = get_backend().build_op(FlashAttentionBuildSpec(num_heads=num_heads), deterministic=False)
+
+        def forward(self, query, key, value, q_start_loc, q_seqlens, max_q_seqlen=None):
+            if max_q_seqlen is None:
+                max_q_seqlen = query.numel() // (query.size(-1) * query.size(-2))
+            return self.impl.forward(query, key, value, q_start_loc=q_start_loc, q_seqlens=q_seqlens,
+                                     max_q_seqlen=max_q_seqlen)
+"""
+GENERIC_MODEL = """\
+    from torch import nn
+
+    from lm.nn.attention import FlashAttention
+
+
+    class VisionAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = FlashAttention(16)
+
+        def forward(self, hidden_states, cu_seqlens):
+            return self.attention(hidden_states, hidden_states, hidden_states, q_start_loc=cu_seqlens[:-1],
+                                  q_seqlens=cu_seqlens[1:] - cu_seqlens[:-1])
+"""
+GENERIC_TREE = {"lm/__init__.py": "", "lm/backends/__init__.py": "", "lm/backends/device/__init__.py": "",
+                "lm/nn/__init__.py": "", "lm/models/__init__.py": "",
+                "lm/backends/base.py": GENERIC_BASE, "lm/backends/flash_attention.py": GENERIC_SPEC,
+                "lm/backends/device/flash_attention.py": GENERIC_IMPL, "lm/backends/selector.py": GENERIC_SELECTOR,
+                "lm/nn/attention.py": GENERIC_LAYER, "lm/models/vit.py": GENERIC_MODEL,
+                "lm/kernels/__init__.py": "", "lm/kernels/device.py": GENERIC_KERNEL}
+
+
+def _gl104_in(tmp_path: Path, files: dict, top: str) -> list:
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    report = lint_paths([str(tmp_path / top)], Settings(root=tmp_path))
+    return sorted((Path(f.path).relative_to(tmp_path).as_posix(), f.line, f"{f.message}\n{f.note}")
+                  for f in report.findings if f.code == "GL104")
+
+
+def test_a_generic_build_returns_the_type_its_spec_fills_in(tmp_path):
+    found = _gl104_in(tmp_path, GENERIC_TREE, "lm")
+    assert [(p, line) for p, line, _ in found] == [("lm/kernels/device.py", 2)], found
+    assert "flash_attention_fwd runs once per layer" in found[0][2], found
+    assert "self.impl (whichever FlashAttentionImpl the run picks)" in found[0][2], found
+
+
+def test_a_generic_build_with_a_spec_that_fills_in_nothing_is_not_followed(tmp_path):
+    files = dict(GENERIC_TREE)
+    files["lm/backends/flash_attention.py"] = GENERIC_SPEC.replace("(BuildSpec[FlashAttentionImpl])", "")
+    assert _gl104_in(tmp_path, files, "lm") == []
