@@ -255,7 +255,8 @@ def _check_source(data, path, rules, strict, module_name, is_package, keep_modul
                 from .kernel_facts import file_facts
 
                 kernel_facts = file_facts(tree, data, module_name, is_package)
-            visitor.kernels, visitor.kernel_seeds = kernel_facts[:2]
+            visitor.kernels, visitor.kernel_seeds, visitor.kernel_unpacked = \
+                kernel_facts[0], kernel_facts[1], kernel_facts[3]
         visitors.append(visitor)
     Walker(visitors).walk(module)
     raw.extend(Checker(rules, collector, strict, path=path).run())

@@ -120,6 +120,7 @@ class PerLayerHostSync:
         # because it hands what derives from them to a kernel's offsets (``kernel_facts.file_facts``).
         self.kernels: dict = {}
         self.kernel_seeds: dict = {}
+        self.kernel_unpacked: dict = {}  # def qualname -> ``kernel_facts.unpacked_ints``
         # Defs the file registers in an attention registry (``registries.registered``): per-layer code.
         self.registered: dict = {}
         self._unevaluated: set[int] = set()  # ids of calls in assert messages (run only when the assert fails)
@@ -435,16 +436,26 @@ class PerLayerHostSync:
                 break
             positional.append(a.value)
         keywords = {a.keyword.value: a.value for a in node.args if a.keyword is not None}
+        unpacked = self.kernel_unpacked.get(".".join(self._scope), {})
         for position, param in entry["ints"]:
             arg = keywords.get(param, positional[position] if position < len(positional) else None)
             if arg is None:
                 continue
             v = model.of(arg)
+            kernel = qualified.rsplit(".", 1)[1]
+            beside = unpacked.get((param, arg.value)) if isinstance(arg, cst.Name) else None
+            if beside is not None and isinstance(arg, cst.Name) and not v.host:
+                helper, offsets = beside
+                note = (f"{helper}() returns it beside the offsets this call hands {kernel} as {offsets}, derived "
+                        f"from the same tensor through ops that keep it where it is: the kernel reads the offsets on "
+                        f"the device, so this is a 0-d device tensor, and {qualified} takes {param} as a Python int: "
+                        f"converted on the host, a device read at every call. Pass an int computed once per forward "
+                        f"from host lengths.")
+                return f"{arg.value} (from {helper}()), a device tensor, as {kernel}'s int {param}", note
             if v.where != DEVICE or not v.source:
                 continue
             name = _metadata_name(arg) or (arg.value if isinstance(arg, cst.Name) else v.source)
             origin = f" (from {v.source})" if v.source != name else ""
-            kernel = qualified.rsplit(".", 1)[1]
             note = (f"{qualified} takes {param} as a Python int: a device tensor handed there is converted on the "
                     f"host, a device read at every call. Pass an int computed once per forward from host lengths.")
             return f"{name}{origin}, a device tensor, as {kernel}'s int {param}", note

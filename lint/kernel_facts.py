@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from guardlint.contracts import catalog
 
-from .engine_defs import _dotted, imports_of, qualify
+from .engine_defs import _dotted, _top_level, imports_of, qualify
 from .patterns import KEEP_METHODS, KERNEL_NAMES, TORCH_JOIN, TORCH_KEEP
 
 # Ops whose result lives where their tensor does: the value model's (``patterns``); ``t.to(...)`` and ``t.type(...)``
@@ -33,18 +33,24 @@ def may_call(data: bytes) -> bool:
 def kernels_of(body: list, module: Optional[str] = None, is_package: bool = False) -> dict:
     """Callee text as this module writes it -> the kernel's entry, for the names its imports bind to a known
     kernel (``from flash_attn import flash_attn_varlen_func``, ``import flash_attn`` then
-    ``flash_attn.flash_attn_varlen_func``), in a ``try`` or not."""
-    imports = imports_of(body)
+    ``flash_attn.flash_attn_varlen_func``), in a ``try`` or not. A name that alternative imports bind under
+    different conditions (``if is_flash_attn_2_available(): from flash_attn import ...``, then ``if is_npu_available:
+    from ...npu_flash_attention import npu_flash_attn_varlen_func as flash_attn_varlen_func``, verl's models) is the
+    kernel where one of them binds it: the platform that takes that branch runs it."""
     out: dict = {}
-    for local in imports:
-        qualified = qualify(local, imports, module, is_package)
-        if qualified is None:
+    for stmt in _top_level(body):
+        if not isinstance(stmt, (ast.Import, ast.ImportFrom)):
             continue
-        for name, entry in catalog.VARLEN_KERNELS.items():
-            if name == qualified:
-                out[local] = (name, entry)
-            elif name.startswith(qualified + "."):
-                out[local + name[len(qualified):]] = (name, entry)
+        imports = imports_of([stmt])
+        for local in imports:
+            qualified = qualify(local, imports, module, is_package)
+            if qualified is None:
+                continue
+            for name, entry in catalog.VARLEN_KERNELS.items():
+                if name == qualified:
+                    out[local] = (name, entry)
+                elif name.startswith(qualified + "."):
+                    out[local + name[len(qualified):]] = (name, entry)
     return out
 
 
@@ -168,6 +174,122 @@ def _hands_metadata_to_ints(func: Any, kernels: dict, seeds: frozenset) -> bool:
     return False
 
 
+def _unpacked(func: Any) -> dict:
+    """Names ``func`` binds once, by unpacking a call's result into a tuple target (``q, (cu_q, cu_k), (max_q, max_k) =
+    prepare(...)``): name -> (the call, the index path of its element)."""
+    out: dict = {}
+    counts: dict = {}
+    for node in ast.walk(func):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            counts[node.id] = counts.get(node.id, 0) + 1
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.value, ast.Call)
+                and isinstance(node.targets[0], (ast.Tuple, ast.List))):
+            continue
+        todo: list = [(node.targets[0], ())]
+        while todo:
+            target, path = todo.pop()
+            if any(isinstance(e, ast.Starred) for e in target.elts):
+                continue
+            for i, e in enumerate(target.elts):
+                if isinstance(e, ast.Name):
+                    out[e.id] = (node.value, (*path, i))
+                elif isinstance(e, (ast.Tuple, ast.List)):
+                    todo.append((e, (*path, i)))
+    return {name: got for name, got in out.items() if counts.get(name) == 1}
+
+
+def _returned_display(helper: Any) -> Optional[ast.AST]:
+    """The tuple display a def returns, where its own body has one return and that is one."""
+    returns, todo = [], list(helper.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Return):
+            returns.append(node)
+        todo.extend(ast.iter_child_nodes(node))
+    if len(returns) != 1 or not isinstance(returns[0].value, (ast.Tuple, ast.List)):
+        return None
+    return returns[0].value
+
+
+def _element(display: ast.AST, path: tuple) -> Optional[ast.AST]:
+    for i in path:
+        if not isinstance(display, (ast.Tuple, ast.List)) or i >= len(display.elts) \
+                or any(isinstance(e, ast.Starred) for e in display.elts):
+            return None
+        display = display.elts[i]
+    return display
+
+
+def _beside(expr: ast.AST, assigned: dict, seen: frozenset = frozenset()) -> set:
+    """The names of the tensors ``expr``'s tensor derives from through ops that keep it where it is (itself, where
+    it is a name): ``max_length = cu_seqlens.diff().max()`` lives beside ``cu_seqlens``."""
+    if isinstance(expr, ast.Name):
+        value = assigned.get(expr.id)
+        if value is None or expr.id in seen:
+            return {expr.id}
+        return {expr.id} | _beside(value, assigned, seen | {expr.id})
+    if isinstance(expr, ast.Subscript):
+        return _beside(expr.value, assigned, seen)
+    if isinstance(expr, ast.BinOp):
+        return _beside(expr.left, assigned, seen) | _beside(expr.right, assigned, seen)
+    if isinstance(expr, ast.UnaryOp):
+        return _beside(expr.operand, assigned, seen)
+    if not isinstance(expr, ast.Call) or not isinstance(expr.func, ast.Attribute):
+        return set()
+    func = expr.func
+    if _dotted(func.value) in _TORCH_BASES and func.attr in _SAME_PLACE_FUNCTIONS and expr.args:
+        return _beside(expr.args[0], assigned, seen) if not isinstance(expr.args[0], (ast.Tuple, ast.List)) \
+            else set().union(*(_beside(e, assigned, seen) for e in expr.args[0].elts))
+    if func.attr in _SAME_PLACE_METHODS and (func.attr not in ("to", "type") or _keeps_place(expr)):
+        return _beside(func.value, assigned, seen)
+    return set()
+
+
+def unpacked_ints(func: Any, kernels: dict, defs: dict) -> dict:
+    """{(int parameter, argument name): (helper, offsets parameter)} of the kernel calls in ``func`` whose int
+    argument is unpacked from a call of a def of the module (``defs``) that returns a tuple display, where that
+    element derives, through ops that keep a tensor where it is, from the tensor of an element the same call hands
+    the kernel's offsets (``max_length = cu_seqlens.diff().max(); return (..., (cu_seqlens, cu_seqlens), (max_length,
+    max_length))``: verl's ``prepare_fa2_from_position_ids``). The offsets are on the device (the kernel reads them
+    there), so the int is a 0-d device tensor, whatever the caller's names or its parameters' devices."""
+    if not kernels or not defs:
+        return {}
+    unpacked = _unpacked(func)
+    if not unpacked:
+        return {}
+    out: dict = {}
+    for node in ast.walk(func):
+        if not isinstance(node, ast.Call):
+            continue
+        found = kernels.get(_dotted(node.func) or "")
+        if found is None:
+            continue
+        offsets = [(p, a.id) for p, a in arguments(node, found[1], "offsets")
+                   if isinstance(a, ast.Name) and a.id in unpacked]
+        for param, arg in arguments(node, found[1], "ints"):
+            if not isinstance(arg, ast.Name) or arg.id not in unpacked:
+                continue
+            call, path = unpacked[arg.id]
+            helper = defs.get(call.func.id) if isinstance(call.func, ast.Name) else None
+            if helper is None:
+                continue
+            display = _returned_display(helper)
+            element = _element(display, path) if display is not None else None
+            if display is None or element is None:
+                continue
+            assigned = _single_assignments(helper)
+            here = _beside(element, assigned)
+            for offsets_param, name in offsets:
+                other = unpacked[name]
+                beside = _element(display, other[1]) if other[0] is call else None
+                if beside is not None and here & _beside(beside, assigned):
+                    out[(param, arg.id)] = (helper.name, offsets_param)
+                    break
+    return out
+
+
 def call_lines(tree: ast.AST, kernels: dict) -> list:
     """The sorted lines of the calls of ``kernels`` in ``tree`` (one walk; none without kernels)."""
     if not kernels:
@@ -184,17 +306,20 @@ def holds_a_call(func: Any, lines: list) -> bool:
 
 
 def file_facts(tree: Optional[ast.Module], data: bytes, module: Optional[str] = None,
-               is_package: bool = False) -> tuple[dict, dict, bool]:
+               is_package: bool = False) -> tuple[dict, dict, bool, dict]:
     """(the kernels the file's imports bind, ``kernels_of``; def qualname -> ``offset_params``; whether a kernel
-    call may hand metadata to an int parameter, by the tree pre-filter's taint), empty for a file that names no
-    known kernel. The file needs GL104's exact reading only where a def has such parameters or such a call."""
+    call may hand metadata to an int parameter, by the tree pre-filter's taint; def qualname -> ``unpacked_ints``),
+    empty for a file that names no known kernel. The file needs GL104's exact reading only where a def has such
+    parameters or such a call."""
     if tree is None or not may_call(data):
-        return {}, {}, False
+        return {}, {}, False, {}
     kernels = kernels_of(tree.body, module, is_package)
     lines = call_lines(tree, kernels)
     if not lines:
-        return kernels, {}, False
+        return kernels, {}, False, {}
     seeds: dict = {}
+    unpacked: dict = {}
+    defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     suspect = False
 
     def visit(node: ast.AST, scope: tuple) -> None:
@@ -208,8 +333,11 @@ def file_facts(tree: Optional[ast.Module], data: bytes, module: Optional[str] = 
                 if found:
                     qual = ".".join(inner)
                     seeds[qual] = seeds.get(qual, frozenset()) | found
+                ints = unpacked_ints(child, kernels, defs)
+                if ints:
+                    unpacked[".".join(inner)] = ints
                 if not suspect:
-                    suspect = _hands_metadata_to_ints(child, kernels, found)
+                    suspect = bool(ints) or _hands_metadata_to_ints(child, kernels, found)
                 visit(child, inner)
             elif isinstance(child, ast.ClassDef):
                 visit(child, (*scope, child.name))
@@ -217,4 +345,4 @@ def file_facts(tree: Optional[ast.Module], data: bytes, module: Optional[str] = 
                 visit(child, scope)
 
     visit(tree, ())
-    return kernels, seeds, suspect
+    return kernels, seeds, suspect, unpacked

@@ -141,7 +141,7 @@ def test_a_file_goes_to_the_exact_reading_only_where_a_def_hands_metadata_to_an_
         return kernel_facts.file_facts(ast.parse(source), source.encode())
 
     # a maximum of metadata the def was given, on the device: the exact reading decides
-    kernels, seeds, suspect = facts("""\
+    kernels, seeds, suspect, _ = facts("""\
         def attend(q, cu_seqlens):
             longest = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
             return flash_attn_varlen_func(q, q, q, cu_seqlens, cu_seqlens, longest, longest)
@@ -162,4 +162,70 @@ def test_a_file_goes_to_the_exact_reading_only_where_a_def_hands_metadata_to_an_
     # no call of a known kernel: nothing
     assert facts("def attend(q, cu_seqlens):\n    return q\n") == (
         {"flash_attn_varlen_func": kernel_facts.kernels_of(ast.parse(
-            "from flash_attn import flash_attn_varlen_func").body)["flash_attn_varlen_func"]}, {}, False)
+            "from flash_attn import flash_attn_varlen_func").body)["flash_attn_varlen_func"]}, {}, False, {})
+
+
+# verl's patched Qwen2-VL attention (0.9.1, reduced): the helper returns the maxima beside the offsets, both from one
+# device tensor, and the caller hands them to flash-attn's ints; no name and no parameter says where they live.
+VERL = """\
+    import torch
+    import torch.nn as nn
+    from flash_attn import flash_attn_varlen_func
+
+
+    def prepare_fa2_from_position_ids(query, key, value, position_ids):
+        position_ids = position_ids.view(-1)
+        cu_seqlens = torch.cat(((position_ids == 0).nonzero().view(-1).to(torch.int32),
+                                torch.tensor(position_ids.size(), device=position_ids.device, dtype=torch.int32)))
+        max_length = cu_seqlens.diff().max()
+        return (query, key, value, (cu_seqlens, cu_seqlens), (max_length, max_length))
+
+
+    class VisionAttention(nn.Module):
+        def forward(self, query_states, key_states, value_states, position_ids):
+            q, k, v, (cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k) = prepare_fa2_from_position_ids(
+                query_states, key_states, value_states, position_ids
+            )
+            return flash_attn_varlen_func(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+"""
+
+
+def test_a_maximum_returned_beside_the_offsets_it_derives_from_is_on_their_device(tmp_path):
+    (tmp_path / "model.py").write_text(textwrap.dedent(VERL))
+    report = lint_paths([str(tmp_path)], Settings(root=tmp_path))
+    found = [(f.line, f.message, f.note) for f in report.findings if f.code == "GL104"]
+    assert len(found) == 1, found
+    line, message, note = found[0]
+    assert line == 19
+    assert "max_seqlen_q (from prepare_fa2_from_position_ids()), a device tensor, as flash_attn_varlen_func's int " \
+        "max_seqlen_q inside VisionAttention.forward" in message, message
+    assert "beside the offsets this call hands flash_attn_varlen_func as cu_seqlens_q" in note, note
+
+
+def test_a_maximum_the_helper_reads_to_an_int_or_builds_apart_is_not(tmp_path):
+    for old, new in (("max_length = cu_seqlens.diff().max()", "max_length = int(cu_seqlens.diff().max().item())"),
+                     ("max_length = cu_seqlens.diff().max()", "max_length = other.max()"),
+                     ("(max_length, max_length))", "(max_length, max_length)) if True else None")):
+        (tmp_path / "model.py").write_text(textwrap.dedent(VERL).replace(old, new).replace(
+            "def prepare_fa2_from_position_ids(query, key, value, position_ids)",
+            "def prepare_fa2_from_position_ids(query, key, value, position_ids, other=None)"))
+        report = lint_paths([str(tmp_path)], Settings(root=tmp_path))
+        # (the helper's own .item() per layer is a finding of its own, at its call; no int is a device tensor)
+        assert [f for f in report.findings if "int max_seqlen" in f.message] == [], (new, report.findings)
+
+
+def test_a_name_alternative_imports_bind_is_the_kernel_where_one_binds_it():
+    # verl's models: flash-attn's kernel where it is installed, transformers' NPU wrapper on Ascend.
+    body = ast.parse(textwrap.dedent("""\
+        if is_flash_attn_2_available():
+            from flash_attn import flash_attn_func, flash_attn_varlen_func
+        if is_npu_available:
+            from transformers.integrations.npu_flash_attention import (
+                npu_flash_attn_varlen_func as flash_attn_varlen_func)
+    """)).body
+    found = kernel_facts.kernels_of(body)
+    assert list(found) == ["flash_attn_varlen_func"] and found["flash_attn_varlen_func"][0] == \
+        "flash_attn.flash_attn_varlen_func", found
+    # the NPU wrapper alone is no kernel this module knows
+    assert kernel_facts.kernels_of(body[1:]) == {}
