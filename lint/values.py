@@ -208,6 +208,27 @@ def declared_value(annotation: cst.BaseExpression) -> Optional[Value]:
     return None
 
 
+def _subtracted(body: cst.CSTNode, name: str) -> bool:
+    """``name`` (or a slice or element of it) is an operand of ``-`` in ``body``: a list or tuple there would raise
+    TypeError, so the code itself says it holds no container, whatever its annotation declares (keye's
+    ``cu_seqlens: list[torch.Tensor] | None`` read as ``(cu_seqlens[1:] - cu_seqlens[:-1]).max()``)."""
+    def names(node: cst.BaseExpression) -> bool:
+        while isinstance(node, cst.Subscript):
+            node = node.value
+        return isinstance(node, cst.Name) and node.value == name
+
+    class Finder(cst.CSTVisitor):
+        found = False
+
+        def visit_BinaryOperation(self, node: cst.BinaryOperation) -> None:
+            if isinstance(node.operator, cst.Subtract) and (names(node.left) or names(node.right)):
+                self.found = True
+
+    finder = Finder()
+    body.visit(finder)
+    return finder.found
+
+
 def _shape_value(shape: Shape) -> Value:
     if isinstance(shape, Value):
         return shape
@@ -295,6 +316,8 @@ class Values:
         p = func.params
         for param in (*p.posonly_params, *p.params, *p.kwonly_params):
             declared = declared_value(param.annotation.annotation) if param.annotation is not None else None
+            if declared is not None and declared.items is not None and _subtracted(func.body, param.name.value):
+                declared = None  # declared a host container, used as a tensor: ``list - list`` raises (see below)
             env[param.name.value] = declared or param_seed(param.name.value)
         for star in (p.star_arg, p.star_kwarg):
             if isinstance(star, cst.Param):

@@ -135,6 +135,17 @@ def test_host_sync_values_declared_host_lengths_are_not_reported():
     assert _gl104(body, head) == [(6, "if ... lens (from cu_seqlens) ... (the truth of a tensor)")]
 
 
+def test_host_sync_values_a_declared_list_the_code_subtracts_is_no_list():
+    # keye's vision attention (aphrodite 0.24): annotated as a list, subtracted as a tensor, which a list cannot be
+    head = ("import torch.nn as nn\n\n\nclass SiglipAttention(nn.Module):\n"
+            "    def forward(self, x, cu_seqlens: list | None = None, seq_lens: list[int] | None = None):\n")
+    body = ("max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max()\n"
+            "longest = int(max_seqlen)\n"
+            "total = sum(seq_lens) + len(seq_lens)\n"
+            "bound = int(max(seq_lens))\n")
+    assert _gl104(body, head) == [(2, "int() of max_seqlen (from cu_seqlens)")]
+
+
 def test_host_sync_values_fallback_branch_values_are_left_to_gl109():
     """After ``if forward_metadata is not None: ... else: ...`` values are the prepared branch's: the
     fallback runs for callers that pass no metadata, and those are reported (GL109)."""
