@@ -307,7 +307,8 @@ def time_extra(args) -> None:
             "# guardlint on trees it was not tuned on: speed\n\n" + ", ".join(f"{k}: {v}" for k, v in meta.items())
             + "\n\n" + table + "\n\nAs `lint_real_tree.md` times the pinned engines (guardlint against one process "
             "reading and `ast.parse`-ing every file, paired rounds); the findings are read in "
-            "`lint_untuned_trees.md` and `lint_untuned_trees_2.md`. Command: `.venv/bin/python bench/lint_real_tree.py "
+            "`lint_untuned_trees.md`, `lint_untuned_trees_2.md` and `lint_untuned_trees_3.md`. Command: "
+            "`.venv/bin/python bench/lint_real_tree.py "
             "--extra TREE... --write`.\n")
     print(table)
 
