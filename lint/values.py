@@ -208,27 +208,6 @@ def declared_value(annotation: cst.BaseExpression) -> Optional[Value]:
     return None
 
 
-def _subtracted(body: cst.CSTNode, name: str) -> bool:
-    """``name`` (or a slice or element of it) is an operand of ``-`` in ``body``: a list or tuple there would raise
-    TypeError, so the code itself says it holds no container, whatever its annotation declares (keye's
-    ``cu_seqlens: list[torch.Tensor] | None`` read as ``(cu_seqlens[1:] - cu_seqlens[:-1]).max()``)."""
-    def names(node: cst.BaseExpression) -> bool:
-        while isinstance(node, cst.Subscript):
-            node = node.value
-        return isinstance(node, cst.Name) and node.value == name
-
-    class Finder(cst.CSTVisitor):
-        found = False
-
-        def visit_BinaryOperation(self, node: cst.BinaryOperation) -> None:
-            if isinstance(node.operator, cst.Subtract) and (names(node.left) or names(node.right)):
-                self.found = True
-
-    finder = Finder()
-    body.visit(finder)
-    return finder.found
-
-
 def _shape_value(shape: Shape) -> Value:
     if isinstance(shape, Value):
         return shape
@@ -312,17 +291,32 @@ class Values:
         self._uses: dict[int, Value] = {}
         self._scoped: set[str] = set()  # global and nonlocal names: not this function's to follow
         self._loops: list[tuple[list, list]] = []  # (envs at break, envs at continue) per enclosing loop
-        env: dict = {}
+        # Parameters declared a host container (``cu_seqlens: list[torch.Tensor] | None``) and the ones of those the
+        # walk found as an operand of ``-`` (``cu_seqlens[1:] - cu_seqlens[:-1]``): a list or tuple there raises
+        # TypeError, so the code itself says the parameter holds no container, whatever its annotation declares
+        # (keye's vision attention in aphrodite 0.24). The walk is then made again without that declaration.
+        self._containers: set = set()
+        self._subtracted: set = set()
         p = func.params
-        for param in (*p.posonly_params, *p.params, *p.kwonly_params):
-            declared = declared_value(param.annotation.annotation) if param.annotation is not None else None
-            if declared is not None and declared.items is not None and _subtracted(func.body, param.name.value):
-                declared = None  # declared a host container, used as a tensor: ``list - list`` raises (see below)
-            env[param.name.value] = declared or param_seed(param.name.value)
-        for star in (p.star_arg, p.star_kwarg):
-            if isinstance(star, cst.Param):
-                env[star.name.value] = _make(HOST, None, UNKNOWN_VALUE)
-        self._block(func.body, env)
+        for _ in range(2):
+            env: dict = {}
+            for param in (*p.posonly_params, *p.params, *p.kwonly_params):
+                name = param.name.value
+                declared = declared_value(param.annotation.annotation) if param.annotation is not None else None
+                if declared is not None and declared.items is not None:
+                    if name in self._subtracted:
+                        declared = None
+                    else:
+                        self._containers.add(name)
+                env[name] = declared or param_seed(name)
+            for star in (p.star_arg, p.star_kwarg):
+                if isinstance(star, cst.Param):
+                    env[star.name.value] = _make(HOST, None, UNKNOWN_VALUE)
+            self._block(func.body, env)
+            if not self._subtracted & self._containers:
+                break
+            self._containers -= self._subtracted
+            self._uses, self._scoped, self._loops = {}, set(), []
 
     # -- questions -------------------------------------------------------------------------------------
     def of(self, expr: cst.BaseExpression) -> Value:
@@ -584,6 +578,14 @@ class Values:
         if t is cst.Subscript:
             return self._subscript(node, env)
         if t is cst.BinaryOperation:
+            if self._containers and type(node.operator) is cst.Subtract:
+                for side in (node.left, node.right):
+                    while type(side) is cst.Subscript:
+                        side = side.value
+                    # (still the declared container there: not rebound to a tensor made from it)
+                    if type(side) is cst.Name and side.value in self._containers and env is not None \
+                            and (held := env.get(side.value)) is not None and held.host and held.items is not None:
+                        self._subtracted.add(side.value)
             return combine(self._value(node.left, env), self._value(node.right, env))
         if t is cst.UnaryOperation:
             v = self._value(node.expression, env)

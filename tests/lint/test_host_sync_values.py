@@ -144,6 +144,11 @@ def test_host_sync_values_a_declared_list_the_code_subtracts_is_no_list():
             "total = sum(seq_lens) + len(seq_lens)\n"
             "bound = int(max(seq_lens))\n")
     assert _gl104(body, head) == [(2, "int() of max_seqlen (from cu_seqlens)")]
+    # a declared list made into a tensor first, then subtracted: the tensor is the list's, on the host
+    body = ("cu_seqlens = torch.tensor(cu_seqlens)\n"
+            "spans = cu_seqlens[1:] - cu_seqlens[:-1]\n"
+            "bound = int(spans.max())\n")
+    assert _gl104(body, head.replace("import torch.nn", "import torch\nimport torch.nn")) == []
 
 
 def test_host_sync_values_fallback_branch_values_are_left_to_gl109():
